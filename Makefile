@@ -1,0 +1,41 @@
+# gpufed — the two commands of the README do all their own set-up.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck check bench simulate clean
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpufed needs Python >= 3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e .
+	@touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/gpufed demo
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check broker member-agent gpufed tests e2e
+	$(BIN)/ruff format --check broker member-agent gpufed tests e2e
+
+typecheck: $(VENV)/.installed-test
+	$(BIN)/mypy
+
+check: lint typecheck test
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python -m e2e.bench_scheduling
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

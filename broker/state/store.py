@@ -1,0 +1,79 @@
+"""The Store protocol: a versioned key-value store with transactions and watch.
+
+Both implementations (`etcd.EtcdStore`, `sqlite.SqliteStore`) pass the same conformance suite
+(`tests/integration/test_store_conformance.py`). Keys and values are strings / bytes; every
+write returns the store's new global revision, every entry carries the revision of its last
+modification, and every write that depends on a read is a compare-and-swap on that revision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+
+
+class EventType(StrEnum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    type: EventType
+    key: str
+    value: bytes  # empty for DELETE
+    revision: int
+
+
+@dataclass(frozen=True)
+class Compare:
+    """Holds when `key`'s mod revision equals `mod_revision`; 0 means the key must not exist."""
+
+    key: str
+    mod_revision: int
+
+
+@dataclass(frozen=True)
+class Txn:
+    """All-or-nothing: if every compare holds, apply every put and delete."""
+
+    compares: Sequence[Compare] = ()
+    puts: Sequence[tuple[str, bytes]] = ()
+    deletes: Sequence[str] = ()
+    lease: int | None = field(default=None)  # attach puts to this lease (etcd); ignored by sqlite
+
+
+class Store(Protocol):
+    async def get(self, key: str) -> Entry | None: ...
+
+    async def list(self, prefix: str) -> tuple[list[Entry], int]:
+        """Every entry under `prefix`, sorted by key, and the store revision they were read at."""
+        ...
+
+    async def commit(self, txn: Txn) -> int:
+        """Apply `txn` atomically and return the new revision; ConflictError if a compare fails."""
+        ...
+
+    async def put(self, key: str, value: bytes) -> int: ...
+
+    async def delete(self, key: str) -> int: ...
+
+    def watch(self, prefix: str, *, start_revision: int) -> AsyncIterator[WatchEvent]:
+        """Events under `prefix` from `start_revision` on, resuming across reconnects.
+
+        Raises CompactedError if `start_revision` is older than the store keeps; the caller
+        then lists again and watches from the list's revision + 1.
+        """
+        ...
+
+    async def close(self) -> None: ...

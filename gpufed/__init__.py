@@ -1,0 +1,1 @@
+"""The gpufed command line: services (broker, agent), user commands, demo and simulator."""

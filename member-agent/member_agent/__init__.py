@@ -1,0 +1,1 @@
+"""gpufed member agent: one per cluster; places, binds and reports GPU jobs."""

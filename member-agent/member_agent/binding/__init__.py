@@ -1,0 +1,1 @@
+"""Pod creation and deletion, all-or-nothing with rollback."""

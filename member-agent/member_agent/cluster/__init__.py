@@ -1,0 +1,1 @@
+"""The cluster the agent runs in: the ClusterBackend protocol, kubernetes and simulated."""

@@ -1,0 +1,111 @@
+"""The agent's GPU inventory: nodes, their GPUs and what is free on each. Pure data.
+
+Backends (simulated, kubernetes) build it; placement reads it and `apply`/`release` change it;
+`summary.summarise` turns it into the broker's ClusterSummary. A GPU is 1000 milli; a
+whole-GPU pod takes 1000 on each of its GPUs, a sharing pod part of one GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from broker.api import status
+
+GPU_MILLI = 1000
+
+
+@dataclass
+class Node:
+    name: str
+    model: str
+    gpu_count: int
+    gpu_memory_mib: int = 0
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    rack: str = ""
+    # multi-node NVLink domain (e.g. one NVL72 rack); "" when NVLink stays inside the node
+    nvlink_domain: str = ""
+    # GPUs per NVLink island inside the node (8 on an HGX board; 0 or 1: no NVLink)
+    nvlink_island: int = 0
+    ready: bool = True
+    schedulable: bool = True
+    labels: dict[str, str] = field(default_factory=dict)
+    # free milli per GPU index; set from gpu_count when left empty
+    gpu_free: list[int] = field(default_factory=list)
+    cpu_free: int = -1
+    memory_free: int = -1
+
+    def __post_init__(self) -> None:
+        if not self.gpu_free:
+            self.gpu_free = [GPU_MILLI] * self.gpu_count
+        if self.cpu_free < 0:
+            self.cpu_free = self.cpu_milli
+        if self.memory_free < 0:
+            self.memory_free = self.memory_mib
+
+    @property
+    def available(self) -> bool:
+        return self.ready and self.schedulable
+
+    @property
+    def whole_free(self) -> int:
+        """GPUs with nothing on them."""
+        return sum(1 for m in self.gpu_free if m == GPU_MILLI)
+
+    @property
+    def free_milli(self) -> int:
+        return sum(self.gpu_free)
+
+    def island_of(self, index: int) -> int:
+        size = self.nvlink_island if self.nvlink_island > 1 else 1
+        return index // size
+
+
+@dataclass
+class Inventory:
+    """All nodes of one cluster, by name. Mutated only through apply/release."""
+
+    cluster: str
+    nodes: dict[str, Node] = field(default_factory=dict)
+    # pods placed: pod name -> placement (what release gives back)
+    pods: dict[str, tuple[status.PodPlacement, int, int]] = field(default_factory=dict)
+
+    def add(self, node: Node) -> None:
+        self.nodes[node.name] = node
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes.values())
+
+    def apply(self, pod: status.PodPlacement, *, cpu_milli: int = 0, memory_mib: int = 0) -> None:
+        """Take the pod's GPUs, CPU and memory on its node."""
+        node = self.nodes[pod.node]
+        for slot in pod.gpus:
+            if node.gpu_free[slot.index] < slot.milli:
+                raise ValueError(
+                    f"{pod.name}: GPU {slot.index} of {node.name} has "
+                    f"{node.gpu_free[slot.index]} milli free, needs {slot.milli}"
+                )
+        for slot in pod.gpus:
+            node.gpu_free[slot.index] -= slot.milli
+        node.cpu_free -= cpu_milli
+        node.memory_free -= memory_mib
+        self.pods[pod.name] = (pod, cpu_milli, memory_mib)
+
+    def release(self, pod_name: str) -> None:
+        """Give back what a pod held; unknown pods are ignored (release is idempotent)."""
+        held = self.pods.pop(pod_name, None)
+        if held is None:
+            return
+        pod, cpu, mem = held
+        node = self.nodes.get(pod.node)
+        if node is None:
+            return
+        for slot in pod.gpus:
+            node.gpu_free[slot.index] = min(GPU_MILLI, node.gpu_free[slot.index] + slot.milli)
+        node.cpu_free += cpu
+        node.memory_free += mem
+
+    def apply_all(self, pods: Iterable[tuple[status.PodPlacement, int, int]]) -> None:
+        for pod, cpu, mem in pods:
+            self.apply(pod, cpu_milli=cpu, memory_mib=mem)

@@ -1,0 +1,1 @@
+"""Pure placement: which nodes and GPUs for every pod of a gang."""

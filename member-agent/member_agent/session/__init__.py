@@ -1,0 +1,1 @@
+"""The agent's session with the broker: connect, replay state, reconnect."""
