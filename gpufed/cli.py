@@ -1,11 +1,223 @@
-"""`gpufed` entry point."""
+"""`gpufed`: run the broker or an agent, submit and watch jobs, run the demo or the simulator."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpufed import client as client_
+from gpufed import logs, tables
+
+DEFAULT_BROKER = "http://127.0.0.1:8080"
 
 
-def main(argv: list[str] | None = None) -> int:
-    del argv
-    print("gpufed: not yet", file=sys.stderr)
-    return 2
+def _token(args: argparse.Namespace) -> str:
+    if args.token:
+        return str(args.token)
+    if os.environ.get("GPUFED_TOKEN"):
+        return os.environ["GPUFED_TOKEN"]
+    path = args.token_file or os.environ.get("GPUFED_TOKEN_FILE")
+    if path:
+        return Path(path).read_text().strip()
+    raise SystemExit("gpufed: no token: pass --token, --token-file, or set GPUFED_TOKEN")
+
+
+def _user_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
+    parser.add_argument("--broker", default=os.environ.get("GPUFED_BROKER", DEFAULT_BROKER),
+                        help="broker URL (env GPUFED_BROKER)")
+    parser.add_argument("--token", help="bearer token (env GPUFED_TOKEN)")
+    parser.add_argument("--token-file", help="file holding the token (env GPUFED_TOKEN_FILE)")
+    parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpufed", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    broker = sub.add_parser("broker", help="run the broker")
+    broker.add_argument("--store", default="sqlite:///.gpufed/broker.db",
+                        help="sqlite:///PATH or etcd://HOST:PORT")
+    broker.add_argument("--tokens", default="config/tokens.yaml", help="tokens file")
+    broker.add_argument("--host", default="127.0.0.1")
+    broker.add_argument("--port", type=int, default=8080)
+    broker.add_argument("--heartbeat", type=float, default=5.0, help="agent heartbeat, seconds")
+    broker.add_argument("--lost-after", type=float, default=60.0,
+                        help="seconds a cluster may stay away before its jobs move")
+    broker.add_argument("--log-level", default="INFO")
+
+    agent = sub.add_parser("agent", help="run a member agent")
+    agent.add_argument("--broker", required=True, help="broker URL")
+    agent.add_argument("--cluster", required=True)
+    agent.add_argument("--token-file", required=True)
+    agent.add_argument("--backend", choices=["simulated", "kubernetes"], default="simulated")
+    agent.add_argument("--nodes", help="node pools YAML (simulated backend)")
+    agent.add_argument("--limits", help="per-namespace GPU limits YAML")
+    agent.add_argument("--metrics-port", type=int, default=0)
+    agent.add_argument("--log-level", default="INFO")
+
+    submit = _user_parser(sub, "submit", "submit a GPUJob from a YAML or JSON file ('-' = stdin)")
+    submit.add_argument("file")
+    submit.add_argument("--idempotency-key")
+    for name, text in [("get", "show one job"), ("cancel", "cancel a job"),
+                       ("why", "why a job is not running")]:
+        _user_parser(sub, name, text).add_argument("job_id")
+    listing = _user_parser(sub, "list", "list jobs")
+    listing.add_argument("--queue")
+    listing.add_argument("--state")
+    _user_parser(sub, "clusters", "member clusters and their GPUs")
+
+    demo = sub.add_parser("demo", help="broker + 3 simulated clusters + a mixed workload")
+    demo.add_argument("--jobs", type=int, default=72)
+    demo.add_argument("--keep", action="store_true", help="keep the work directory")
+
+    try:
+        from gpufed import simulating
+    except ImportError:  # pragma: no cover - the simulator ships with the package
+        simulating = None  # type: ignore[assignment]
+    if simulating is not None:
+        simulating.add_parser(sub)
+    return parser
+
+
+def _print(args: argparse.Namespace, data: Any, table: str) -> None:
+    if args.output == "json":
+        print(json.dumps(data, indent=2))
+    else:
+        print(table)
+
+
+def _job_table(items: Sequence[dict[str, Any]]) -> str:
+    rows = []
+    for job in items:
+        st = job["status"]
+        gpus = sum(len(p.get("gpus", [])) for p in st.get("pods", []))
+        rows.append([job["id"], job["job"]["spec"]["queue"], st["state"], st.get("cluster") or "",
+                     gpus or "", job["created"][:19].replace("T", " ")])
+    return tables.render(["ID", "QUEUE", "STATE", "CLUSTER", "GPUS", "CREATED"], rows)
+
+
+def _job_detail(job: dict[str, Any]) -> str:
+    st = job["status"]
+    lines = [f"Job:      {job['id']}  ({job['job']['metadata']['name']})",
+             f"Tenant:   {job['tenant']}   Queue: {job['job']['spec']['queue']}",
+             f"State:    {st['state']}" + (f" on {st['cluster']}" if st.get("cluster") else ""),
+             f"Trace:    {job.get('traceId') or '-'}"]
+    if st.get("reasons"):
+        lines.append("Waiting:  " + "; ".join(st["reasons"]))
+    if st.get("pods"):
+        lines.append("")
+        lines.append(tables.render(
+            ["POD", "NODE", "GPUS", "PHASE"],
+            [[p["name"], p["node"], ",".join(str(g["index"]) for g in p.get("gpus", [])),
+              p.get("phase", "")] for p in st["pods"]]))
+    lines.append("")
+    lines.append(tables.render(
+        ["TIME", "STATE", "REASON", "MESSAGE"],
+        [[e["time"][11:23], e["state"], e["reason"], e.get("message", "")] for e in st["events"]]))
+    return "\n".join(lines)
+
+
+async def _user_command(args: argparse.Namespace) -> int:
+    async with client_.BrokerClient(args.broker, _token(args)) as api:
+        try:
+            return await _dispatch_user(args, api)
+        except client_.BrokerError as exc:
+            print(f"gpufed {args.command}: {exc.detail}", file=sys.stderr)
+            for error in exc.body.get("errors", [])[1:]:
+                print(f"  {error.get('field')}: {error.get('message')}", file=sys.stderr)
+            return 1
+
+
+async def _dispatch_user(args: argparse.Namespace, api: client_.BrokerClient) -> int:
+    if args.command == "submit":
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+        is_json = text.lstrip().startswith("{")
+        result = await api.submit(text, yaml=not is_json, idempotency_key=args.idempotency_key)
+        _print(args, result, f"{result['id']} {result['state']} (trace {result.get('traceId')})")
+    elif args.command == "get":
+        job = await api.get(args.job_id)
+        _print(args, job, _job_detail(job))
+    elif args.command == "cancel":
+        job = await api.cancel(args.job_id)
+        _print(args, job, f"{job['id']} cancelling ({job['status']['state']})")
+    elif args.command == "why":
+        answer = await api.why(args.job_id)
+        rows = [[c["cluster"], r] for c in answer["clusters"] for r in c["reasons"]]
+        text = f"{answer['id']}: {answer['state']}"
+        text += "\n" + (tables.render(["CLUSTER", "REASON"], rows) if rows else answer["message"])
+        _print(args, answer, text)
+    elif args.command == "list":
+        items = await api.list(queue=args.queue, state=args.state)
+        _print(args, items, _job_table(items))
+    elif args.command == "clusters":
+        items = await api.clusters()
+        rows = [[c["name"], c["health"], m["model"], m["total"], m["free"], m["allocated"],
+                 m["unavailable"], c["running_jobs"]]
+                for c in items for m in (c["models"] or [{"model": "-", "total": "", "free": "",
+                                                           "allocated": "", "unavailable": ""}])]
+        _print(args, items, tables.render(
+            ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"],
+            rows))
+    return 0
+
+
+def _run_broker(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from broker import app
+
+    logs.setup(service="gpufed-broker", level=args.log_level)
+    settings = app.BrokerSettings(
+        store=args.store, tokens_file=Path(args.tokens), host=args.host, port=args.port,
+        heartbeat_seconds=args.heartbeat, lost_after_seconds=args.lost_after,
+    )
+    if settings.store.startswith("sqlite:///"):
+        Path(settings.store.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    web.run_app(app.create_app(settings), host=args.host, port=args.port, print=None,
+                access_log=None, handle_signals=True)
+    return 0
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from member_agent import app as agent_app
+
+    logs.setup(service="gpufed-agent", level=args.log_level)
+    settings = agent_app.AgentSettings.model_validate({
+        "broker_url": args.broker, "cluster": args.cluster, "token_file": args.token_file,
+        "backend": args.backend, "nodes_file": args.nodes, "limits_file": args.limits,
+        "metrics_port": args.metrics_port,
+    })
+    asyncio.run(agent_app.run_agent(settings))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "broker":
+        return _run_broker(args)
+    if args.command == "agent":
+        return _run_agent(args)
+    if args.command == "demo":
+        from gpufed import demo
+
+        return demo.main(jobs=args.jobs, keep=args.keep)
+    if args.command == "simulate":
+        from gpufed import simulating
+
+        return simulating.run(args)
+    try:
+        return asyncio.run(_user_command(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

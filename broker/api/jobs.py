@@ -130,8 +130,14 @@ class GPUJob(_Strict):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> GPUJob:
+        gpus = 0
         for index, task in enumerate(self.spec.tasks):
-            shape_of(task, where=f"spec.tasks[{index}]")
+            gpus += shape_of(task, where=f"spec.tasks[{index}]").gpus
+        if gpus == 0:
+            raise ValueError(
+                f"spec.tasks[0].template.spec.containers[0].resources.limits[{GPU_RESOURCE}]: "
+                "a GPUJob asks for at least one GPU"
+            )
         return self
 
 

@@ -81,6 +81,8 @@ class JobStatus(_Model):
     pods: list[PodStatus] = Field(default_factory=list)
     events: list[JobEvent] = Field(default_factory=list)
     reasons: list[str] = Field(default_factory=list, description="why it is not placed yet")
+    cancel_requested: bool = Field(False, alias="cancelRequested")
+    infra_retries: int = Field(0, alias="infraRetries")
 
 
 class JobRecord(_Model):

@@ -50,7 +50,7 @@ class Txn:
     compares: Sequence[Compare] = ()
     puts: Sequence[tuple[str, bytes]] = ()
     deletes: Sequence[str] = ()
-    lease: int | None = field(default=None)  # attach puts to this lease (etcd); ignored by sqlite
+    lease: int | None = field(default=None)  # attach the puts to this lease (DurableStore)
 
 
 class Store(Protocol):
@@ -77,3 +77,38 @@ class Store(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class DurableStore(Store, Protocol):
+    """A Store with leases and compaction: what `opening.open_store` returns.
+
+    Leases carry leader election: `grant_lease` a TTL, attach keys with `Txn(lease=...)`,
+    call `keep_alive` from a task of your own every TTL/3, and `revoke_lease` on the way out
+    (revoking deletes the keys attached to the lease).
+    """
+
+    async def grant_lease(self, ttl: int) -> int:
+        """A new lease of `ttl` seconds; returns its id."""
+        ...
+
+    async def keep_alive(self, lease: int) -> int:
+        """Refresh `lease` once; return its TTL. LeaseExpiredError if it is gone."""
+        ...
+
+    async def revoke_lease(self, lease: int) -> None:
+        """End `lease` and delete the keys attached to it; a lease already gone is fine."""
+        ...
+
+    async def compact(self, revision: int) -> None:
+        """Forget the change history before `revision`: watches from earlier revisions fail."""
+        ...
+
+
+def check_txn(txn: Txn) -> None:
+    """Raise ValueError for a txn no store accepts: an empty key, or a key written twice."""
+    written = [key for key, _ in txn.puts] + list(txn.deletes)
+    if any(not key for key in written) or any(not compare.key for compare in txn.compares):
+        raise ValueError("store keys must not be empty")
+    if len(set(written)) != len(written):
+        twice = sorted({key for key in written if written.count(key) > 1})
+        raise ValueError(f"a transaction writes these keys more than once: {twice}")

@@ -1,0 +1,1 @@
+"""Agent sessions, offers, acknowledgements and fencing."""

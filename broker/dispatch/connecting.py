@@ -1,0 +1,164 @@
+"""The agent's WebSocket session on the broker side: hello, welcome, then messages both ways.
+
+`GET /v1/agents/connect` with an agent token. The first frame must be Hello for the token's
+cluster; the broker bumps the cluster's epoch (fencing), reconciles the jobs the agent holds,
+answers Welcome, and then handles summaries, acknowledgements and job status until the
+socket closes. A watchdog marks silent clusters Unreachable and, past a grace period, runs
+their jobs elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import pydantic
+from aiohttp import WSMsgType, web
+
+from broker.api import messages
+from broker.dispatch import fleet as fleet_
+from broker.dispatch import lifecycle as lifecycle_
+from broker.telemetry import metrics
+
+logger = logging.getLogger(__name__)
+
+
+class SocketLink:
+    """AgentLink over an aiohttp WebSocket."""
+
+    def __init__(self, ws: web.WebSocketResponse) -> None:
+        self.ws = ws
+
+    async def send(self, message: messages._Msg) -> None:
+        if self.ws.closed:
+            raise ConnectionResetError("agent session closed")
+        await self.ws.send_str(messages.encode(message))
+
+    async def close(self, *, reason: str) -> None:
+        await self.ws.close(code=4000, message=reason.encode()[:120])
+
+
+class Sessions:
+    """Runs agent sessions and the watchdog over them."""
+
+    def __init__(
+        self,
+        lifecycle: lifecycle_.Lifecycle,
+        fleet: fleet_.Fleet,
+        *,
+        meters: metrics.BrokerMetrics,
+        heartbeat_seconds: float = 5.0,
+        lost_after_seconds: float = 60.0,
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.fleet = fleet
+        self.meters = meters
+        self.heartbeat = heartbeat_seconds
+        self.lost_after = lost_after_seconds
+
+    async def serve(self, request: web.Request, cluster_name: str) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(max_msg_size=16 * 1024 * 1024)
+        await ws.prepare(request)
+        try:
+            first = await ws.receive(timeout=10.0)
+            hello = messages.decode(first.data) if first.type == WSMsgType.TEXT else None
+        except (TimeoutError, pydantic.ValidationError):
+            hello = None
+        if not isinstance(hello, messages.Hello) or hello.cluster != cluster_name:
+            await ws.close(code=4003, message=b"first message must be hello for this token")
+            return ws
+        link = SocketLink(ws)
+        epoch = await self.lifecycle.jobs.next_epoch(cluster_name)
+        cluster = await self.fleet.attach(cluster_name, link, epoch=epoch)
+        self.meters.agent_connected.labels(cluster=cluster_name).set(1)
+        logger.info("agent of %s connected, epoch %d, holding %d jobs",
+                    cluster_name, epoch, len(hello.jobs))
+        beating = asyncio.create_task(self._beat(link))
+        try:
+            await link.send(messages.Welcome(epoch=epoch, heartbeat_seconds=self.heartbeat))
+            await self.lifecycle.hello(cluster, hello)
+            await self._receive(ws, cluster)
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+            self.fleet.detach(cluster_name, link)
+            if cluster.link is None:
+                self.meters.agent_connected.labels(cluster=cluster_name).set(0)
+            logger.info("agent of %s disconnected", cluster_name)
+        return ws
+
+    async def _receive(self, ws: web.WebSocketResponse, cluster: fleet_.Cluster) -> None:
+        async for frame in ws:
+            if frame.type != WSMsgType.TEXT:
+                continue
+            cluster.last_seen = time.monotonic()
+            try:
+                message = messages.decode(frame.data)
+            except pydantic.ValidationError as exc:
+                logger.warning("bad message from %s: %s", cluster.name, exc.errors()[:1])
+                continue
+            await self._handle(cluster, message)
+
+    async def _handle(self, cluster: fleet_.Cluster, message: messages.Message) -> None:
+        match message:
+            case messages.Summary():
+                cluster.apply_summary(message)
+                self._export_summary(cluster)
+                self.fleet.changed.set()
+            case messages.Accepted():
+                await self.lifecycle.accepted(cluster, message)
+            case messages.Rejected():
+                await self.lifecycle.rejected(cluster, message)
+            case messages.JobUpdate():
+                await self.lifecycle.job_update(cluster, message)
+            case messages.Heartbeat():
+                pass
+            case _:
+                logger.warning("unexpected %s from %s", message.type, cluster.name)
+
+    def _export_summary(self, cluster: fleet_.Cluster) -> None:
+        if cluster.summary is None:
+            return
+        for model in cluster.summary.models:
+            gauge = self.meters.cluster_gpus
+            allocated = model.total_gpus - model.free_gpus - model.unavailable_gpus
+            gauge.labels(cluster=cluster.name, model=model.model, state="free").set(model.free_gpus)
+            gauge.labels(cluster=cluster.name, model=model.model, state="allocated").set(allocated)
+            gauge.labels(cluster=cluster.name, model=model.model, state="unavailable").set(
+                model.unavailable_gpus
+            )
+
+    async def _beat(self, link: SocketLink) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            seq += 1
+            try:
+                await link.send(messages.Heartbeat(seq=seq))
+            except ConnectionError:
+                return
+
+    async def watch(self) -> None:
+        """Close silent sessions; requeue the jobs of clusters gone past their grace."""
+        while True:
+            await asyncio.sleep(min(self.heartbeat, 1.0))
+            now = time.monotonic()
+            for cluster in list(self.fleet.clusters.values()):
+                link = cluster.link
+                if link is not None and now - cluster.last_seen > 3 * self.heartbeat:
+                    logger.warning("agent of %s silent for %.1fs: closing its session",
+                                   cluster.name, now - cluster.last_seen)
+                    await link.close(reason="heartbeat timeout")
+                    self.fleet.detach(cluster.name, link)
+                if (
+                    cluster.link is None
+                    and not cluster.lost
+                    and cluster.disconnected_at is not None
+                    and now - cluster.disconnected_at > self.lost_after
+                ):
+                    cluster.lost = True
+                    moved = await self.lifecycle.cluster_lost(cluster.name)
+                    logger.warning("cluster %s lost: %d jobs requeued", cluster.name, moved)

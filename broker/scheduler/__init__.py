@@ -1,0 +1,1 @@
+"""Scheduling: the pure planning core (which cluster for each job) and its async shell."""

@@ -1,0 +1,176 @@
+"""Does a whole gang fit a cluster, judged from the cluster's summary? Pure.
+
+Called by `planning.plan_cycle` for every (job, cluster) pair. Works on per-model histograms of
+nodes by whole free GPUs, so a check costs O(pods × GPUs per node), never O(nodes). A fit also
+says how to deduct the gang (`assume`), so later decisions in the cycle see it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.api import jobs
+from broker.scheduler import snapshot
+
+GPU_MILLI = 1000
+
+
+@dataclass(frozen=True)
+class Take:
+    """One pod's share of a cluster: `gpus` whole GPUs from a node with `from_free` free."""
+
+    model: str
+    rack: str | None
+    from_free: int
+    gpus: int
+    shared_milli: int = 0  # milli taken from partly used GPUs
+    adds_shared: int = 0  # milli a sharing pod leaves free on the whole GPU it opened
+
+
+@dataclass(frozen=True)
+class Fit:
+    cluster: str
+    takes: tuple[Take, ...]
+    leftover: int  # whole GPUs left free on the nodes taken: lower is a tighter fit
+
+
+@dataclass(frozen=True)
+class NoFit:
+    cluster: str
+    reason: str
+
+
+def _eligible_models(
+    cluster: snapshot.ClusterCapacity, shape: jobs.PodShape
+) -> list[snapshot.ModelCapacity]:
+    return [
+        m
+        for name, m in sorted(cluster.models.items())
+        if (not shape.models or name in shape.models)
+        and m.gpu_memory_mib >= shape.min_gpu_memory_mib
+    ]
+
+
+def _take_whole(
+    hist: list[int], gpus: int, *, max_block: int | None = None
+) -> int | None:
+    """Best fit: the fullest node that still has `gpus` free. Mutates `hist`."""
+    for free in range(gpus, len(hist)):
+        if hist[free] > 0 and (max_block is None or gpus <= max_block):
+            hist[free] -= 1
+            hist[free - gpus] += 1
+            return free
+    return None
+
+
+def _pods_by_size(request: jobs.GangRequest) -> list[jobs.PodShape]:
+    shapes = [shape for _, replicas, shape in request.tasks for _ in range(replicas)]
+    return sorted(shapes, key=lambda s: (-s.gpus, -s.gpu_milli))
+
+
+def _fit_pods(
+    cluster: snapshot.ClusterCapacity,
+    request: jobs.GangRequest,
+    *,
+    rack: str | None,
+) -> tuple[list[Take], str] | tuple[list[Take], None]:
+    """Try every pod of the gang on scratch histograms; (takes, None) or (partial, reason)."""
+    scratch = {
+        name: (list(m.racks[rack]) if rack is not None else list(m.nodes_by_free))
+        for name, m in cluster.models.items()
+        if rack is None or rack in m.racks
+    }
+    shared = {name: m.shared_free_milli for name, m in cluster.models.items()}
+    nvlink = request.topology.nvlink == jobs.TopologyMode.REQUIRED
+    takes: list[Take] = []
+    for shape in _pods_by_size(request):
+        models = [m for m in _eligible_models(cluster, shape) if m.model in scratch]
+        if not models:
+            wanted = "/".join(shape.models) or "any"
+            have = "/".join(sorted(cluster.models)) or "none"
+            return takes, f"no GPU of model {wanted} with enough memory (has {have})"
+        placed = False
+        for m in models:
+            hist = scratch[m.model]
+            if shape.gpus == 0:
+                if sum(hist) > 0:
+                    takes.append(Take(m.model, rack, 0, 0))
+                    placed = True
+                    break
+                continue
+            if shape.gpu_milli < GPU_MILLI:
+                if shared[m.model] >= shape.gpu_milli:
+                    shared[m.model] -= shape.gpu_milli
+                    takes.append(Take(m.model, rack, 0, 0, shape.gpu_milli))
+                    placed = True
+                    break
+                free = _take_whole(hist, 1)
+                if free is not None:
+                    shared[m.model] += GPU_MILLI - shape.gpu_milli
+                    takes.append(
+                        Take(m.model, rack, free, 1, adds_shared=GPU_MILLI - shape.gpu_milli)
+                    )
+                    placed = True
+                    break
+                continue
+            block = m.largest_free_nvlink_block if nvlink and m.largest_free_nvlink_block else None
+            free = _take_whole(hist, shape.gpus, max_block=block)
+            if free is not None:
+                takes.append(Take(m.model, rack, free, shape.gpus))
+                placed = True
+                break
+        if not placed:
+            need = sum(1 for s in _pods_by_size(request) if s.gpus == shape.gpus)
+            where = f" in rack {rack}" if rack else ""
+            return takes, (
+                f"needs {need} node(s) with {shape.gpus} free GPU(s) of "
+                f"{'/'.join(m.model for m in models)}{where}; not enough free"
+            )
+    return takes, None
+
+
+def fit_gang(cluster: snapshot.ClusterCapacity, request: jobs.GangRequest) -> Fit | NoFit:
+    """Whether the whole gang fits `cluster` now, and the tightest way it does."""
+    if not cluster.healthy:
+        return NoFit(cluster.name, "cluster unhealthy")
+    rack_mode = request.topology.rack
+    if rack_mode != jobs.TopologyMode.NONE and request.pods > 1:
+        racks = sorted({r for m in cluster.models.values() for r in m.racks})
+        best: Fit | None = None
+        for rack in racks:
+            takes, reason = _fit_pods(cluster, request, rack=rack)
+            if reason is None:
+                fit = Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
+                if best is None or fit.leftover < best.leftover:
+                    best = fit
+        if best is not None:
+            return best
+        if rack_mode == jobs.TopologyMode.REQUIRED:
+            return NoFit(cluster.name, "topology: no single rack has room for the whole gang")
+    takes, reason = _fit_pods(cluster, request, rack=None)
+    if reason is not None:
+        return NoFit(cluster.name, reason)
+    return Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
+
+
+def assume(cluster: snapshot.ClusterCapacity, fit: Fit) -> None:
+    """Deduct a chosen fit from the cluster's capacity (in place, on the cycle's scratch copy)."""
+    for take in fit.takes:
+        model = cluster.models[take.model]
+        if take.shared_milli:
+            model.shared_free_milli = max(0, model.shared_free_milli - take.shared_milli)
+            continue
+        if take.gpus == 0:
+            continue
+        model.shared_free_milli += take.adds_shared
+        for hist in [model.nodes_by_free] + ([model.racks[take.rack]] if take.rack else []):
+            if hist[take.from_free] > 0:
+                hist[take.from_free] -= 1
+                hist[take.from_free - take.gpus] += 1
+        if take.rack is None:
+            # which rack the agent will use is unknown: deduct from the rack that has such a node
+            for hist in model.racks.values():
+                if hist[take.from_free] > 0:
+                    hist[take.from_free] -= 1
+                    hist[take.from_free - take.gpus] += 1
+                    break

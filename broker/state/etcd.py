@@ -1,0 +1,335 @@
+"""EtcdStore: the production Store on etcd v3, through the aetcd client.
+
+Reads and transactions go to etcd's KV service directly (aetcd's stubs), so a commit gets the
+revision it created and a list can page through any number of keys at one revision. Watches
+use aetcd's watcher, wrapped: when the stream dies (etcd restarted, connection lost) the watch
+is opened again from the revision after the last event it delivered, with backoff, so a
+consumer sees every event exactly once; a compacted start revision raises CompactedError.
+
+Leases are plain: `grant_lease`, `keep_alive` (one refresh; call it from a task of your own),
+`revoke_lease`. aetcd and gRPC errors become `broker.state.errors` types, chained:
+unreachable or timed out is TemporaryStoreError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+import random
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import aetcd
+from aetcd import rpc
+from aetcd import utils as aetcd_utils
+
+from broker.state import errors, store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 5.0
+PROBE_TIMEOUT = 2.0
+LIST_PAGE_SIZE = 1_000
+WATCH_BACKOFF_INITIAL = 0.05
+WATCH_BACKOFF_MAX = 2.0
+CHANNEL_OPTIONS: dict[str, int] = {
+    # Reconnect quickly after etcd restarts (gRPC's default first backoff is 1 s).
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 2_000,
+    # Notice a dead peer on an idle watch stream (etcd allows pings every 5 s).
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.max_receive_message_length": 64 * 1024 * 1024,
+}
+TEMPORARY_CODES = frozenset(
+    {
+        rpc.StatusCode.UNAVAILABLE,
+        rpc.StatusCode.DEADLINE_EXCEEDED,
+        rpc.StatusCode.RESOURCE_EXHAUSTED,
+        rpc.StatusCode.ABORTED,
+    }
+)
+TEMPORARY_CLIENT_ERRORS = (
+    aetcd.ConnectionFailedError,
+    aetcd.ConnectionTimeoutError,
+    aetcd.WatchTimeoutError,
+    TimeoutError,
+)
+
+
+def translate_error(exc: BaseException, what: str) -> errors.StoreError:
+    """The store error for an aetcd or gRPC failure of `what` (the caller chains it)."""
+    rpc_error = exc if isinstance(exc, rpc.AioRpcError) else exc.__cause__
+    details = rpc_error.details() if isinstance(rpc_error, rpc.AioRpcError) else str(exc)
+    message = f"etcd {what}: {details}"
+    if isinstance(exc, aetcd.RevisionCompactedError) or "has been compacted" in details:
+        return errors.CompactedError(message)
+    if "lease not found" in details:
+        return errors.LeaseExpiredError(message)
+    if isinstance(exc, TEMPORARY_CLIENT_ERRORS):
+        return errors.TemporaryStoreError(message)
+    if isinstance(rpc_error, rpc.AioRpcError) and rpc_error.code() in TEMPORARY_CODES:
+        return errors.TemporaryStoreError(message)
+    return errors.StoreError(message)
+
+
+@contextlib.contextmanager
+def translating_errors(what: str) -> Iterator[None]:
+    """Raise aetcd and gRPC errors of the block as store errors."""
+    try:
+        yield
+    except (aetcd.ClientError, rpc.AioRpcError, TimeoutError) as exc:
+        raise translate_error(exc, what) from exc
+
+
+def encode_prefix(prefix: str) -> tuple[bytes, bytes]:
+    """etcd's [key, range_end) for every key under `prefix` (all keys if it is empty)."""
+    if not prefix:
+        return b"\0", b"\0"
+    key = prefix.encode()
+    return key, aetcd_utils.prefix_range_end(key)
+
+
+def decode_entry(kv: Any) -> store.Entry:
+    return store.Entry(
+        key=kv.key.decode(),
+        value=bytes(kv.value),
+        mod_revision=int(kv.mod_revision),
+        create_revision=int(kv.create_revision),
+    )
+
+
+def build_compare(compare: store.Compare) -> Any:
+    key = compare.key.encode()
+    if compare.mod_revision == 0:  # must not exist
+        return rpc.Compare(
+            key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL, create_revision=0
+        )
+    return rpc.Compare(
+        key=key,
+        target=rpc.Compare.MOD,
+        result=rpc.Compare.EQUAL,
+        mod_revision=compare.mod_revision,
+    )
+
+
+def build_txn_request(txn: store.Txn) -> Any:
+    success = [
+        rpc.RequestOp(
+            request_put=rpc.PutRequest(key=key.encode(), value=value, lease=txn.lease or 0)
+        )
+        for key, value in txn.puts
+    ]
+    success += [
+        rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key.encode()))
+        for key in txn.deletes
+    ]
+    # On failure, read the compared keys so the ConflictError can say what they are now.
+    failure = [
+        rpc.RequestOp(request_range=rpc.RangeRequest(key=compare.key.encode(), keys_only=True))
+        for compare in txn.compares
+    ]
+    return rpc.TxnRequest(
+        compare=[build_compare(compare) for compare in txn.compares],
+        success=success,
+        failure=failure,
+    )
+
+
+class EtcdStore:
+    """The Store on an etcd cluster; create it with `await EtcdStore.connect(endpoints)`."""
+
+    def __init__(
+        self, client: aetcd.Client, *, endpoint: str, rpc_timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        self.endpoint = endpoint
+        self._client = client
+        self._timeout = rpc_timeout
+        self._closing = asyncio.Event()
+
+    @classmethod
+    async def connect(
+        cls, endpoints: Sequence[tuple[str, int]], *, rpc_timeout: float = DEFAULT_TIMEOUT
+    ) -> EtcdStore:
+        """A store on the first of `endpoints` (host, port) that answers.
+
+        `rpc_timeout` bounds each unary call (seconds); watches are not bounded by it.
+        """
+        failures = []
+        for host, port in endpoints:
+            client = aetcd.Client(
+                host=host, port=port, timeout=rpc_timeout, options=CHANNEL_OPTIONS
+            )
+            self = cls(client, endpoint=f"{host}:{port}", rpc_timeout=rpc_timeout)
+            try:
+                with translating_errors(f"connect {self.endpoint}"):
+                    await client.connect()
+                await self._read_range(b"gpufed-probe", None, rpc_timeout=PROBE_TIMEOUT)
+            except errors.StoreError as exc:
+                failures.append(f"{self.endpoint} ({exc})")
+                await client.close()
+                continue
+            return self
+        raise errors.TemporaryStoreError(f"no etcd endpoint answers: {'; '.join(failures)}")
+
+    # -- the Store protocol ------------------------------------------------------------------
+
+    async def get(self, key: str) -> store.Entry | None:
+        response = await self._read_range(key.encode(), None)
+        return decode_entry(response.kvs[0]) if response.kvs else None
+
+    async def list(self, prefix: str) -> tuple[builtins.list[store.Entry], int]:
+        start, end = encode_prefix(prefix)
+        for _ in range(3):
+            try:
+                return await self._read_pages(start, end)
+            except errors.CompactedError:  # compacted between two pages: read again
+                continue
+        raise errors.TemporaryStoreError(f"etcd list {prefix!r}: compacted while paging")
+
+    async def commit(self, txn: store.Txn) -> int:
+        store.check_txn(txn)
+        stub = self._stub("txn")
+        with translating_errors("txn"):
+            response = await stub.Txn(
+                build_txn_request(txn), timeout=self._timeout, metadata=self._client.metadata
+            )
+        if not response.succeeded:
+            failed = {}
+            for compare, op in zip(txn.compares, response.responses, strict=True):
+                kvs = op.response_range.kvs
+                current = int(kvs[0].mod_revision) if kvs else 0
+                if current != compare.mod_revision:
+                    failed[compare.key] = current
+            raise errors.ConflictError(
+                f"compare failed (key: current revision): {failed}", revisions=failed
+            )
+        return int(response.header.revision)
+
+    async def put(self, key: str, value: bytes) -> int:
+        return await self.commit(store.Txn(puts=[(key, value)]))
+
+    async def delete(self, key: str) -> int:
+        return await self.commit(store.Txn(deletes=[key]))
+
+    def watch(self, prefix: str, *, start_revision: int) -> AsyncIterator[store.WatchEvent]:
+        if start_revision < 1:
+            raise ValueError(f"start_revision must be >= 1, not {start_revision}")
+        return self._follow_watch(prefix, start_revision)
+
+    async def close(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        await self._client.close()
+
+    # -- DurableStore extras -----------------------------------------------------------------
+
+    async def grant_lease(self, ttl: int) -> int:
+        self._check_open("grant lease")
+        with translating_errors("grant lease"):
+            lease = await self._client.lease(ttl)
+        return int(lease.id)
+
+    async def keep_alive(self, lease: int) -> int:
+        self._check_open("keep lease alive")
+        with translating_errors(f"keep lease {lease} alive"):
+            reply = await self._client.refresh_lease(lease)
+        if reply is None:
+            raise errors.TemporaryStoreError(f"etcd keep lease {lease} alive: no reply")
+        if reply.TTL <= 0:
+            raise errors.LeaseExpiredError(f"etcd lease {lease} has expired")
+        return int(reply.TTL)
+
+    async def revoke_lease(self, lease: int) -> None:
+        self._check_open("revoke lease")
+        with contextlib.suppress(errors.LeaseExpiredError), translating_errors("revoke lease"):
+            await self._client.revoke_lease(lease)
+
+    async def compact(self, revision: int) -> None:
+        self._check_open("compact")
+        with contextlib.suppress(errors.CompactedError), translating_errors("compact"):
+            await self._client.compact(revision, physical=True)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closing.is_set():
+            raise errors.StoreError(f"etcd {what}: the store is closed")
+
+    def _stub(self, what: str) -> Any:
+        self._check_open(what)
+        if self._client.kvstub is None:
+            raise errors.StoreError(f"etcd {what}: the client is not connected")
+        return self._client.kvstub
+
+    async def _read_range(
+        self,
+        key: bytes,
+        range_end: bytes | None,
+        *,
+        limit: int = 0,
+        revision: int = 0,
+        rpc_timeout: float | None = None,
+    ) -> Any:
+        stub = self._stub("range")
+        request = rpc.RangeRequest(key=key, limit=limit, revision=revision)
+        if range_end is not None:
+            request.range_end = range_end
+        with translating_errors("range"):
+            return await stub.Range(
+                request, timeout=rpc_timeout or self._timeout, metadata=self._client.metadata
+            )
+
+    async def _read_pages(self, start: bytes, end: bytes) -> tuple[builtins.list[store.Entry], int]:
+        """Every entry in [start, end), sorted by key, read page by page at one revision."""
+        entries: builtins.list[store.Entry] = []
+        revision = 0
+        while True:
+            response = await self._read_range(start, end, limit=LIST_PAGE_SIZE, revision=revision)
+            revision = revision or int(response.header.revision)
+            entries.extend(decode_entry(kv) for kv in response.kvs)
+            if not response.more or not response.kvs:
+                return entries, revision
+            start = response.kvs[-1].key + b"\0"
+
+    async def _follow_watch(
+        self, prefix: str, start_revision: int
+    ) -> AsyncIterator[store.WatchEvent]:
+        key, range_end = encode_prefix(prefix)
+        next_revision = start_revision
+        delay = WATCH_BACKOFF_INITIAL
+        while not self._closing.is_set():
+            watch = None
+            try:
+                with translating_errors(f"watch {prefix!r} from {next_revision}"):
+                    watch = await self._client.watch(
+                        key, range_end=range_end, start_revision=next_revision
+                    )
+                    async for event in watch:
+                        delay = WATCH_BACKOFF_INITIAL
+                        kv = event.kv
+                        next_revision = int(kv.mod_revision) + 1
+                        yield store.WatchEvent(
+                            type=store.EventType.PUT
+                            if event.kind == aetcd.EventKind.PUT
+                            else store.EventType.DELETE,
+                            key=kv.key.decode(),
+                            value=bytes(kv.value),
+                            revision=int(kv.mod_revision),
+                        )
+            except errors.TemporaryStoreError as exc:
+                if self._closing.is_set():
+                    return
+                log.warning("%s; resuming in %.2f s", exc, delay)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), 1.0)
+            # The stream ended or broke: wait (unless closing) and watch again.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, WATCH_BACKOFF_MAX)

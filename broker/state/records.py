@@ -1,0 +1,148 @@
+"""The broker's job records: an in-memory cache written through to the Store.
+
+Every write is a compare-and-swap on the record's last revision, so two broker replicas (or a
+stale task) never overwrite each other's decision. Submission stores the job and its
+idempotency key in one transaction: the same key never makes a second job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from broker.api import status
+from broker.state import errors, store
+
+logger = logging.getLogger(__name__)
+
+JOBS = "/gpufed/jobs/"
+IDEMPOTENCY = "/gpufed/idempotency/"
+CLUSTERS = "/gpufed/clusters/"
+MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+
+
+def _job_key(job_id: str) -> str:
+    return f"{JOBS}{job_id}"
+
+
+def _idem_key(tenant: str, key: str) -> str:
+    digest = hashlib.sha256(f"{tenant}\x00{key}".encode()).hexdigest()
+    return f"{IDEMPOTENCY}{digest}"
+
+
+@dataclass
+class Cached:
+    record: status.JobRecord
+    revision: int
+
+
+def _dump(record: status.JobRecord) -> bytes:
+    return record.model_dump_json(by_alias=True).encode()
+
+
+class JobRecords:
+    """All jobs, cached; the store is the source of truth on start."""
+
+    def __init__(self, backing: store.Store) -> None:
+        self.store = backing
+        self._jobs: dict[str, Cached] = {}
+
+    async def load(self) -> int:
+        entries, revision = await self.store.list(JOBS)
+        for entry in entries:
+            record = status.JobRecord.model_validate_json(entry.value)
+            self._jobs[record.id] = Cached(record, entry.mod_revision)
+        return revision
+
+    def get(self, job_id: str) -> status.JobRecord | None:
+        cached = self._jobs.get(job_id)
+        return cached.record if cached else None
+
+    def __iter__(self) -> Iterator[status.JobRecord]:
+        return (c.record for c in self._jobs.values())
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    async def find_idempotent(self, tenant: str, key: str) -> status.JobRecord | None:
+        entry = await self.store.get(_idem_key(tenant, key))
+        if entry is None:
+            return None
+        return self.get(entry.value.decode())
+
+    async def create(self, record: status.JobRecord) -> status.JobRecord:
+        """Store a new job; with an idempotency key already used, return that job instead."""
+        key = _job_key(record.id)
+        puts: list[tuple[str, bytes]] = [(key, _dump(record))]
+        compares = [store.Compare(key, 0)]
+        if record.idempotency_key:
+            idem = _idem_key(record.tenant, record.idempotency_key)
+            compares.append(store.Compare(idem, 0))
+            puts.append((idem, record.id.encode()))
+        try:
+            revision = await self.store.commit(store.Txn(compares=compares, puts=puts))
+        except errors.ConflictError:
+            if record.idempotency_key:
+                existing = await self.find_idempotent(record.tenant, record.idempotency_key)
+                if existing is not None:
+                    return existing
+            raise
+        self._jobs[record.id] = Cached(record, revision)
+        return record
+
+    async def save(self, record: status.JobRecord) -> None:
+        """Write one changed record (compare-and-swap on its cached revision)."""
+        await self.save_many([record])
+
+    async def save_many(self, records: Sequence[status.JobRecord]) -> None:
+        """Write changed records in as few transactions as possible, all-or-nothing per chunk.
+
+        On a conflict the cache is refreshed from the store for the records involved and
+        ConflictError is raised: the caller decides again from fresh state.
+        """
+        for start in range(0, len(records), MAX_TXN_OPS):
+            chunk = records[start : start + MAX_TXN_OPS]
+            compares = []
+            puts = []
+            for record in chunk:
+                cached = self._jobs.get(record.id)
+                compares.append(
+                    store.Compare(_job_key(record.id), cached.revision if cached else 0)
+                )
+                puts.append((_job_key(record.id), _dump(record)))
+            try:
+                revision = await self.store.commit(store.Txn(compares=compares, puts=puts))
+            except errors.StoreError:
+                # the cache holds the changed objects: put it back to what the store has
+                await self.refresh(r.id for r in chunk)
+                raise
+            for record in chunk:
+                self._jobs[record.id] = Cached(record, revision)
+
+    async def refresh(self, job_ids: Iterable[str]) -> None:
+        for job_id in job_ids:
+            entry = await self.store.get(_job_key(job_id))
+            if entry is None:
+                self._jobs.pop(job_id, None)
+            else:
+                record = status.JobRecord.model_validate_json(entry.value)
+                self._jobs[job_id] = Cached(record, entry.mod_revision)
+
+    async def next_epoch(self, cluster: str) -> int:
+        """Bump and return the session epoch of a cluster (fences stale offers)."""
+        key = f"{CLUSTERS}{cluster}/epoch"
+        while True:
+            entry = await self.store.get(key)
+            current = int(entry.value) if entry else 0
+            try:
+                await self.store.commit(
+                    store.Txn(
+                        compares=[store.Compare(key, entry.mod_revision if entry else 0)],
+                        puts=[(key, str(current + 1).encode())],
+                    )
+                )
+            except errors.ConflictError:
+                continue
+            return current + 1

@@ -1,0 +1,97 @@
+"""A small async client of the broker's HTTP API, used by the CLI, the demo and the tests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+
+class BrokerError(Exception):
+    """The broker answered with a problem (4xx/5xx) or could not be reached."""
+
+    def __init__(self, status: int, detail: str, body: dict[str, Any] | None = None) -> None:
+        super().__init__(f"{status}: {detail}" if status else detail)
+        self.status = status
+        self.detail = detail
+        self.body = body or {}
+
+
+class BrokerClient:
+    def __init__(self, url: str, token: str, *, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self._session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        )
+
+    async def __aenter__(self) -> BrokerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        data: str | None = None,
+        headers: dict[str, str] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        try:
+            async with self._session.request(
+                method, f"{self.url}{path}", data=data, headers=headers, params=params
+            ) as response:
+                text = await response.text()
+                body = json.loads(text) if text else {}
+                if response.status >= 400:
+                    detail = body.get("detail") or body.get("title") or text
+                    raise BrokerError(response.status, str(detail), body)
+                return body
+        except aiohttp.ClientConnectionError as exc:
+            raise BrokerError(0, f"cannot reach the broker at {self.url}: {exc}") from exc
+
+    async def submit(
+        self, document: str, *, yaml: bool = False, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        headers = {"Content-Type": "application/yaml" if yaml else "application/json"}
+        if idempotency_key:
+            headers["Idempotency-Key"] = idempotency_key
+        result: dict[str, Any] = await self._call("POST", "/v1/jobs", data=document,
+                                                  headers=headers)
+        return result
+
+    async def get(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", f"/v1/jobs/{job_id}")
+        return result
+
+    async def why(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", f"/v1/jobs/{job_id}/why")
+        return result
+
+    async def list(self, *, queue: str | None = None, state: str | None = None,
+                   limit: int = 1000) -> list[dict[str, Any]]:
+        params = {"limit": str(limit)}
+        if queue:
+            params["queue"] = queue
+        if state:
+            params["state"] = state
+        body = await self._call("GET", "/v1/jobs", params=params)
+        items: list[dict[str, Any]] = body["items"]
+        return items
+
+    async def cancel(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("DELETE", f"/v1/jobs/{job_id}")
+        return result
+
+    async def clusters(self) -> list[dict[str, Any]]:
+        body = await self._call("GET", "/v1/clusters")
+        items: list[dict[str, Any]] = body["items"]
+        return items

@@ -1,0 +1,127 @@
+"""Builders for test data: `make_job(gpus=8).gang(4).build()`, `make_summary(...)`."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from broker.api import inventory, jobs
+
+
+class JobBuilder:
+    def __init__(self, name: str = "job", *, gpus: int = 1, queue: str = "default") -> None:
+        self.doc: dict[str, Any] = {
+            "apiVersion": "gpufed.io/v1",
+            "kind": "GPUJob",
+            "metadata": {"name": name},
+            "spec": {"queue": queue, "tasks": []},
+        }
+        self._task: dict[str, Any] = self._new_task("worker", gpus)
+        self.doc["spec"]["tasks"].append(self._task)
+
+    @staticmethod
+    def _new_task(name: str, gpus: int) -> dict[str, Any]:
+        limits: dict[str, Any] = {"nvidia.com/gpu": gpus} if gpus else {}
+        return {
+            "name": name,
+            "replicas": 1,
+            "template": {
+                "metadata": {"annotations": {}},
+                "spec": {
+                    "containers": [
+                        {"name": "main", "image": "busybox", "resources": {"limits": limits}}
+                    ]
+                },
+            },
+        }
+
+    def gang(self, replicas: int) -> JobBuilder:
+        self._task["replicas"] = replicas
+        return self
+
+    def model(self, *models: str) -> JobBuilder:
+        spec = self._task["template"]["spec"]
+        if len(models) == 1:
+            spec["nodeSelector"] = {"nvidia.com/gpu.product": models[0]}
+        else:
+            spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "nvidia.com/gpu.product", "operator": "In", "values": list(models)}
+                ]}]}}}
+        return self
+
+    def duration(self, seconds: float) -> JobBuilder:
+        return self.annotate(jobs.SIM_DURATION_ANNOTATION, str(seconds))
+
+    def outcome(self, text: str) -> JobBuilder:
+        return self.annotate(jobs.SIM_OUTCOME_ANNOTATION, text)
+
+    def annotate(self, key: str, value: str) -> JobBuilder:
+        self._task["template"]["metadata"]["annotations"][key] = value
+        return self
+
+    def shared(self, milli: int) -> JobBuilder:
+        return self.annotate(jobs.GPU_MILLI_ANNOTATION, str(milli))
+
+    def priority(self, value: int) -> JobBuilder:
+        self.doc["spec"]["priority"] = value
+        return self
+
+    def topology(self, *, nvlink: str = "none", rack: str = "none") -> JobBuilder:
+        self.doc["spec"]["topology"] = {"nvlink": nvlink, "rack": rack}
+        return self
+
+    def min_member(self, count: int) -> JobBuilder:
+        self.doc["spec"]["gang"] = {"minMember": count}
+        return self
+
+    def task(self, name: str, *, gpus: int, replicas: int = 1) -> JobBuilder:
+        self._task = self._new_task(name, gpus)
+        self._task["replicas"] = replicas
+        self.doc["spec"]["tasks"].append(self._task)
+        return self
+
+    def document(self) -> dict[str, Any]:
+        return copy.deepcopy(self.doc)
+
+    def build(self) -> jobs.GPUJob:
+        return jobs.GPUJob.model_validate(self.document())
+
+    def request(self, job_id: str | None = None) -> jobs.GangRequest:
+        return jobs.gang_request(job_id or self.doc["metadata"]["name"], self.build())
+
+
+def make_job(name: str = "job", *, gpus: int = 1, queue: str = "default") -> JobBuilder:
+    return JobBuilder(name, gpus=gpus, queue=queue)
+
+
+def make_model_summary(
+    model: str,
+    *,
+    nodes_by_free: list[int],
+    gpus_per_node: int = 8,
+    gpu_memory_mib: int = 81920,
+    racks: dict[str, list[int]] | None = None,
+    nvlink_block: int | None = None,
+    shared_free_milli: int = 0,
+) -> inventory.ModelSummary:
+    nodes = sum(nodes_by_free)
+    free = sum(k * n for k, n in enumerate(nodes_by_free))
+    return inventory.ModelSummary(
+        model=model,
+        gpu_memory_mib=gpu_memory_mib,
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        total_gpus=nodes * gpus_per_node,
+        free_gpus=free,
+        nodes_by_free=nodes_by_free,
+        shared_free_milli=shared_free_milli,
+        largest_free_nvlink_block=nvlink_block if nvlink_block is not None else max(
+            (k for k, n in enumerate(nodes_by_free) if n), default=0),
+        racks=racks or {},
+    )
+
+
+def make_summary(cluster: str, *models: inventory.ModelSummary, seq: int = 1
+                 ) -> inventory.ClusterSummary:
+    return inventory.ClusterSummary(cluster=cluster, seq=seq, models=list(models))
