@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,7 +38,7 @@ async def api(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
 
 async def submit(api: TestClient[Any, Any], doc: Any, headers: dict[str, str] | None = None,
                  **kw: Any) -> Any:
-    body = (doc if isinstance(doc, str) else json.dumps(doc)).encode()
+    body = io.BytesIO((doc if isinstance(doc, str) else json.dumps(doc)).encode())
     return await api.post("/v1/jobs", data=body, headers={**TEAM_A, **(headers or {})}, **kw)
 
 

@@ -1,0 +1,37 @@
+"""Fixtures for end-to-end scenarios: real broker and agent processes on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufed import processes
+from tests import etcdserver
+
+
+@pytest.fixture
+def etcd_url(tmp_path: Path) -> Iterator[str]:
+    """A fresh real etcd server of the test's own (no keys shared with other tests)."""
+    try:
+        server = etcdserver.EtcdServer.start()
+    except (etcdserver.EtcdNotFoundError, etcdserver.EtcdStartError) as exc:
+        pytest.fail(f"cannot start etcd: {exc}", pytrace=False)
+    try:
+        yield server.url
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path) -> AsyncIterator[processes.Fleet]:
+    """A stopped fleet in a work directory; the test starts what it needs."""
+    fleet = processes.Fleet(workdir=tmp_path, heartbeat=0.5, lost_after=5.0)
+    try:
+        yield fleet
+    finally:
+        await fleet.stop()
+        for service in [fleet.broker, *fleet.agents.values()]:
+            if service is not None and service.process.returncode not in (0, -15, None):
+                print(f"--- {service.name} exited {service.process.returncode}:\n{service.tail()}")
