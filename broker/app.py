@@ -34,9 +34,7 @@ class BrokerSettings(BaseModel):
 
 
 def create_app(settings: BrokerSettings) -> web.Application:
-    app = web.Application(
-        client_max_size=jobs.MAX_BODY, middlewares=[problems.problems_middleware]
-    )
+    app = web.Application(client_max_size=jobs.MAX_BODY, middlewares=[problems.problems_middleware])
     app[auth.AUTHENTICATOR] = auth.Authenticator.from_file(settings.tokens_file)
     meters = metrics.BrokerMetrics()
     app[clusters.READY] = {"store": False, "scheduler": False}
@@ -52,11 +50,15 @@ def create_app(settings: BrokerSettings) -> web.Application:
         app[clusters.READY]["store"] = True
         fleet = fleet_.Fleet(stale_after=3 * settings.heartbeat_seconds)
         life = lifecycle.Lifecycle(
-            job_records, fleet, meters=meters,
+            job_records,
+            fleet,
+            meters=meters,
             cancel_grace_seconds=settings.cancel_grace_seconds,
         )
         sessions = connecting.Sessions(
-            life, fleet, meters=meters,
+            life,
+            fleet,
+            meters=meters,
             heartbeat_seconds=settings.heartbeat_seconds,
             lost_after_seconds=settings.lost_after_seconds,
         )

@@ -30,8 +30,11 @@ def _token(args: argparse.Namespace) -> str:
 
 def _user_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
-    parser.add_argument("--broker", default=os.environ.get("GPUFED_BROKER", DEFAULT_BROKER),
-                        help="broker URL (env GPUFED_BROKER)")
+    parser.add_argument(
+        "--broker",
+        default=os.environ.get("GPUFED_BROKER", DEFAULT_BROKER),
+        help="broker URL (env GPUFED_BROKER)",
+    )
     parser.add_argument("--token", help="bearer token (env GPUFED_TOKEN)")
     parser.add_argument("--token-file", help="file holding the token (env GPUFED_TOKEN_FILE)")
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
@@ -43,14 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     broker = sub.add_parser("broker", help="run the broker")
-    broker.add_argument("--store", default="sqlite:///.gpufed/broker.db",
-                        help="sqlite:///PATH or etcd://HOST:PORT")
+    broker.add_argument(
+        "--store", default="sqlite:///.gpufed/broker.db", help="sqlite:///PATH or etcd://HOST:PORT"
+    )
     broker.add_argument("--tokens", default="config/tokens.yaml", help="tokens file")
     broker.add_argument("--host", default="127.0.0.1")
     broker.add_argument("--port", type=int, default=8080)
     broker.add_argument("--heartbeat", type=float, default=5.0, help="agent heartbeat, seconds")
-    broker.add_argument("--lost-after", type=float, default=60.0,
-                        help="seconds a cluster may stay away before its jobs move")
+    broker.add_argument(
+        "--lost-after",
+        type=float,
+        default=60.0,
+        help="seconds a cluster may stay away before its jobs move",
+    )
     broker.add_argument("--log-level", default="INFO")
 
     agent = sub.add_parser("agent", help="run a member agent")
@@ -66,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     submit = _user_parser(sub, "submit", "submit a GPUJob from a YAML or JSON file ('-' = stdin)")
     submit.add_argument("file")
     submit.add_argument("--idempotency-key")
-    for name, text in [("get", "show one job"), ("cancel", "cancel a job"),
-                       ("why", "why a job is not running")]:
+    for name, text in [
+        ("get", "show one job"),
+        ("cancel", "cancel a job"),
+        ("why", "why a job is not running"),
+    ]:
         _user_parser(sub, name, text).add_argument("job_id")
     listing = _user_parser(sub, "list", "list jobs")
     listing.add_argument("--queue")
@@ -99,29 +110,55 @@ def _job_table(items: Sequence[dict[str, Any]]) -> str:
     for job in items:
         st = job["status"]
         gpus = sum(len(p.get("gpus", [])) for p in st.get("pods", []))
-        rows.append([job["id"], job["job"]["spec"]["queue"], st["state"], st.get("cluster") or "",
-                     gpus or "", job["created"][:19].replace("T", " ")])
+        rows.append(
+            [
+                job["id"],
+                job["job"]["spec"]["queue"],
+                st["state"],
+                st.get("cluster") or "",
+                gpus or "",
+                job["created"][:19].replace("T", " "),
+            ]
+        )
     return tables.render(["ID", "QUEUE", "STATE", "CLUSTER", "GPUS", "CREATED"], rows)
 
 
 def _job_detail(job: dict[str, Any]) -> str:
     st = job["status"]
-    lines = [f"Job:      {job['id']}  ({job['job']['metadata']['name']})",
-             f"Tenant:   {job['tenant']}   Queue: {job['job']['spec']['queue']}",
-             f"State:    {st['state']}" + (f" on {st['cluster']}" if st.get("cluster") else ""),
-             f"Trace:    {job.get('traceId') or '-'}"]
+    lines = [
+        f"Job:      {job['id']}  ({job['job']['metadata']['name']})",
+        f"Tenant:   {job['tenant']}   Queue: {job['job']['spec']['queue']}",
+        f"State:    {st['state']}" + (f" on {st['cluster']}" if st.get("cluster") else ""),
+        f"Trace:    {job.get('traceId') or '-'}",
+    ]
     if st.get("reasons"):
         lines.append("Waiting:  " + "; ".join(st["reasons"]))
     if st.get("pods"):
         lines.append("")
-        lines.append(tables.render(
-            ["POD", "NODE", "GPUS", "PHASE"],
-            [[p["name"], p["node"], ",".join(str(g["index"]) for g in p.get("gpus", [])),
-              p.get("phase", "")] for p in st["pods"]]))
+        lines.append(
+            tables.render(
+                ["POD", "NODE", "GPUS", "PHASE"],
+                [
+                    [
+                        p["name"],
+                        p["node"],
+                        ",".join(str(g["index"]) for g in p.get("gpus", [])),
+                        p.get("phase", ""),
+                    ]
+                    for p in st["pods"]
+                ],
+            )
+        )
     lines.append("")
-    lines.append(tables.render(
-        ["TIME", "STATE", "REASON", "MESSAGE"],
-        [[e["time"][11:23], e["state"], e["reason"], e.get("message", "")] for e in st["events"]]))
+    lines.append(
+        tables.render(
+            ["TIME", "STATE", "REASON", "MESSAGE"],
+            [
+                [e["time"][11:23], e["state"], e["reason"], e.get("message", "")]
+                for e in st["events"]
+            ],
+        )
+    )
     return "\n".join(lines)
 
 
@@ -155,17 +192,35 @@ async def _dispatch_user(args: argparse.Namespace, api: client_.BrokerClient) ->
         text += "\n" + (tables.render(["CLUSTER", "REASON"], rows) if rows else answer["message"])
         _print(args, answer, text)
     elif args.command == "list":
-        items = await api.list(queue=args.queue, state=args.state)
+        items = await api.jobs(queue=args.queue, state=args.state)
         _print(args, items, _job_table(items))
     elif args.command == "clusters":
         items = await api.clusters()
-        rows = [[c["name"], c["health"], m["model"], m["total"], m["free"], m["allocated"],
-                 m["unavailable"], c["running_jobs"]]
-                for c in items for m in (c["models"] or [{"model": "-", "total": "", "free": "",
-                                                           "allocated": "", "unavailable": ""}])]
-        _print(args, items, tables.render(
-            ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"],
-            rows))
+        rows = [
+            [
+                c["name"],
+                c["health"],
+                m["model"],
+                m["total"],
+                m["free"],
+                m["allocated"],
+                m["unavailable"],
+                c["running_jobs"],
+            ]
+            for c in items
+            for m in (
+                c["models"]
+                or [{"model": "-", "total": "", "free": "", "allocated": "", "unavailable": ""}]
+            )
+        ]
+        _print(
+            args,
+            items,
+            tables.render(
+                ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"],
+                rows,
+            ),
+        )
     return 0
 
 
@@ -176,13 +231,23 @@ def _run_broker(args: argparse.Namespace) -> int:
 
     logs.setup(service="gpufed-broker", level=args.log_level)
     settings = app.BrokerSettings(
-        store=args.store, tokens_file=Path(args.tokens), host=args.host, port=args.port,
-        heartbeat_seconds=args.heartbeat, lost_after_seconds=args.lost_after,
+        store=args.store,
+        tokens_file=Path(args.tokens),
+        host=args.host,
+        port=args.port,
+        heartbeat_seconds=args.heartbeat,
+        lost_after_seconds=args.lost_after,
     )
     if settings.store.startswith("sqlite:///"):
         Path(settings.store.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    web.run_app(app.create_app(settings), host=args.host, port=args.port, print=None,
-                access_log=None, handle_signals=True)
+    web.run_app(
+        app.create_app(settings),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        handle_signals=True,
+    )
     return 0
 
 
@@ -190,11 +255,17 @@ def _run_agent(args: argparse.Namespace) -> int:
     from member_agent import app as agent_app
 
     logs.setup(service="gpufed-agent", level=args.log_level)
-    settings = agent_app.AgentSettings.model_validate({
-        "broker_url": args.broker, "cluster": args.cluster, "token_file": args.token_file,
-        "backend": args.backend, "nodes_file": args.nodes, "limits_file": args.limits,
-        "metrics_port": args.metrics_port,
-    })
+    settings = agent_app.AgentSettings.model_validate(
+        {
+            "broker_url": args.broker,
+            "cluster": args.cluster,
+            "token_file": args.token_file,
+            "backend": args.backend,
+            "nodes_file": args.nodes,
+            "limits_file": args.limits,
+            "metrics_port": args.metrics_port,
+        }
+    )
     asyncio.run(agent_app.run_agent(settings))
     return 0
 

@@ -64,8 +64,9 @@ class BrokerClient:
         headers = {"Content-Type": "application/yaml" if yaml else "application/json"}
         if idempotency_key:
             headers["Idempotency-Key"] = idempotency_key
-        result: dict[str, Any] = await self._call("POST", "/v1/jobs", data=document,
-                                                  headers=headers)
+        result: dict[str, Any] = await self._call(
+            "POST", "/v1/jobs", data=document, headers=headers
+        )
         return result
 
     async def get(self, job_id: str) -> dict[str, Any]:
@@ -76,8 +77,9 @@ class BrokerClient:
         result: dict[str, Any] = await self._call("GET", f"/v1/jobs/{job_id}/why")
         return result
 
-    async def list(self, *, queue: str | None = None, state: str | None = None,
-                   limit: int = 1000) -> list[dict[str, Any]]:
+    async def jobs(
+        self, *, queue: str | None = None, state: str | None = None, limit: int = 1000
+    ) -> list[dict[str, Any]]:
         params = {"limit": str(limit)}
         if queue:
             params["queue"] = queue

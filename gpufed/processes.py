@@ -68,15 +68,22 @@ class Service:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-async def spawn(name: str, args: list[str], *, workdir: Path,
-                env: dict[str, str] | None = None) -> Service:
+async def spawn(
+    name: str, args: list[str], *, workdir: Path, env: dict[str, str] | None = None
+) -> Service:
     log = workdir / f"{name}.log"
     handle = log.open("ab")
     try:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gpufed.cli", *args,
-            stdout=handle, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, cwd=workdir,
+            sys.executable,
+            "-m",
+            "gpufed.cli",
+            *args,
+            stdout=handle,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=workdir,
         )
     finally:
         handle.close()
@@ -103,7 +110,7 @@ class Fleet:
         return f"http://127.0.0.1:{self.port}"
 
     def write_tokens(self, *, tenants: list[str], clusters: list[str]) -> Path:
-        entries = []
+        entries: list[dict[str, object]] = []
         for tenant in tenants:
             self.tokens[tenant] = secrets.token_urlsafe(24)
             entries.append({"token": self.tokens[tenant], "tenant": tenant})
@@ -122,20 +129,47 @@ class Fleet:
         if not self.port:
             self.port = free_port()
         store = self.store or f"sqlite:///{self.workdir / 'broker.db'}"
-        self.broker = await spawn("broker", [
-            "broker", "--store", store, "--tokens", str(self.workdir / "tokens.yaml"),
-            "--port", str(self.port), "--heartbeat", str(self.heartbeat),
-            "--lost-after", str(self.lost_after),
-        ], workdir=self.workdir, env=self.env)
+        self.broker = await spawn(
+            "broker",
+            [
+                "broker",
+                "--store",
+                store,
+                "--tokens",
+                str(self.workdir / "tokens.yaml"),
+                "--port",
+                str(self.port),
+                "--heartbeat",
+                str(self.heartbeat),
+                "--lost-after",
+                str(self.lost_after),
+            ],
+            workdir=self.workdir,
+            env=self.env,
+        )
         await self.wait_http("/readyz", self.broker)
         return self.broker
 
     async def start_agent(self, cluster: str, nodes: Path, *extra: str) -> Service:
-        service = await spawn(f"agent-{cluster}", [
-            "agent", "--broker", self.url, "--cluster", cluster,
-            "--token-file", str(self.workdir / f"{cluster}.token"),
-            "--backend", "simulated", "--nodes", str(nodes), *extra,
-        ], workdir=self.workdir, env=self.env)
+        service = await spawn(
+            f"agent-{cluster}",
+            [
+                "agent",
+                "--broker",
+                self.url,
+                "--cluster",
+                cluster,
+                "--token-file",
+                str(self.workdir / f"{cluster}.token"),
+                "--backend",
+                "simulated",
+                "--nodes",
+                str(nodes),
+                *extra,
+            ],
+            workdir=self.workdir,
+            env=self.env,
+        )
         self.agents[cluster] = service
         return service
 

@@ -30,31 +30,69 @@ class DemoJob:
         return total
 
 
-def _job(name: str, queue: str, *, gpus: int, replicas: int = 1, models: tuple[str, ...] = (),
-         seconds: float | None = None, annotations: dict[str, str] | None = None,
-         topology: dict[str, str] | None = None, priority: int = 0) -> dict[str, Any]:
+def _job(
+    name: str,
+    queue: str,
+    *,
+    gpus: int,
+    replicas: int = 1,
+    models: tuple[str, ...] = (),
+    seconds: float | None = None,
+    annotations: dict[str, str] | None = None,
+    topology: dict[str, str] | None = None,
+    priority: int = 0,
+) -> dict[str, Any]:
     notes = dict(annotations or {})
     if seconds is not None:
         notes["gpufed.io/sim-duration"] = f"{seconds:.1f}"
-    pod_spec: dict[str, Any] = {"containers": [{
-        "name": "main", "image": "nvcr.io/nvidia/pytorch:24.10-py3",
-        "resources": {"limits": {"nvidia.com/gpu": gpus, "cpu": "8", "memory": "64Gi"}},
-    }]}
+    pod_spec: dict[str, Any] = {
+        "containers": [
+            {
+                "name": "main",
+                "image": "nvcr.io/nvidia/pytorch:24.10-py3",
+                "resources": {"limits": {"nvidia.com/gpu": gpus, "cpu": "8", "memory": "64Gi"}},
+            }
+        ]
+    }
     if len(models) == 1:
         pod_spec["nodeSelector"] = {"nvidia.com/gpu.product": models[0]}
     elif models:
-        pod_spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [
-                {"key": "nvidia.com/gpu.product", "operator": "In", "values": list(models)}]}]}}}
+        pod_spec["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {
+                                    "key": "nvidia.com/gpu.product",
+                                    "operator": "In",
+                                    "values": list(models),
+                                }
+                            ]
+                        }
+                    ]
+                }
+            }
+        }
     spec: dict[str, Any] = {
-        "queue": queue, "priority": priority,
-        "tasks": [{"name": "worker", "replicas": replicas,
-                   "template": {"metadata": {"annotations": notes}, "spec": pod_spec}}],
+        "queue": queue,
+        "priority": priority,
+        "tasks": [
+            {
+                "name": "worker",
+                "replicas": replicas,
+                "template": {"metadata": {"annotations": notes}, "spec": pod_spec},
+            }
+        ],
     }
     if topology:
         spec["topology"] = topology
-    return {"apiVersion": "gpufed.io/v1", "kind": "GPUJob", "metadata": {"name": name},
-            "spec": spec}
+    return {
+        "apiVersion": "gpufed.io/v1",
+        "kind": "GPUJob",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 def build(count: int = 72, *, seed: int = 7) -> list[DemoJob]:
@@ -66,27 +104,58 @@ def build(count: int = 72, *, seed: int = 7) -> list[DemoJob]:
     n_dev = max(2, count - n_train - n_infer)
     for i in range(n_train):
         if i % 3 == 2:
-            doc = _job(f"train-a100-{i}", "research", gpus=rng.choice([4, 8]),
-                       replicas=rng.choice([2, 4]), models=(A100_SXM,),
-                       seconds=rng.uniform(3, 7), topology={"nvlink": "required"})
+            doc = _job(
+                f"train-a100-{i}",
+                "research",
+                gpus=rng.choice([4, 8]),
+                replicas=rng.choice([2, 4]),
+                models=(A100_SXM,),
+                seconds=rng.uniform(3, 7),
+                topology={"nvlink": "required"},
+            )
         else:
             rack = "required" if i % 4 == 0 else "preferred"
-            doc = _job(f"train-h100-{i}", "research", gpus=8, replicas=rng.choice([2, 3, 4]),
-                       models=(H100,), seconds=rng.uniform(3, 8), priority=10,
-                       topology={"nvlink": "required", "rack": rack})
+            doc = _job(
+                f"train-h100-{i}",
+                "research",
+                gpus=8,
+                replicas=rng.choice([2, 3, 4]),
+                models=(H100,),
+                seconds=rng.uniform(3, 8),
+                priority=10,
+                topology={"nvlink": "required", "rack": rack},
+            )
         out.append(DemoJob("training", "ml-research", doc, "Succeeded"))
     for i in range(n_infer):
         cancel = i < 3
         shared = {"gpufed.io/gpu-milli": "500"} if i % 4 == 1 else {}
-        doc = _job(f"serve-{i}", "inference", gpus=1, models=(L4, T4),
-                   seconds=None if cancel else rng.uniform(2, 6), annotations=shared)
-        out.append(DemoJob("inference", "serving", doc, "Cancelled" if cancel else "Succeeded",
-                           cancel_when_running=cancel))
+        doc = _job(
+            f"serve-{i}",
+            "inference",
+            gpus=1,
+            models=(L4, T4),
+            seconds=None if cancel else rng.uniform(2, 6),
+            annotations=shared,
+        )
+        out.append(
+            DemoJob(
+                "inference",
+                "serving",
+                doc,
+                "Cancelled" if cancel else "Succeeded",
+                cancel_when_running=cancel,
+            )
+        )
     for i in range(n_dev):
         fail = i < 3
         notes = {"gpufed.io/sim-outcome": "Failed:OOMKilled"} if fail else {}
-        doc = _job(f"dev-{i}", "dev", gpus=rng.choice([1, 1, 2, 4]),
-                   seconds=rng.uniform(1, 4), annotations=notes)
+        doc = _job(
+            f"dev-{i}",
+            "dev",
+            gpus=rng.choice([1, 1, 2, 4]),
+            seconds=rng.uniform(1, 4),
+            annotations=notes,
+        )
         out.append(DemoJob("dev", "ml-research", doc, "Failed" if fail else "Succeeded"))
     rng.shuffle(out)
     return out

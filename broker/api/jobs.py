@@ -166,12 +166,18 @@ def parse_cpu_milli(value: Quantity) -> int:
     text = str(value).strip()
     if text.endswith("m"):
         return int(float(text[:-1]))
-    return int(round(float(text) * 1000))
+    return round(float(text) * 1000)
 
 
 _MEM_UNITS = {
-    "Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 * 1024,
-    "K": 1000 / 1048576, "M": 1_000_000 / 1048576, "G": 1e9 / 1048576, "T": 1e12 / 1048576,
+    "Ki": 1 / 1024,
+    "Mi": 1,
+    "Gi": 1024,
+    "Ti": 1024 * 1024,
+    "K": 1000 / 1048576,
+    "M": 1_000_000 / 1048576,
+    "G": 1e9 / 1048576,
+    "T": 1e12 / 1048576,
 }
 
 

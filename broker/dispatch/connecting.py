@@ -73,8 +73,9 @@ class Sessions:
         epoch = await self.lifecycle.jobs.next_epoch(cluster_name)
         cluster = await self.fleet.attach(cluster_name, link, epoch=epoch)
         self.meters.agent_connected.labels(cluster=cluster_name).set(1)
-        logger.info("agent of %s connected, epoch %d, holding %d jobs",
-                    cluster_name, epoch, len(hello.jobs))
+        logger.info(
+            "agent of %s connected, epoch %d, holding %d jobs", cluster_name, epoch, len(hello.jobs)
+        )
         beating = asyncio.create_task(self._beat(link))
         try:
             await link.send(messages.Welcome(epoch=epoch, heartbeat_seconds=self.heartbeat))
@@ -149,8 +150,11 @@ class Sessions:
             for cluster in list(self.fleet.clusters.values()):
                 link = cluster.link
                 if link is not None and now - cluster.last_seen > 3 * self.heartbeat:
-                    logger.warning("agent of %s silent for %.1fs: closing its session",
-                                   cluster.name, now - cluster.last_seen)
+                    logger.warning(
+                        "agent of %s silent for %.1fs: closing its session",
+                        cluster.name,
+                        now - cluster.last_seen,
+                    )
                     await link.close(reason="heartbeat timeout")
                     self.fleet.detach(cluster.name, link)
                 if (

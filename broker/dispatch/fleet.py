@@ -62,9 +62,11 @@ class Cluster:
             models = {m.model: m for m in self.summary.models}
             models.update({m.model: m for m in incoming.models})
             self.summary = self.summary.model_copy(
-                update={"models": sorted(models.values(), key=lambda m: m.model),
-                        "seq": incoming.seq,
-                        "fragmentation_milli": incoming.fragmentation_milli}
+                update={
+                    "models": sorted(models.values(), key=lambda m: m.model),
+                    "seq": incoming.seq,
+                    "fragmentation_milli": incoming.fragmentation_milli,
+                }
             )
         # the agent sends a summary after each accepted offer: accepted placements are in it
         self.inflight = {k: v for k, v in self.inflight.items() if not v.accepted}

@@ -91,7 +91,9 @@ class Lifecycle:
             await self.jobs.save(record)
             await self._send_cancel(record.status.cluster, record.id, record.status.epoch, reason)
 
-    async def _send_cancel(self, cluster_name: str | None, job_id: str, epoch: int, reason: str) -> None:
+    async def _send_cancel(
+        self, cluster_name: str | None, job_id: str, epoch: int, reason: str
+    ) -> None:
         if cluster_name is None:
             return
         cluster = self.fleet.clusters.get(cluster_name)
@@ -234,8 +236,9 @@ class Lifecycle:
                 if not message.state.terminal:
                     await self._send_cancel(cluster.name, message.job_id, message.epoch, "Stale")
                 return
-            await self._apply_update(record, message.state, message.reason, message.message,
-                                     message.pods)
+            await self._apply_update(
+                record, message.state, message.reason, message.message, message.pods
+            )
 
     async def _apply_update(
         self,
@@ -288,10 +291,12 @@ class Lifecycle:
                     record.status.pods = list(job.pods) or record.status.pods
                     await self.jobs.save(record)
                     continue
-                await self._apply_update(record, job.state, "Reconciled",
-                                         "state reported on reconnect", job.pods)
+                await self._apply_update(
+                    record, job.state, "Reconciled", "state reported on reconnect", job.pods
+                )
             lost = [
-                r for r in self.jobs
+                r
+                for r in self.jobs
                 if r.status.cluster == cluster.name
                 and r.status.state in (JobState.DISPATCHED, JobState.RUNNING)
                 and r.id not in held
@@ -309,7 +314,8 @@ class Lifecycle:
         """The cluster stayed away past its grace period: run its jobs elsewhere."""
         async with self.lock:
             moved = [
-                r for r in self.jobs
+                r
+                for r in self.jobs
                 if r.status.cluster == name
                 and r.status.state in (JobState.DISPATCHED, JobState.RUNNING)
             ]
@@ -321,4 +327,3 @@ class Lifecycle:
             if moved:
                 await self.jobs.save_many(moved)
             return len(moved)
-

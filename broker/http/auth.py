@@ -84,13 +84,17 @@ class Authenticator:
     def identify(self, header: str | None) -> Principal:
         if not header:
             raise problems.Problem(
-                401, "Unauthorized", "missing bearer token (Authorization: Bearer <token>)",
+                401,
+                "Unauthorized",
+                "missing bearer token (Authorization: Bearer <token>)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise problems.Problem(
-                401, "Unauthorized", "the Authorization header must be 'Bearer <token>'",
+                401,
+                "Unauthorized",
+                "the Authorization header must be 'Bearer <token>'",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         digest = _digest(token.strip())

@@ -23,29 +23,38 @@ async def list_clusters(request: web.Request) -> web.Response:
     now = time.monotonic()
     running: dict[str, int] = {}
     for record in lifecycle.jobs:
-        if record.status.cluster and not record.status.state.terminal:
-            if record.status.state != status.JobState.QUEUED:
-                running[record.status.cluster] = running.get(record.status.cluster, 0) + 1
+        cluster_name = record.status.cluster
+        if cluster_name and record.status.state in (
+            status.JobState.DISPATCHED,
+            status.JobState.RUNNING,
+        ):
+            running[cluster_name] = running.get(cluster_name, 0) + 1
     views = []
     for name in sorted(fleet.clusters):
         cluster = fleet.clusters[name]
         models = []
         if cluster.summary is not None:
             for m in cluster.summary.models:
-                models.append(inventory.ModelTotals(
-                    model=m.model, total=m.total_gpus, free=m.free_gpus,
-                    allocated=m.total_gpus - m.free_gpus - m.unavailable_gpus,
-                    unavailable=m.unavailable_gpus,
-                ))
-        views.append(inventory.ClusterView(
-            name=name,
-            health=cluster.health(now=now, stale_after=fleet.stale_after),
-            connected=cluster.connected,
-            epoch=cluster.epoch,
-            last_seen_seconds=round(now - cluster.last_seen, 3) if cluster.last_seen else None,
-            models=models,
-            running_jobs=running.get(name, 0),
-        ))
+                models.append(
+                    inventory.ModelTotals(
+                        model=m.model,
+                        total=m.total_gpus,
+                        free=m.free_gpus,
+                        allocated=m.total_gpus - m.free_gpus - m.unavailable_gpus,
+                        unavailable=m.unavailable_gpus,
+                    )
+                )
+        views.append(
+            inventory.ClusterView(
+                name=name,
+                health=cluster.health(now=now, stale_after=fleet.stale_after),
+                connected=cluster.connected,
+                epoch=cluster.epoch,
+                last_seen_seconds=round(now - cluster.last_seen, 3) if cluster.last_seen else None,
+                models=models,
+                running_jobs=running.get(name, 0),
+            )
+        )
     return web.json_response({"items": [v.model_dump(mode="json") for v in views]})
 
 

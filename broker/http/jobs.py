@@ -44,7 +44,9 @@ async def _read_document(request: web.Request) -> Any:
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise problems.Problem(400, "Malformed YAML", f"the body is not valid YAML{where}") from None
+            raise problems.Problem(
+                400, "Malformed YAML", f"the body is not valid YAML{where}"
+            ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -113,7 +115,9 @@ async def list_jobs(request: web.Request) -> web.Response:
     state = request.query.get("state")
     if state is not None and state not in {s.value for s in status.JobState}:
         raise problems.Problem(
-            400, "Bad query", f"state: one of {', '.join(s.value for s in status.JobState)}",
+            400,
+            "Bad query",
+            f"state: one of {', '.join(s.value for s in status.JobState)}",
             field="state",
         )
     try:

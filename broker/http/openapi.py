@@ -13,15 +13,21 @@ PROBLEM = {"$ref": "#/components/schemas/Problem"}
 
 
 def _problem(description: str) -> dict[str, Any]:
-    return {"description": description,
-            "content": {"application/problem+json": {"schema": PROBLEM}}}
+    return {
+        "description": description,
+        "content": {"application/problem+json": {"schema": PROBLEM}},
+    }
 
 
 def build_spec() -> dict[str, Any]:
     _, schemas = models_json_schema(
-        [(jobs.GPUJob, "validation"), (status.JobRecord, "serialization"),
-         (status.JobList, "serialization"), (status.SubmitResponse, "serialization"),
-         (inventory.ClusterView, "serialization")],
+        [
+            (jobs.GPUJob, "validation"),
+            (status.JobRecord, "serialization"),
+            (status.JobList, "serialization"),
+            (status.SubmitResponse, "serialization"),
+            (inventory.ClusterView, "serialization"),
+        ],
         by_alias=True,
         ref_template="#/components/schemas/{model}",
     )
@@ -29,9 +35,12 @@ def build_spec() -> dict[str, Any]:
     components["Problem"] = {
         "type": "object",
         "properties": {
-            "type": {"type": "string"}, "title": {"type": "string"},
-            "status": {"type": "integer"}, "detail": {"type": "string"},
-            "field": {"type": "string"}, "instance": {"type": "string"},
+            "type": {"type": "string"},
+            "title": {"type": "string"},
+            "status": {"type": "integer"},
+            "detail": {"type": "string"},
+            "field": {"type": "string"},
+            "instance": {"type": "string"},
             "errors": {"type": "array", "items": {"type": "object"}},
         },
         "required": ["title", "status", "detail"],
@@ -54,14 +63,25 @@ def build_spec() -> dict[str, Any]:
             "/v1/jobs": {
                 "post": {
                     "summary": "Submit a GPUJob (JSON or YAML); Idempotency-Key honoured",
-                    "parameters": [{"name": "Idempotency-Key", "in": "header",
-                                    "schema": {"type": "string", "maxLength": 255}}],
-                    "requestBody": {"required": True, "content": {
-                        "application/json": {"schema": ref("GPUJob")},
-                        "application/yaml": {"schema": ref("GPUJob")}}},
+                    "parameters": [
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "schema": {"type": "string", "maxLength": 255},
+                        }
+                    ],
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": ref("GPUJob")},
+                            "application/yaml": {"schema": ref("GPUJob")},
+                        },
+                    },
                     "responses": {
-                        "202": {"description": "queued", "content": {
-                            "application/json": {"schema": ref("SubmitResponse")}}},
+                        "202": {
+                            "description": "queued",
+                            "content": {"application/json": {"schema": ref("SubmitResponse")}},
+                        },
                         "400": _problem("malformed body"),
                         "413": _problem("body over 1 MiB"),
                         "422": _problem("invalid job: the field is named"),
@@ -72,40 +92,83 @@ def build_spec() -> dict[str, Any]:
                     "summary": "List jobs of the caller's tenant",
                     "parameters": [
                         {"name": "queue", "in": "query", "schema": {"type": "string"}},
-                        {"name": "state", "in": "query", "schema": {
-                            "type": "string", "enum": [s.value for s in status.JobState]}},
+                        {
+                            "name": "state",
+                            "in": "query",
+                            "schema": {
+                                "type": "string",
+                                "enum": [s.value for s in status.JobState],
+                            },
+                        },
                         {"name": "limit", "in": "query", "schema": {"type": "integer"}},
                     ],
-                    "responses": {"200": {"description": "jobs", "content": {
-                        "application/json": {"schema": ref("JobList")}}}, **auth_errors},
+                    "responses": {
+                        "200": {
+                            "description": "jobs",
+                            "content": {"application/json": {"schema": ref("JobList")}},
+                        },
+                        **auth_errors,
+                    },
                 },
             },
             "/v1/jobs/{job_id}": {
                 "parameters": job_id,
-                "get": {"summary": "One job with its status and history", "responses": {
-                    "200": {"description": "the job", "content": {
-                        "application/json": {"schema": ref("JobRecord")}}},
-                    "404": _problem("no such job"), **auth_errors}},
-                "delete": {"summary": "Cancel a job", "responses": {
-                    "202": {"description": "cancelling", "content": {
-                        "application/json": {"schema": ref("JobRecord")}}},
-                    "404": _problem("no such job"), **auth_errors}},
+                "get": {
+                    "summary": "One job with its status and history",
+                    "responses": {
+                        "200": {
+                            "description": "the job",
+                            "content": {"application/json": {"schema": ref("JobRecord")}},
+                        },
+                        "404": _problem("no such job"),
+                        **auth_errors,
+                    },
+                },
+                "delete": {
+                    "summary": "Cancel a job",
+                    "responses": {
+                        "202": {
+                            "description": "cancelling",
+                            "content": {"application/json": {"schema": ref("JobRecord")}},
+                        },
+                        "404": _problem("no such job"),
+                        **auth_errors,
+                    },
+                },
             },
             "/v1/jobs/{job_id}/why": {
                 "parameters": job_id,
-                "get": {"summary": "Why a job is not placed, per cluster",
-                        "responses": {"200": {"description": "reasons"},
-                                      "404": _problem("no such job"), **auth_errors}},
+                "get": {
+                    "summary": "Why a job is not placed, per cluster",
+                    "responses": {
+                        "200": {"description": "reasons"},
+                        "404": _problem("no such job"),
+                        **auth_errors,
+                    },
+                },
             },
-            "/v1/clusters": {"get": {"summary": "Member clusters: health and GPUs by model",
-                                     "responses": {"200": {"description": "clusters"},
-                                                   **auth_errors}}},
-            "/v1/agents/connect": {"get": {"summary": "Agent WebSocket session (agent token)",
-                                           "responses": {"101": {"description": "upgraded"}}}},
+            "/v1/clusters": {
+                "get": {
+                    "summary": "Member clusters: health and GPUs by model",
+                    "responses": {"200": {"description": "clusters"}, **auth_errors},
+                }
+            },
+            "/v1/agents/connect": {
+                "get": {
+                    "summary": "Agent WebSocket session (agent token)",
+                    "responses": {"101": {"description": "upgraded"}},
+                }
+            },
             "/healthz": {"get": {"security": [], "responses": {"200": {"description": "alive"}}}},
-            "/readyz": {"get": {"security": [], "responses": {
-                "200": {"description": "ready"}, "503": _problem("not ready")}}},
-            "/metrics": {"get": {"security": [], "responses": {"200": {"description": "Prometheus"}}}},
+            "/readyz": {
+                "get": {
+                    "security": [],
+                    "responses": {"200": {"description": "ready"}, "503": _problem("not ready")},
+                }
+            },
+            "/metrics": {
+                "get": {"security": [], "responses": {"200": {"description": "Prometheus"}}}
+            },
         },
     }
 

@@ -109,8 +109,9 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
     except pydantic.ValidationError as exc:
         return respond(from_validation(exc), request.path)
     except web.HTTPRequestEntityTooLarge as exc:
-        return respond(Problem(413, "Body too large", exc.text or "the body is over 1 MiB"),
-                       request.path)
+        return respond(
+            Problem(413, "Body too large", exc.text or "the body is over 1 MiB"), request.path
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -118,11 +119,16 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
     except store_errors.TemporaryStoreError as exc:
         logger.warning("store unavailable: %s", exc)
         return respond(
-            Problem(503, "Store unavailable", "the broker's store did not answer; retry",
-                    headers={"Retry-After": "1"}),
+            Problem(
+                503,
+                "Store unavailable",
+                "the broker's store did not answer; retry",
+                headers={"Retry-After": "1"},
+            ),
             request.path,
         )
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
-        return respond(Problem(500, "Internal error", "the broker failed; see its logs"),
-                       request.path)
+        return respond(
+            Problem(500, "Internal error", "the broker failed; see its logs"), request.path
+        )

@@ -51,9 +51,7 @@ def _eligible_models(
     ]
 
 
-def _take_whole(
-    hist: list[int], gpus: int, *, max_block: int | None = None
-) -> int | None:
+def _take_whole(hist: list[int], gpus: int, *, max_block: int | None = None) -> int | None:
     """Best fit: the fullest node that still has `gpus` free. Mutates `hist`."""
     for free in range(gpus, len(hist)):
         if hist[free] > 0 and (max_block is None or gpus <= max_block):

@@ -46,9 +46,7 @@ class ClusterCapacity:
     summary_seq: int = 0
 
     @classmethod
-    def from_summary(
-        cls, summary: inventory.ClusterSummary, *, healthy: bool
-    ) -> ClusterCapacity:
+    def from_summary(cls, summary: inventory.ClusterSummary, *, healthy: bool) -> ClusterCapacity:
         return cls(
             name=summary.cluster,
             healthy=healthy,
