@@ -158,7 +158,8 @@ class EtcdStore:
 
         `rpc_timeout` bounds each unary call (seconds); watches are not bounded by it.
         """
-        failures = []
+        failures: builtins.list[str] = []
+        temporary = False
         for host, port in endpoints:
             client = aetcd.Client(
                 host=host, port=port, timeout=rpc_timeout, options=CHANNEL_OPTIONS
@@ -170,10 +171,12 @@ class EtcdStore:
                 await self._read_range(b"gpufed-probe", None, rpc_timeout=PROBE_TIMEOUT)
             except errors.StoreError as exc:
                 failures.append(f"{self.endpoint} ({exc})")
+                temporary = temporary or isinstance(exc, errors.TemporaryStoreError)
                 await client.close()
                 continue
             return self
-        raise errors.TemporaryStoreError(f"no etcd endpoint answers: {'; '.join(failures)}")
+        error = errors.TemporaryStoreError if temporary else errors.StoreError
+        raise error(f"no etcd endpoint answers: {'; '.join(failures)}")
 
     # -- the Store protocol ------------------------------------------------------------------
 

@@ -207,7 +207,7 @@ class SqliteStore:
         return self._conn
 
     def _connect(self) -> None:
-        conn = sqlite3.connect(self.path, isolation_level=None, timeout=2.0)
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=0.2)
         try:
             conn.execute("PRAGMA locking_mode = EXCLUSIVE")
             conn.execute("PRAGMA journal_mode = WAL")
