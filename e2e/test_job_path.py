@@ -25,8 +25,9 @@ L4 = "NVIDIA-L4"
 FINAL = {"Succeeded", "Failed", "Cancelled"}
 
 
-async def wait_state(api: Any, job_id: str, states: set[str], *, timeout: float = 30.0
-                     ) -> dict[str, Any]:
+async def wait_state(
+    api: Any, job_id: str, states: set[str], *, timeout: float = 30.0
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         job: dict[str, Any] = await api.get(job_id)
@@ -58,8 +59,10 @@ async def free_gpus(fleet: processes.Fleet, cluster: str) -> tuple[int, int]:
     async with fleet.client("admin") as admin:
         for item in await admin.clusters():
             if item["name"] == cluster:
-                return (sum(m["free"] for m in item["models"]),
-                        sum(m["total"] for m in item["models"]))
+                return (
+                    sum(m["free"] for m in item["models"]),
+                    sum(m["total"] for m in item["models"]),
+                )
     raise AssertionError(f"no cluster {cluster}")
 
 

@@ -225,11 +225,16 @@ async def _dispatch_user(args: argparse.Namespace, api: client_.BrokerClient) ->
 
 
 def _run_broker(args: argparse.Namespace) -> int:
-    from aiohttp import web
+    from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
 
     from broker import app
+    from broker.telemetry import tracing
 
     logs.setup(service="gpufed-broker", level=args.log_level)
+    tracing.setup("gpufed-broker")
+    # before any Application is created: the instrumentor patches the class
+    AioHttpServerInstrumentor().instrument()
+    from aiohttp import web
     settings = app.BrokerSettings(
         store=args.store,
         tokens_file=Path(args.tokens),
@@ -240,21 +245,27 @@ def _run_broker(args: argparse.Namespace) -> int:
     )
     if settings.store.startswith("sqlite:///"):
         Path(settings.store.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    web.run_app(
-        app.create_app(settings),
-        host=args.host,
-        port=args.port,
-        print=None,
-        access_log=None,
-        handle_signals=True,
-    )
+    try:
+        web.run_app(
+            app.create_app(settings),
+            host=args.host,
+            port=args.port,
+            print=None,
+            access_log=None,
+            handle_signals=True,
+        )
+    finally:
+        tracing.shutdown()
     return 0
 
 
 def _run_agent(args: argparse.Namespace) -> int:
     from member_agent import app as agent_app
 
+    from broker.telemetry import tracing
+
     logs.setup(service="gpufed-agent", level=args.log_level)
+    tracing.setup("gpufed-agent", cluster=args.cluster)
     settings = agent_app.AgentSettings.model_validate(
         {
             "broker_url": args.broker,
@@ -266,7 +277,10 @@ def _run_agent(args: argparse.Namespace) -> int:
             "metrics_port": args.metrics_port,
         }
     )
-    asyncio.run(agent_app.run_agent(settings))
+    try:
+        asyncio.run(agent_app.run_agent(settings))
+    finally:
+        tracing.shutdown()
     return 0
 
 

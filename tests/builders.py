@@ -44,10 +44,23 @@ class JobBuilder:
         if len(models) == 1:
             spec["nodeSelector"] = {"nvidia.com/gpu.product": models[0]}
         else:
-            spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchExpressions": [
-                    {"key": "nvidia.com/gpu.product", "operator": "In", "values": list(models)}
-                ]}]}}}
+            spec["affinity"] = {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {
+                                        "key": "nvidia.com/gpu.product",
+                                        "operator": "In",
+                                        "values": list(models),
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                }
+            }
         return self
 
     def duration(self, seconds: float) -> JobBuilder:
@@ -116,12 +129,14 @@ def make_model_summary(
         free_gpus=free,
         nodes_by_free=nodes_by_free,
         shared_free_milli=shared_free_milli,
-        largest_free_nvlink_block=nvlink_block if nvlink_block is not None else max(
-            (k for k, n in enumerate(nodes_by_free) if n), default=0),
+        largest_free_nvlink_block=nvlink_block
+        if nvlink_block is not None
+        else max((k for k, n in enumerate(nodes_by_free) if n), default=0),
         racks=racks or {},
     )
 
 
-def make_summary(cluster: str, *models: inventory.ModelSummary, seq: int = 1
-                 ) -> inventory.ClusterSummary:
+def make_summary(
+    cluster: str, *models: inventory.ModelSummary, seq: int = 1
+) -> inventory.ClusterSummary:
     return inventory.ClusterSummary(cluster=cluster, seq=seq, models=list(models))

@@ -105,6 +105,8 @@ class Topology(_Strict):
 class JobSpec(_Strict):
     queue: Annotated[str, Field(min_length=1, max_length=63)]
     priority: int = 0
+    # a priority class of the broker's queues configuration; wins over `priority`
+    priority_class: Annotated[str | None, Field(max_length=63, alias="priorityClass")] = None
     tasks: Annotated[list[Task], Field(min_length=1, max_length=64)]
     gang: Gang = Field(default_factory=Gang)
     topology: Topology = Field(default_factory=Topology)

@@ -94,6 +94,7 @@ class JobRecord(_Model):
     status: JobStatus = Field(default_factory=JobStatus)
     created: datetime = Field(default_factory=utcnow)
     traceparent: str | None = None
+    trace_parent: str | None = Field(None, alias="traceParent")
     trace_id: str | None = Field(None, alias="traceId")
     idempotency_key: str | None = Field(None, alias="idempotencyKey")
 

@@ -18,7 +18,7 @@ from broker.api.status import JobState
 from broker.dispatch import fleet as fleet_
 from broker.scheduler import fitting, planning, snapshot
 from broker.state import errors, records
-from broker.telemetry import metrics
+from broker.telemetry import jobspans, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +44,19 @@ class Lifecycle:
         self.queued: set[str] = {r.id for r in jobs if r.status.state == JobState.QUEUED}
         self.why: dict[str, tuple[str, ...]] = {}
         self.wakeup = asyncio.Event()
+        self.spans = jobspans.JobSpans()
 
     # ---- transitions ------------------------------------------------------------------
 
     def _move(self, record: status.JobRecord, state: JobState, reason: str, msg: str = "") -> None:
         before = record.status.state
+        queued_at = record.status.events[-1].time if record.status.events else record.created
         record.record(state, reason, msg)
+        now = record.status.events[-1].time
+        if state == JobState.DISPATCHED:
+            self.spans.dispatched(record, queued_at=queued_at, now=now)
+        elif state.terminal:
+            self.spans.finished(record, now=now)
         if state == JobState.QUEUED:
             self.queued.add(record.id)
             self.wakeup.set()
@@ -129,8 +136,10 @@ class Lifecycle:
 
     async def dispatch(self, plan: planning.CyclePlan) -> int:
         """Commit a cycle's plan (Dispatched) and send the offers. Returns offers sent."""
+        now = status.utcnow()
         for miss in plan.unplaceable:
             self.why[miss.job_id] = miss.reasons
+            self.spans.waiting(miss.job_id, miss.reasons, now=now)
         async with self.lock:
             chosen: list[tuple[status.JobRecord, planning.Assignment, fleet_.Cluster]] = []
             for assignment in plan.assignments:
@@ -178,7 +187,7 @@ class Lifecycle:
                 epoch=record.status.epoch,
                 tenant=record.tenant,
                 job=record.job,
-                traceparent=record.traceparent,
+                traceparent=self.spans.offer_traceparent(record),
             )
             try:
                 await link.send(offer)
@@ -201,6 +210,7 @@ class Lifecycle:
             flight = cluster.inflight.get(message.job_id)
             if flight is not None:
                 flight.accepted = True
+            self.spans.answered(message.job_id, accepted=True)
             if record is None:
                 await self._send_cancel(cluster.name, message.job_id, message.epoch, "Stale")
                 return
@@ -216,6 +226,7 @@ class Lifecycle:
     async def rejected(self, cluster: fleet_.Cluster, message: messages.Rejected) -> None:
         async with self.lock:
             cluster.inflight.pop(message.job_id, None)
+            self.spans.answered(message.job_id, accepted=False, reasons=message.reasons)
             record = self._owned(cluster.name, message.job_id)
             if record is None or record.status.state != JobState.DISPATCHED:
                 return

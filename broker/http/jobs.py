@@ -14,6 +14,7 @@ from aiohttp import web
 from broker.api import jobs, status
 from broker.dispatch import lifecycle as lifecycle_
 from broker.http import auth, problems
+from broker.telemetry import jobspans, tracing
 
 LIFECYCLE = web.AppKey("lifecycle", lifecycle_.Lifecycle)
 MAX_BODY = 1024 * 1024
@@ -23,11 +24,6 @@ YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yam
 
 def new_job_id(name: str) -> str:
     return f"{name[:50].rstrip('-')}-{''.join(secrets.choice(_ID_CHARS) for _ in range(8))}"
-
-
-def new_traceparent() -> tuple[str, str]:
-    trace_id = secrets.token_hex(16)
-    return f"00-{trace_id}-{secrets.token_hex(8)}-01", trace_id
 
 
 async def _read_document(request: web.Request) -> Any:
@@ -82,16 +78,26 @@ async def submit(request: web.Request) -> web.Response:
         existing = await lifecycle.jobs.find_idempotent(principal.name, key)
         if existing is not None:
             return _submitted(existing, replayed=True)
-    traceparent, trace_id = new_traceparent()
+    traceparent, parent = lifecycle.spans.new_trace()
     record = status.JobRecord(
         id=new_job_id(job.metadata.name),
         tenant=principal.name,
         job=job,
         traceparent=traceparent,
-        trace_id=trace_id,
+        trace_parent=parent,
+        trace_id=traceparent.split("-")[1],
         idempotency_key=key,
     )
-    stored = await lifecycle.submit(record)
+    with jobspans.tracer.start_as_current_span(
+        "job.submit",
+        context=tracing.context_of(traceparent),
+        attributes={
+            "gpufed.job": record.id,
+            "gpufed.tenant": record.tenant,
+            "gpufed.queue": job.spec.queue,
+        },
+    ):
+        stored = await lifecycle.submit(record)
     return _submitted(stored, replayed=stored is not record)
 
 

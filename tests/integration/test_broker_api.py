@@ -36,8 +36,9 @@ async def api(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
         await client.close()
 
 
-async def submit(api: TestClient[Any, Any], doc: Any, headers: dict[str, str] | None = None,
-                 **kw: Any) -> Any:
+async def submit(
+    api: TestClient[Any, Any], doc: Any, headers: dict[str, str] | None = None, **kw: Any
+) -> Any:
     body = io.BytesIO((doc if isinstance(doc, str) else json.dumps(doc)).encode())
     return await api.post("/v1/jobs", data=body, headers={**TEAM_A, **(headers or {})}, **kw)
 
@@ -106,7 +107,8 @@ GPU_PATH = "spec.tasks.0.template.spec.containers.0.resources.limits.nvidia.com/
 def _gpus(value: Any) -> dict[str, Any]:
     doc = make_job("bad", gpus=1).document()
     doc["spec"]["tasks"][0]["template"]["spec"]["containers"][0]["resources"]["limits"] = {
-        "nvidia.com/gpu": value}
+        "nvidia.com/gpu": value
+    }
     return doc
 
 
@@ -114,8 +116,7 @@ def _gpus(value: Any) -> dict[str, Any]:
     ("body", "headers", "status", "field"),
     [
         pytest.param("{not json", {}, 400, None, id="malformed JSON"),
-        pytest.param("a: [b", {"Content-Type": "application/yaml"}, 400, None,
-                     id="malformed YAML"),
+        pytest.param("a: [b", {"Content-Type": "application/yaml"}, 400, None, id="malformed YAML"),
         pytest.param("[]", {}, 422, None, id="not an object"),
         pytest.param(_with("spec.colour", "blue"), {}, 422, "spec.colour", id="unknown field"),
         pytest.param(_with("spec.queue", _DELETE), {}, 422, "spec.queue", id="missing queue"),
@@ -124,15 +125,25 @@ def _gpus(value: Any) -> dict[str, Any]:
         pytest.param(_gpus(1.5), {}, 422, "limits[nvidia.com/gpu]", id="fractional GPUs"),
         pytest.param(_gpus("two"), {}, 422, "limits[nvidia.com/gpu]", id="non-integer GPUs"),
         pytest.param(_gpus(16), {}, 422, "limits[nvidia.com/gpu]", id="more GPUs than a node"),
-        pytest.param(_with("spec.gang", {"minMember": 5}), {}, 422, "gang.minMember",
-                     id="minMember above replicas"),
-        pytest.param(_with("metadata.name", "x" * 64), {}, 422, "metadata.name",
-                     id="name over 63 characters"),
-        pytest.param(_with("metadata.name", "Not_A_Label"), {}, 422, "metadata.name",
-                     id="name not a DNS label"),
+        pytest.param(
+            _with("spec.gang", {"minMember": 5}),
+            {},
+            422,
+            "gang.minMember",
+            id="minMember above replicas",
+        ),
+        pytest.param(
+            _with("metadata.name", "x" * 64), {}, 422, "metadata.name", id="name over 63 characters"
+        ),
+        pytest.param(
+            _with("metadata.name", "Not_A_Label"),
+            {},
+            422,
+            "metadata.name",
+            id="name not a DNS label",
+        ),
         pytest.param(_with("spec.tasks", []), {}, 422, "spec.tasks", id="no tasks"),
-        pytest.param(_with("apiVersion", "batch/v1"), {}, 422, "apiVersion",
-                     id="wrong apiVersion"),
+        pytest.param(_with("apiVersion", "batch/v1"), {}, 422, "apiVersion", id="wrong apiVersion"),
         pytest.param("x" * (1024 * 1024 + 10), {}, 413, None, id="body over 1 MiB"),
         pytest.param("", {}, 400, None, id="empty body"),
     ],
@@ -163,8 +174,7 @@ async def test_bad_input_is_a_4xx_naming_the_field_and_stores_nothing(
 async def test_wrong_or_missing_token(
     api: TestClient[Any, Any], headers: dict[str, str], status: int
 ) -> None:
-    response = await api.post("/v1/jobs", data=json.dumps(make_job().document()),
-                              headers=headers)
+    response = await api.post("/v1/jobs", data=json.dumps(make_job().document()), headers=headers)
     assert response.status == status
     assert (await response.json())["detail"]
     assert await count_jobs(api) == 0

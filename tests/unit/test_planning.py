@@ -24,19 +24,25 @@ def hist(**free: int) -> list[int]:
     return out
 
 
-def fleet(*summaries: inventory.ClusterSummary, unhealthy: tuple[str, ...] = ()
-          ) -> snapshot.FleetSnapshot:
-    return snapshot.FleetSnapshot.build([
-        snapshot.ClusterCapacity.from_summary(s, healthy=s.cluster not in unhealthy)
-        for s in summaries
-    ])
+def fleet(
+    *summaries: inventory.ClusterSummary, unhealthy: tuple[str, ...] = ()
+) -> snapshot.FleetSnapshot:
+    return snapshot.FleetSnapshot.build(
+        [
+            snapshot.ClusterCapacity.from_summary(s, healthy=s.cluster not in unhealthy)
+            for s in summaries
+        ]
+    )
 
 
 def pending(builder, job_id: str, *, minutes: int = 0, excluded=()) -> snapshot.PendingJob:
     job = builder.build()
     return snapshot.PendingJob(
-        job_id=job_id, queue=job.spec.queue, priority=job.spec.priority,
-        created=T0 + timedelta(minutes=minutes), request=builder.request(job_id),
+        job_id=job_id,
+        queue=job.spec.queue,
+        priority=job.spec.priority,
+        created=T0 + timedelta(minutes=minutes),
+        request=builder.request(job_id),
         excluded=frozenset(excluded),
     )
 
@@ -45,36 +51,70 @@ def pending(builder, job_id: str, *, minutes: int = 0, excluded=()) -> snapshot.
     ("summaries", "job", "expected"),
     [
         pytest.param(
-            [make_summary("a", make_model_summary(A100, nodes_by_free=hist(f8=4))),
-             make_summary("h", make_model_summary(H100, nodes_by_free=hist(f8=4)))],
-            make_job(gpus=8).model(H100).gang(2), "h", id="gpu model decides the cluster"),
+            [
+                make_summary("a", make_model_summary(A100, nodes_by_free=hist(f8=4))),
+                make_summary("h", make_model_summary(H100, nodes_by_free=hist(f8=4))),
+            ],
+            make_job(gpus=8).model(H100).gang(2),
+            "h",
+            id="gpu model decides the cluster",
+        ),
         pytest.param(
-            [make_summary("a", make_model_summary(H100, nodes_by_free=hist(f8=1, f0=7))),
-             make_summary("b", make_model_summary(H100, nodes_by_free=hist(f8=3)))],
-            make_job(gpus=8).gang(2), "b", id="gang of 2 x 8 needs two free nodes"),
+            [
+                make_summary("a", make_model_summary(H100, nodes_by_free=hist(f8=1, f0=7))),
+                make_summary("b", make_model_summary(H100, nodes_by_free=hist(f8=3))),
+            ],
+            make_job(gpus=8).gang(2),
+            "b",
+            id="gang of 2 x 8 needs two free nodes",
+        ),
         pytest.param(
-            [make_summary("a", make_model_summary(H100, nodes_by_free=hist(f8=4))),
-             make_summary("b", make_model_summary(H100, nodes_by_free=hist(f2=1, f8=1)))],
-            make_job(gpus=2), "b", id="tightest fit wins: a 2-GPU pod on a node with 2 free"),
+            [
+                make_summary("a", make_model_summary(H100, nodes_by_free=hist(f8=4))),
+                make_summary("b", make_model_summary(H100, nodes_by_free=hist(f2=1, f8=1))),
+            ],
+            make_job(gpus=2),
+            "b",
+            id="tightest fit wins: a 2-GPU pod on a node with 2 free",
+        ),
         pytest.param(
-            [make_summary("a", make_model_summary(L4, nodes_by_free=hist(f1=1),
-                                                  gpu_memory_mib=24576)),
-             make_summary("b", make_model_summary(H100, nodes_by_free=hist(f8=1)))],
-            make_job(gpus=1).annotate("gpufed.io/min-gpu-memory-mib", "40000"), "b",
-            id="min GPU memory excludes the small GPU"),
+            [
+                make_summary(
+                    "a", make_model_summary(L4, nodes_by_free=hist(f1=1), gpu_memory_mib=24576)
+                ),
+                make_summary("b", make_model_summary(H100, nodes_by_free=hist(f8=1))),
+            ],
+            make_job(gpus=1).annotate("gpufed.io/min-gpu-memory-mib", "40000"),
+            "b",
+            id="min GPU memory excludes the small GPU",
+        ),
         pytest.param(
-            [make_summary("a", make_model_summary(
-                H100, nodes_by_free=hist(f8=4), racks={"r1": hist(f8=2), "r2": hist(f8=2)})),
-             make_summary("b", make_model_summary(
-                H100, nodes_by_free=hist(f8=4), racks={"r1": hist(f8=4)}))],
-            make_job(gpus=8).gang(3).topology(rack="required"), "b",
-            id="rack required: only a rack with 3 free nodes"),
+            [
+                make_summary(
+                    "a",
+                    make_model_summary(
+                        H100, nodes_by_free=hist(f8=4), racks={"r1": hist(f8=2), "r2": hist(f8=2)}
+                    ),
+                ),
+                make_summary(
+                    "b",
+                    make_model_summary(H100, nodes_by_free=hist(f8=4), racks={"r1": hist(f8=4)}),
+                ),
+            ],
+            make_job(gpus=8).gang(3).topology(rack="required"),
+            "b",
+            id="rack required: only a rack with 3 free nodes",
+        ),
         pytest.param(
-            [make_summary("a", make_model_summary(A100, nodes_by_free=hist(f8=2))),
-             make_summary("b", make_model_summary(H100, nodes_by_free=hist(f4=1))),
-             make_summary("c", make_model_summary(L4, nodes_by_free=hist(f4=1)))],
-            make_job(gpus=4).model(A100, H100), "b",
-            id="models list: any allowed model, tightest fit"),
+            [
+                make_summary("a", make_model_summary(A100, nodes_by_free=hist(f8=2))),
+                make_summary("b", make_model_summary(H100, nodes_by_free=hist(f4=1))),
+                make_summary("c", make_model_summary(L4, nodes_by_free=hist(f4=1))),
+            ],
+            make_job(gpus=4).model(A100, H100),
+            "b",
+            id="models list: any allowed model, tightest fit",
+        ),
     ],
 )
 def test_choose_cluster(summaries, job, expected) -> None:
@@ -86,18 +126,41 @@ def test_choose_cluster(summaries, job, expected) -> None:
 @pytest.mark.parametrize(
     ("summaries", "job", "unhealthy", "reason"),
     [
-        pytest.param([make_summary("a", make_model_summary(A100, nodes_by_free=hist(f8=4)))],
-                     make_job(gpus=8).model(H100), (), "no GPU of model", id="wrong model"),
-        pytest.param([make_summary("a", make_model_summary(H100, nodes_by_free=hist(f8=1)))],
-                     make_job(gpus=8).gang(2), (), "needs 2 node(s) with 8 free",
-                     id="gang larger than free nodes"),
-        pytest.param([make_summary("a", make_model_summary(H100, nodes_by_free=hist(f8=4)))],
-                     make_job(gpus=1), ("a",), "cluster unhealthy", id="unhealthy cluster"),
-        pytest.param([make_summary("a", make_model_summary(
-                         H100, nodes_by_free=hist(f8=4), racks={"r1": hist(f8=2),
-                                                                "r2": hist(f8=2)}))],
-                     make_job(gpus=8).gang(3).topology(rack="required"), (),
-                     "no single rack", id="rack required but split"),
+        pytest.param(
+            [make_summary("a", make_model_summary(A100, nodes_by_free=hist(f8=4)))],
+            make_job(gpus=8).model(H100),
+            (),
+            "no GPU of model",
+            id="wrong model",
+        ),
+        pytest.param(
+            [make_summary("a", make_model_summary(H100, nodes_by_free=hist(f8=1)))],
+            make_job(gpus=8).gang(2),
+            (),
+            "needs 2 node(s) with 8 free",
+            id="gang larger than free nodes",
+        ),
+        pytest.param(
+            [make_summary("a", make_model_summary(H100, nodes_by_free=hist(f8=4)))],
+            make_job(gpus=1),
+            ("a",),
+            "cluster unhealthy",
+            id="unhealthy cluster",
+        ),
+        pytest.param(
+            [
+                make_summary(
+                    "a",
+                    make_model_summary(
+                        H100, nodes_by_free=hist(f8=4), racks={"r1": hist(f8=2), "r2": hist(f8=2)}
+                    ),
+                )
+            ],
+            make_job(gpus=8).gang(3).topology(rack="required"),
+            (),
+            "no single rack",
+            id="rack required but split",
+        ),
     ],
 )
 def test_unplaceable_says_why(summaries, job, unhealthy, reason) -> None:

@@ -4,15 +4,22 @@ Called by the agent (binding an offer), by `gpufed simulate` and by the benchmar
 is a value: a GangPlacement, or Unplaceable with sorted reasons; the inventory is not changed
 (the caller applies the placement when it commits to it).
 
-This first version is a first-fit; `placement/` grows scoring policies behind the same call.
+The gang is solved as one unit on scratch copies of the nodes: pods are taken largest first,
+each goes to the feasible node the policy scores highest (ties: lowest rank), and the scratch
+state carries its GPUs, CPU and memory to the next pod. Topology (rack, NVLink domain) narrows
+the nodes to one group at a time (`topology.plan_groups`). With `min_member` below the pod
+count, pods that do not fit are left out as long as `min_member` are placed; otherwise
+nothing is placed and `explaining` says why.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from broker.api import jobs, status
 from member_agent.inventory import model
+from member_agent.placement import explaining, filtering, indexing, policies, scoring, topology
 
 
 @dataclass(frozen=True)
@@ -31,57 +38,125 @@ class GangPlacement:
     pods: tuple[PlacedPod, ...]
 
 
-def _fits(node: model.Node, shape: jobs.PodShape) -> list[status.GPUSlot] | None:
-    if not node.available:
-        return None
-    if shape.models and node.model not in shape.models:
-        return None
-    if shape.min_gpu_memory_mib and node.gpu_memory_mib < shape.min_gpu_memory_mib:
-        return None
-    if node.cpu_free < shape.cpu_milli or node.memory_free < shape.memory_mib:
-        return None
-    if shape.gpus == 0:
-        return []
-    if shape.gpu_milli < model.GPU_MILLI:
-        for index, free in enumerate(node.gpu_free):
-            if free >= shape.gpu_milli:
-                return [status.GPUSlot(index=index, milli=shape.gpu_milli)]
-        return None
-    whole = [i for i, free in enumerate(node.gpu_free) if free == model.GPU_MILLI]
-    if len(whole) < shape.gpus:
-        return None
-    return [status.GPUSlot(index=i) for i in whole[: shape.gpus]]
+@dataclass(frozen=True)
+class _Pod:
+    name: str
+    task: str
+    shape: jobs.PodShape
+    demand: filtering.Demand
 
 
 def place_gang(
-    inventory: model.Inventory, request: jobs.GangRequest, *, policy: str = "default"
+    inventory: model.Inventory,
+    request: jobs.GangRequest,
+    *,
+    policy: str | scoring.Scorer = policies.DEFAULT,
+    index: indexing.FreeIndex | None = None,
 ) -> GangPlacement | Unplaceable:
-    """Choose node and GPUs for every pod of `request`, or say why it cannot be done."""
-    del policy
-    scratch: dict[str, model.Node] = {}
-    placed: list[PlacedPod] = []
-    for pod_name, task, shape in request.pod_names():
-        chosen = None
-        for node in inventory:
-            view = scratch.get(node.name, node)
-            slots = _fits(view, shape)
-            if slots is not None:
-                chosen = (view, slots)
-                break
-        if chosen is None:
-            return Unplaceable(reasons=(f"pod {pod_name}: no node has room for {shape}",))
-        view, slots = chosen
-        if view.name not in scratch:
-            view = model.Node(**{**view.__dict__, "gpu_free": list(view.gpu_free)})
-            scratch[view.name] = view
-        for slot in slots:
-            view.gpu_free[slot.index] -= slot.milli
-        view.cpu_free -= shape.cpu_milli
-        view.memory_free -= shape.memory_mib
-        placed.append(
-            PlacedPod(
-                placement=status.PodPlacement(name=pod_name, task=task, node=view.name, gpus=slots),
-                shape=shape,
-            )
+    """Choose node and GPUs for every pod of `request`, or say why it cannot be done.
+
+    `policy` is a registry name (`policies.names()`) or a plug-in object. `index` is a
+    `FreeIndex` of `inventory` kept current by the caller; without it one is built.
+    """
+    scorer = policies.resolve(policy)
+    free_index = index if index is not None else indexing.FreeIndex.build(inventory)
+    nvlink = request.topology.nvlink == jobs.TopologyMode.REQUIRED
+    pods = [
+        _Pod(name, task, shape, filtering.demand_of(shape, nvlink=nvlink))
+        for name, task, shape in request.pod_names()
+    ]
+    order = sorted(range(len(pods)), key=lambda i: (-pods[i].demand.gpu_total, i))
+    gang_milli = sum(pod.demand.gpu_total for pod in pods)
+    groups = topology.plan_groups(free_index.entries.values(), request, gang_milli=gang_milli)
+    for group in groups:
+        chosen = _place_in_group(free_index, pods, order, scorer, request, group.names)
+        if chosen is not None:
+            return GangPlacement(pods=tuple(chosen))
+    return Unplaceable(
+        reasons=explaining.explain(
+            free_index,
+            [pod.demand for pod in pods],
+            min_member=request.min_member,
+            groups=[group.label for group in groups if group.label],
         )
-    return GangPlacement(pods=tuple(placed))
+    )
+
+
+def _place_in_group(
+    free_index: indexing.FreeIndex,
+    pods: Sequence[_Pod],
+    order: Sequence[int],
+    scorer: scoring.Scorer,
+    request: jobs.GangRequest,
+    names: frozenset[str] | None,
+) -> list[PlacedPod] | None:
+    scratch: dict[str, indexing.Entry] = {}
+    placed: dict[int, PlacedPod] = {}
+    missing = 0
+    allowed_missing = len(pods) - min(request.min_member, len(pods))
+    for i in order:
+        pod = pods[i]
+        entry = choose_node(free_index, pod.demand, scorer, job_id=request.job_id,
+                            scratch=scratch, names=names)  # fmt: skip
+        if entry is None:
+            missing += 1
+            if missing > allowed_missing:
+                return None
+            continue
+        slots = scorer.slots(entry, pod.demand)
+        if entry.name not in scratch:
+            entry = entry.copy()
+            scratch[entry.name] = entry
+        entry.take(slots, cpu_milli=pod.demand.cpu_milli, memory_mib=pod.demand.memory_mib)
+        placed[i] = PlacedPod(
+            placement=status.PodPlacement(
+                name=pod.name,
+                task=pod.task,
+                node=entry.name,
+                gpus=[status.GPUSlot(index=index, milli=milli) for index, milli in slots],
+            ),
+            shape=pod.shape,
+        )
+    return [placed[i] for i in sorted(placed)]
+
+
+def choose_node(
+    free_index: indexing.FreeIndex,
+    demand: filtering.Demand,
+    scorer: scoring.Scorer,
+    *,
+    job_id: str = "",
+    scratch: dict[str, indexing.Entry] | None = None,
+    names: frozenset[str] | None = None,
+) -> indexing.Entry | None:
+    """The best feasible node for one pod (scratch copies override indexed entries)."""
+    candidates = free_index.candidates(
+        models=demand.models, gpus=demand.gpus, gpu_milli=demand.gpu_milli
+    )
+    fits = filtering.fits
+    if scorer.randomised:
+        feasible = []
+        for entry in candidates:
+            if scratch:
+                entry = scratch.get(entry.name, entry)
+            if (names is None or entry.name in names) and fits(entry, demand):
+                feasible.append(entry)
+        if not feasible:
+            return None
+        feasible.sort(key=lambda entry: entry.rank)
+        return scorer.pick(feasible, job_id=job_id)
+    score = scorer.score
+    best: indexing.Entry | None = None
+    best_score = 0.0
+    best_rank = 0
+    for entry in candidates:
+        if scratch:
+            entry = scratch.get(entry.name, entry)
+        if names is not None and entry.name not in names:
+            continue
+        if not fits(entry, demand):
+            continue
+        value = score(entry, demand)
+        if best is None or value > best_score or (value == best_score and entry.rank < best_rank):
+            best, best_score, best_rank = entry, value, entry.rank
+    return best

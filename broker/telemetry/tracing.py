@@ -1,0 +1,132 @@
+"""Tracing: one trace per job, from submit to its final state, across broker and agent.
+
+Setup reads the standard `OTEL_*` variables: spans are exported over OTLP (http/protobuf by
+default, grpc when `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL=grpc`) only when an endpoint is set;
+the sampler, headers and timeouts are the SDK's own `OTEL_*` settings.
+
+A job's trace: the HTTP request span → `job` (submit to final state) → `job.submit`,
+`job.queue` (with the reasons it waited as events), `job.schedule`, `job.dispatch` → (agent)
+`agent.place`, `agent.bind`, `job.running`. The `job` span's ids are chosen at submit and
+kept with the job, so spans minutes apart — in other processes, after restarts — join it; the
+span itself is written when the job ends, with its true start time.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PRESET: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "gpufed_preset_ids", default=None
+)
+PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class PresetIdGenerator(IdGenerator):
+    """Random ids, except inside `preset_ids(...)`, where the next span takes the given ones."""
+
+    def __init__(self) -> None:
+        self._random = random.SystemRandom()
+
+    def generate_span_id(self) -> int:
+        preset = _PRESET.get()
+        if preset is not None:
+            return preset[1]
+        return self._random.getrandbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        preset = _PRESET.get()
+        if preset is not None:
+            return preset[0]
+        return self._random.getrandbits(128) or 1
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+@contextmanager
+def preset_ids(trace_id: int, span_id: int) -> Iterator[None]:
+    token = _PRESET.set((trace_id, span_id))
+    try:
+        yield
+    finally:
+        _PRESET.reset(token)
+
+
+def _exporter(environ: Mapping[str, str]) -> SpanExporter | None:
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if not endpoint or environ.get("OTEL_TRACES_EXPORTER", "otlp") == "none":
+        return None
+    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
+    )
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+
+    return HttpExporter()
+
+
+def setup(
+    service: str, *, cluster: str | None = None, environ: Mapping[str, str] | None = None
+) -> TracerProvider:
+    """Install the global tracer provider of this process."""
+    env = os.environ if environ is None else environ
+    attributes: dict[str, str] = {"service.name": env.get("OTEL_SERVICE_NAME", service)}
+    if cluster:
+        attributes["gpufed.cluster"] = cluster
+    provider = TracerProvider(
+        resource=Resource.create(attributes), id_generator=PresetIdGenerator()
+    )
+    exporter = _exporter(env)
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def shutdown() -> None:
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.shutdown()
+
+
+def context_of(traceparent: str | None) -> otel_context.Context:
+    """The context a W3C traceparent names (an empty context if none)."""
+    if not traceparent:
+        return otel_context.Context()
+    return PROPAGATOR.extract({"traceparent": traceparent})
+
+
+def traceparent_of(span: trace.Span) -> str:
+    ctx = span.get_span_context()
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def ids_of(traceparent: str) -> tuple[int, int]:
+    parts = traceparent.split("-")
+    return int(parts[1], 16), int(parts[2], 16)
+
+
+def nanos(moment: datetime) -> int:
+    return int(moment.timestamp() * 1_000_000_000)

@@ -1,0 +1,186 @@
+"""The member agent process: settings and wiring only.
+
+`run_agent(settings)` builds the cluster backend (simulated from a nodes file, or Kubernetes),
+the job handler, the summary reporter and the broker session, feeds the backend's events to the
+handler, and runs until `stop` is set or SIGTERM arrives, then closes everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import signal
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from member_agent import telemetry
+from member_agent.cluster import base, simulated
+from member_agent.session import connecting, handling, limits, reporting
+
+logger = logging.getLogger(__name__)
+
+
+class BackoffSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    initial_seconds: Annotated[float, Field(gt=0)] = 0.1
+    max_seconds: Annotated[float, Field(gt=0)] = 5.0
+    auth_retry_seconds: Annotated[float, Field(gt=0)] = 30.0
+
+
+class AgentSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    broker_url: Annotated[str, Field(pattern=r"^(https?|wss?)://")]
+    cluster: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
+    token_file: Path | None = None
+    backend: Literal["simulated", "kubernetes"] = "simulated"
+    nodes_file: Path | None = None
+    limits_file: Path | None = None
+    heartbeat_seconds: Annotated[float, Field(gt=0)] = Field(
+        5.0, description="used until the broker's welcome gives its own"
+    )
+    backoff: BackoffSettings = Field(default_factory=BackoffSettings)
+    summary_interval_seconds: Annotated[float, Field(ge=0)] = 0.05
+    start_delay_seconds: Annotated[float, Field(ge=0)] = Field(
+        0.05, description="simulated backend: Pending → Running"
+    )
+    failure_grace_seconds: Annotated[float, Field(ge=0)] = Field(
+        30.0, description="grace of the pods deleted when a gang fails"
+    )
+    policy: str = "default"
+    kubeconfig: str | None = Field(None, description="kubernetes backend; None: in-cluster")
+    kube_context: str | None = None
+    namespaces: list[str] | None = Field(None, description="kubernetes backend: namespaces")
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    metrics_host: str = "0.0.0.0"
+
+    @model_validator(mode="after")
+    def _nodes(self) -> AgentSettings:
+        if self.backend == "simulated" and self.nodes_file is None:
+            raise ValueError("nodes_file: the simulated backend needs a cluster description")
+        return self
+
+    def connect_settings(self) -> connecting.ConnectSettings:
+        return connecting.ConnectSettings(
+            broker_url=self.broker_url,
+            cluster=self.cluster,
+            token_file=self.token_file,
+            heartbeat_seconds=self.heartbeat_seconds,
+            backoff_initial_seconds=self.backoff.initial_seconds,
+            backoff_max_seconds=self.backoff.max_seconds,
+            auth_retry_seconds=self.backoff.auth_retry_seconds,
+        )
+
+
+def make_backend(settings: AgentSettings) -> base.ClusterBackend:
+    if settings.backend == "kubernetes":
+        # written separately; imported only when asked for
+        module: Any = importlib.import_module("member_agent.cluster.kubernetes")
+        backend: base.ClusterBackend = module.KubernetesBackend(
+            settings.cluster,
+            kubeconfig=settings.kubeconfig,
+            context=settings.kube_context,
+            namespaces=settings.namespaces,
+        )
+        return backend
+    assert settings.nodes_file is not None
+    return simulated.SimulatedBackend(
+        settings.cluster,
+        simulated.load_pools(settings.nodes_file),
+        start_delay=settings.start_delay_seconds,
+    )
+
+
+async def _consume(
+    backend: base.ClusterBackend,
+    handler: handling.JobHandler,
+    reporter: reporting.SummaryReporter,
+) -> None:
+    async for event in backend.events():
+        handler.handle_event(event)
+        reporter.mark_dirty()
+
+
+async def run_agent(
+    settings: AgentSettings,
+    *,
+    stop: asyncio.Event | None = None,
+    backend: base.ClusterBackend | None = None,
+) -> None:
+    """Run the agent until `stop` is set or SIGTERM. A `backend` given here is started and
+    used but left open for the caller; otherwise one is built from the settings."""
+    stop = stop or asyncio.Event()
+    agent_limits = limits.load_limits(settings.limits_file)
+    async with contextlib.AsyncExitStack() as stack:
+        cluster = backend or make_backend(settings)
+        if backend is None:
+            stack.push_async_callback(cluster.close)
+        await cluster.start()
+        reporter = reporting.SummaryReporter(
+            cluster.inventory, cluster=settings.cluster, interval=settings.summary_interval_seconds
+        )
+        stack.callback(reporter.detach)
+        router = connecting.Router()
+        handler = handling.JobHandler(
+            cluster,
+            send=router.send,
+            agent_limits=agent_limits,
+            on_change=reporter.mark_dirty,
+            failure_grace_seconds=settings.failure_grace_seconds,
+            policy=settings.policy,
+        )
+        stack.push_async_callback(handler.close)
+        connector = connecting.Connector(
+            settings.connect_settings(), handler=handler, reporter=reporter, router=router
+        )
+        if settings.metrics_port:
+            collector = telemetry.AgentCollector(
+                cluster=settings.cluster, handler=handler, connector=connector, reporter=reporter
+            )
+            runner = await telemetry.start_server(
+                collector, host=settings.metrics_host, port=settings.metrics_port
+            )
+            stack.push_async_callback(runner.cleanup)
+        _handle_sigterm(stack, stop)
+        logger.info(
+            "agent for cluster %s started, broker %s", settings.cluster, settings.broker_url
+        )
+        await _serve(connector, _consume(cluster, handler, reporter), stop)
+    logger.info("agent for cluster %s stopped", settings.cluster)
+
+
+def _handle_sigterm(stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return  # not the main thread, or no signals here
+    stack.callback(loop.remove_signal_handler, signal.SIGTERM)
+
+
+async def _serve(
+    connector: connecting.Connector, consume: Coroutine[Any, Any, None], stop: asyncio.Event
+) -> None:
+    """The broker session and the cluster's events, until stopped or the events end."""
+    events = asyncio.create_task(consume, name="agent-events")
+    session = asyncio.create_task(connector.run(stop), name="agent-session")
+    try:
+        done, _ = await asyncio.wait({events, session}, return_when=asyncio.FIRST_COMPLETED)
+        if events in done:
+            logger.error("the cluster's event stream ended: stopping")
+            stop.set()
+        await session
+        failure = events.exception() if events.done() and not events.cancelled() else None
+        if failure is not None:
+            raise failure
+    finally:
+        stop.set()
+        for task in (session, events):
+            task.cancel()
+        await asyncio.gather(session, events, return_exceptions=True)

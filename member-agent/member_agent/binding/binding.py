@@ -1,0 +1,169 @@
+"""Create a gang's pods all-or-nothing, and delete pods with a grace period.
+
+The session calls `build_requests` with the placement `placement.gang.place_gang` chose, then
+`create_gang`: every pod is created through the ClusterBackend, or, if one create fails, the
+ones already created are deleted again and BindingError is raised. Nothing here decides where
+a pod goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from broker.api import jobs
+from member_agent.cluster import base, errors
+from member_agent.placement import gang
+
+logger = logging.getLogger(__name__)
+
+JOB_LABEL = "gpufed.io/job"
+GANG_LABEL = "gpufed.io/gang"
+QUEUE_LABEL = "gpufed.io/queue"
+TASK_LABEL = "gpufed.io/task"
+TRACEPARENT_ANNOTATION = "traceparent"
+DEFAULT_CONCURRENCY = 32
+
+
+class BindingError(Exception):
+    """A gang could not be created; the pods created before the failure were deleted."""
+
+    def __init__(
+        self, message: str, *, rolled_back: Sequence[str] = (), leftovers: Sequence[str] = ()
+    ) -> None:
+        super().__init__(message)
+        self.rolled_back = tuple(rolled_back)  # created, then deleted again
+        self.leftovers = tuple(leftovers)  # created, and deleting them failed
+
+
+def build_requests(
+    job_id: str,
+    job: jobs.GPUJob,
+    placement: gang.GangPlacement,
+    *,
+    traceparent: str | None = None,
+) -> list[base.PodRequest]:
+    """One PodRequest per placed pod: gpufed's labels and the trace context on top of the
+    task's own template metadata."""
+    templates: dict[str, tuple[dict[str, Any], dict[str, str], dict[str, str]]] = {}
+    for task in job.spec.tasks:
+        template = task.template.model_dump(by_alias=True, exclude_none=True, mode="json")
+        labels = {
+            **task.template.metadata.labels,
+            JOB_LABEL: job_id,
+            GANG_LABEL: job_id,
+            QUEUE_LABEL: job.spec.queue,
+            TASK_LABEL: task.name,
+        }
+        annotations = dict(task.template.metadata.annotations)
+        if traceparent:
+            annotations[TRACEPARENT_ANNOTATION] = traceparent
+        templates[task.name] = (template, labels, annotations)
+    requests = []
+    for placed in placement.pods:
+        pod = placed.placement
+        template, labels, annotations = templates[pod.task]
+        requests.append(
+            base.PodRequest(
+                namespace=job.metadata.namespace,
+                name=pod.name,
+                job_id=job_id,
+                task=pod.task,
+                queue=job.spec.queue,
+                node=pod.node,
+                gpus=tuple(pod.gpus),
+                cpu_milli=placed.shape.cpu_milli,
+                memory_mib=placed.shape.memory_mib,
+                template=template,
+                labels=labels,
+                annotations=annotations,
+            )
+        )
+    return requests
+
+
+async def create_gang(
+    backend: base.ClusterBackend,
+    requests: Sequence[base.PodRequest],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    rollback_grace_seconds: float = 0.0,
+) -> None:
+    """Create every pod, up to `concurrency` at a time; on any failure (or cancellation)
+    delete the ones created and raise BindingError from the backend's error."""
+    created: list[base.PodRequest] = []
+    failures: list[BaseException] = []
+    pending: Iterator[base.PodRequest] = iter(requests)
+
+    async def create_some() -> None:
+        for request in pending:
+            if failures:
+                return
+            try:
+                await backend.create_pod(request)
+            except Exception as exc:
+                failures.append(exc)
+                return
+            created.append(request)
+
+    try:
+        workers = min(concurrency, len(requests))
+        if workers <= 1:
+            await create_some()
+        else:
+            await asyncio.gather(*(create_some() for _ in range(workers)))
+    except BaseException:
+        await _roll_back(backend, created, grace_seconds=rollback_grace_seconds)
+        raise
+    if not failures:
+        return
+    leftovers = await _roll_back(backend, created, grace_seconds=rollback_grace_seconds)
+    first = failures[0]
+    message = f"creating {len(requests)} pods failed after {len(created)}: {first}"
+    if leftovers:
+        message += f"; rollback left {len(leftovers)} pods: {', '.join(leftovers[:5])}"
+    kept = set(leftovers)
+    rolled_back = [r.name for r in created if r.name not in kept]
+    raise BindingError(message, rolled_back=rolled_back, leftovers=leftovers) from first
+
+
+async def _roll_back(
+    backend: base.ClusterBackend, created: Sequence[base.PodRequest], *, grace_seconds: float
+) -> list[str]:
+    if not created:
+        return []
+    logger.info("rolling back %d pods of %s", len(created), created[0].job_id)
+    return await delete_pods(
+        backend, ((r.namespace, r.name) for r in created), grace_seconds=grace_seconds
+    )
+
+
+async def delete_pods(
+    backend: base.ClusterBackend,
+    pods: Iterable[tuple[str, str]],
+    *,
+    grace_seconds: float,
+    concurrency: int = DEFAULT_CONCURRENCY,
+) -> list[str]:
+    """Delete pods (namespace, name), up to `concurrency` at a time. Returns the names that
+    could not be deleted; a missing pod counts as deleted."""
+    failed: list[str] = []
+    todo = list(pods)
+    pending = iter(todo)
+
+    async def delete_some() -> None:
+        for namespace, name in pending:
+            try:
+                await backend.delete_pod(namespace, name, grace_seconds=grace_seconds)
+            except errors.BackendError as exc:
+                logger.warning("deleting pod %s/%s failed: %s", namespace, name, exc)
+                failed.append(name)
+
+    workers = min(concurrency, len(todo))
+    if workers <= 1:
+        await delete_some()
+    else:
+        await asyncio.gather(*(delete_some() for _ in range(workers)))
+    return failed

@@ -1,0 +1,408 @@
+"""A simulated cluster: nodes from a YAML description, pods that run for a while.
+
+`load_pools(path)` reads node pools (GPU model, GPUs per node, NVLink islands and domains, racks);
+`SimulatedBackend` builds the nodes and runs pods: Pending on create, Running after
+`start_delay`, then Succeeded after the seconds of their `gpufed.io/sim-duration` annotation, or
+Failed if `gpufed.io/sim-outcome` says `Failed:<reason>`. Timers are asyncio `call_later`
+handles, never polling loops. Fault injection for tests and chaos runs: `fail_creates_after`
+and `set_node_ready`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from broker.api import jobs, status
+from member_agent.cluster import base, errors
+from member_agent.inventory import model
+
+logger = logging.getLogger(__name__)
+
+POOL_LABEL = "gpufed.io/pool"
+RACK_LABEL = "gpufed.io/rack"
+NVLINK_DOMAIN_LABEL = "gpufed.io/nvlink-domain"
+
+
+class NodesFileError(ValueError):
+    """The cluster description cannot be read or does not validate."""
+
+
+class PoolSpec(BaseModel):
+    """One pool of identical nodes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")]
+    count: Annotated[int, Field(ge=1, le=100_000)]
+    gpu_product: Annotated[str, Field(min_length=1)]
+    gpus_per_node: Annotated[int, Field(ge=0, le=16)]
+    gpu_memory_mib: Annotated[int, Field(ge=0)] = 0
+    cpu: Annotated[float, Field(gt=0, description="cores")]
+    memory: Annotated[int | str, Field(description="a quantity (512Gi, 2Ti) or MiB")]
+    nvlink_island: Annotated[int, Field(ge=0, le=16)] = 0
+    nvlink_domain_nodes: Annotated[int, Field(ge=0)] = 0
+    racks: Annotated[int | None, Field(ge=1)] = None
+    nodes_per_rack: Annotated[int | None, Field(ge=1)] = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolSpec:
+        if self.racks is not None and self.nodes_per_rack is not None:
+            raise ValueError("give racks or nodes_per_rack, not both")
+        if self.nvlink_island > self.gpus_per_node:
+            raise ValueError(
+                f"nvlink_island ({self.nvlink_island}) is above gpus_per_node "
+                f"({self.gpus_per_node})"
+            )
+        return self
+
+    @field_validator("memory")
+    @classmethod
+    def _quantity(cls, value: int | str) -> int | str:
+        if _memory_mib(value) <= 0:
+            raise ValueError("must be above zero")
+        return value
+
+    def memory_mib(self) -> int:
+        return _memory_mib(self.memory)
+
+    def rack_of(self, index: int) -> str:
+        if self.nodes_per_rack:
+            return f"{self.name}-rack-{index // self.nodes_per_rack}"
+        if self.racks:
+            per_rack = math.ceil(self.count / self.racks)
+            return f"{self.name}-rack-{index // per_rack}"
+        return ""
+
+
+class ClusterFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cluster: str | None = None
+    description: str = ""
+    pools: Annotated[list[PoolSpec], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _unique(self) -> ClusterFile:
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError("pools: names must be unique")
+        return self
+
+
+def _memory_mib(value: int | str) -> int:
+    if isinstance(value, int) or value.strip().isdigit():
+        return int(value)
+    try:
+        return jobs.parse_memory_mib(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a quantity such as 512Gi, 2Ti or MiB") from None
+
+
+def _describe(exc: pydantic.ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+        parts.append(f"{where.lstrip('.') or '(top)'}: {error['msg']}")
+    return "; ".join(parts)
+
+
+def load_pools(path: Path | str) -> list[PoolSpec]:
+    """Read a cluster description: a mapping with `pools:` (or a bare list of pools)."""
+    try:
+        raw: Any = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise NodesFileError(f"{path}: {exc}") from exc
+    if isinstance(raw, list):
+        raw = {"pools": raw}
+    try:
+        return ClusterFile.model_validate(raw).pools
+    except pydantic.ValidationError as exc:
+        raise NodesFileError(f"{path}: {_describe(exc)}") from exc
+
+
+def build_nodes(pools: list[PoolSpec]) -> list[model.Node]:
+    """The nodes of every pool, named `<pool>-<index>`, spread over racks in blocks."""
+    nodes = []
+    for pool in pools:
+        width = max(3, len(str(pool.count - 1)))
+        for index in range(pool.count):
+            name = f"{pool.name}-{index:0{width}d}"
+            rack = pool.rack_of(index)
+            domain = (
+                f"{pool.name}-nvl-{index // pool.nvlink_domain_nodes}"
+                if pool.nvlink_domain_nodes
+                else ""
+            )
+            labels = {
+                jobs.GPU_PRODUCT_LABEL: pool.gpu_product,
+                "nvidia.com/gpu.count": str(pool.gpus_per_node),
+                "nvidia.com/gpu.memory": str(pool.gpu_memory_mib),
+                POOL_LABEL: pool.name,
+                **({RACK_LABEL: rack} if rack else {}),
+                **({NVLINK_DOMAIN_LABEL: domain} if domain else {}),
+                **pool.labels,
+            }
+            nodes.append(
+                model.Node(
+                    name=name,
+                    model=pool.gpu_product,
+                    gpu_count=pool.gpus_per_node,
+                    gpu_memory_mib=pool.gpu_memory_mib,
+                    cpu_milli=int(pool.cpu * 1000),
+                    memory_mib=pool.memory_mib(),
+                    rack=rack,
+                    nvlink_domain=domain,
+                    nvlink_island=pool.nvlink_island,
+                    labels=labels,
+                )
+            )
+    return nodes
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from `12`, `1.5`, `30s`, `5m` or `2h`."""
+    text = text.strip()
+    factor = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(text[-1:], 0.0)
+    number = text[:-1] if factor else text
+    value = float(number) * (factor or 1.0)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"not a duration: {text!r}")
+    return value
+
+
+def parse_outcome(text: str) -> tuple[status.PodPhase, str]:
+    """`Succeeded`, `Failed` or `Failed:<reason>` (reason defaults to Error)."""
+    phase, _, reason = text.partition(":")
+    if phase.strip() == "Failed":
+        return status.PodPhase.FAILED, reason.strip() or "Error"
+    return status.PodPhase.SUCCEEDED, ""
+
+
+@dataclass
+class SimPod:
+    request: base.PodRequest
+    phase: status.PodPhase
+    duration: float | None
+    outcome: tuple[status.PodPhase, str]
+    created: float
+    reason: str = ""
+    started: float | None = None
+    finished: float | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    def status(self) -> status.PodStatus:
+        return status.PodStatus(
+            name=self.request.name,
+            task=self.request.task,
+            node=self.request.node,
+            gpus=list(self.request.gpus),
+            phase=self.phase,
+            reason=self.reason,
+        )
+
+
+class SimulatedBackend:
+    """A ClusterBackend whose nodes come from pools and whose pods run on timers."""
+
+    def __init__(
+        self,
+        cluster: str,
+        pools: list[PoolSpec],
+        *,
+        start_delay: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+        fail_creates_after: int | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.start_delay = start_delay
+        self._clock = clock
+        self._inventory = model.Inventory(cluster=cluster)
+        for node in build_nodes(pools):
+            self._inventory.add(node)
+        self._pods: dict[tuple[str, str], SimPod] = {}
+        self._by_job: dict[str, dict[tuple[str, str], SimPod]] = {}
+        self._queue: asyncio.Queue[base.BackendEvent | None] = asyncio.Queue()
+        self._fail_after = fail_creates_after
+        self.creates = 0
+
+    # -- the ClusterBackend protocol -------------------------------------------------------
+
+    async def start(self) -> None:
+        logger.info(
+            "simulated cluster %s: %d nodes, %d GPUs",
+            self.cluster,
+            len(self._inventory.nodes),
+            sum(n.gpu_count for n in self._inventory),
+        )
+
+    async def close(self) -> None:
+        for pod in self._pods.values():
+            if pod.timer is not None:
+                pod.timer.cancel()
+                pod.timer = None
+        self._queue.put_nowait(None)
+
+    def inventory(self) -> model.Inventory:
+        return self._inventory
+
+    async def create_pod(self, request: base.PodRequest) -> None:
+        key = (request.namespace, request.name)
+        if self._fail_after is not None:
+            if self._fail_after <= 0:
+                self._fail_after = None
+                raise errors.TemporaryBackendError(f"{request.name}: injected create failure")
+            self._fail_after -= 1
+        if key in self._pods or request.name in self._inventory.pods:
+            raise errors.PermanentBackendError(f"pod {request.name} already exists")
+        node = self._inventory.nodes.get(request.node)
+        if node is None:
+            raise errors.PermanentBackendError(f"{request.name}: node {request.node} not found")
+        if not node.ready:
+            raise errors.PermanentBackendError(f"{request.name}: node {request.node} is NotReady")
+        annotations = {**_template_annotations(request.template), **request.annotations}
+        try:
+            duration = (
+                parse_duration(annotations[jobs.SIM_DURATION_ANNOTATION])
+                if jobs.SIM_DURATION_ANNOTATION in annotations
+                else None
+            )
+        except ValueError as exc:
+            raise errors.PermanentBackendError(
+                f"{request.name}: annotation {jobs.SIM_DURATION_ANNOTATION}: {exc}"
+            ) from exc
+        outcome = parse_outcome(annotations.get(jobs.SIM_OUTCOME_ANNOTATION, "Succeeded"))
+        placement = status.PodPlacement(
+            name=request.name, task=request.task, node=request.node, gpus=list(request.gpus)
+        )
+        try:
+            self._inventory.apply(
+                placement, cpu_milli=request.cpu_milli, memory_mib=request.memory_mib
+            )
+        except (ValueError, IndexError) as exc:
+            raise errors.PermanentBackendError(f"{request.name}: {exc}") from exc
+        self.creates += 1
+        pod = SimPod(
+            request=request,
+            phase=status.PodPhase.PENDING,
+            duration=duration,
+            outcome=outcome,
+            created=self._clock(),
+        )
+        self._pods[key] = pod
+        self._by_job.setdefault(request.job_id, {})[key] = pod
+        pod.timer = asyncio.get_running_loop().call_later(self.start_delay, self._start, pod)
+        self._emit(pod)
+
+    async def delete_pod(self, namespace: str, name: str, *, grace_seconds: float) -> None:
+        del grace_seconds  # simulated pods stop at once
+        pod = self._pods.pop((namespace, name), None)
+        if pod is None:
+            return
+        job = self._by_job.get(pod.request.job_id)
+        if job is not None:
+            job.pop((namespace, name), None)
+            if not job:
+                del self._by_job[pod.request.job_id]
+        if pod.timer is not None:
+            pod.timer.cancel()
+            pod.timer = None
+        self._inventory.release(name)
+        pod.phase = status.PodPhase.DELETED
+        self._emit(pod)
+
+    def pods_of(self, job_id: str) -> list[status.PodStatus]:
+        return [pod.status() for pod in self._by_job.get(job_id, {}).values()]
+
+    def events(self) -> AsyncIterator[base.BackendEvent]:
+        return self._stream()
+
+    # -- fault injection -------------------------------------------------------------------
+
+    def fail_creates_after(self, count: int) -> None:
+        """Let `count` more creates succeed, then make the next one raise (once)."""
+        self._fail_after = count
+
+    def set_node_ready(self, name: str, ready: bool) -> None:
+        """NotReady: the node's pods fail with NodeLost and it leaves the free inventory."""
+        node = self._inventory.nodes[name]
+        if node.ready == ready:
+            return
+        node.ready = ready
+        if not ready:
+            for pod in list(self._pods.values()):
+                if pod.request.node == name and not _done(pod):
+                    self._finish(pod, status.PodPhase.FAILED, "NodeLost")
+        self._queue.put_nowait(
+            base.InventoryChanged(reason=f"node {name} {'Ready' if ready else 'NotReady'}")
+        )
+
+    # -- pod lifecycle ---------------------------------------------------------------------
+
+    def pods(self) -> list[SimPod]:
+        """Every pod the backend holds (also finished ones, until deleted)."""
+        return list(self._pods.values())
+
+    def _start(self, pod: SimPod) -> None:
+        pod.timer = None
+        pod.phase = status.PodPhase.RUNNING
+        pod.started = self._clock()
+        self._emit(pod)
+        phase, reason = pod.outcome
+        duration = pod.duration
+        if duration is None and phase == status.PodPhase.FAILED:
+            duration = 0.0  # a failing pod with no duration fails as soon as it starts
+        if duration is not None:
+            pod.timer = asyncio.get_running_loop().call_later(
+                duration, self._finish, pod, phase, reason
+            )
+
+    def _finish(self, pod: SimPod, phase: status.PodPhase, reason: str) -> None:
+        if pod.timer is not None:
+            pod.timer.cancel()
+        pod.timer = None
+        pod.phase = phase
+        pod.reason = reason
+        pod.finished = self._clock()
+        # a finished pod holds nothing, as in Kubernetes
+        self._inventory.release(pod.request.name)
+        self._emit(pod)
+
+    def _emit(self, pod: SimPod) -> None:
+        self._queue.put_nowait(
+            base.PodEvent(
+                job_id=pod.request.job_id,
+                name=pod.request.name,
+                phase=pod.phase,
+                node=pod.request.node,
+                reason=pod.reason,
+            )
+        )
+
+    async def _stream(self) -> AsyncIterator[base.BackendEvent]:
+        while True:
+            event = await self._queue.get()
+            if event is None:
+                return
+            yield event
+
+
+def _done(pod: SimPod) -> bool:
+    return pod.phase in (status.PodPhase.SUCCEEDED, status.PodPhase.FAILED)
+
+
+def _template_annotations(template: dict[str, Any]) -> dict[str, str]:
+    metadata = template.get("metadata") or {}
+    annotations = metadata.get("annotations") or {}
+    return {str(k): str(v) for k, v in annotations.items()}

@@ -1,0 +1,128 @@
+"""Summarise an inventory into the broker's ClusterSummary. Pure function of the Inventory.
+
+Called by the agent's session before it reports up, by `gpufed simulate --clusters K` after
+every placement, and by anything else that needs a cluster's shape without its node list.
+Per GPU model: nodes_by_free[k] = ready, schedulable nodes with exactly k wholly free GPUs,
+the free milli on partly used GPUs (for sharing pods), the largest free NVLink block, per-rack
+histograms, and the largest CPU/memory headroom of a node. The cluster's fragmentation uses
+FGD's measure with the given expected workload (`placement.fragmentation`).
+"""
+
+from __future__ import annotations
+
+from broker.api import inventory as api
+from member_agent.inventory import model
+from member_agent.placement import fragmentation
+
+CPU_ONLY = ""  # the model name under which CPU-only nodes are summarised
+
+
+def summarise(
+    inventory: model.Inventory,
+    *,
+    seq: int = 0,
+    workload: fragmentation.Workload | None = None,
+) -> api.ClusterSummary:
+    """The ClusterSummary of `inventory` (its fragmentation against `workload`)."""
+    expected = workload if workload is not None else _default_workload()
+    per_model: dict[str, _Totals] = {}
+    frag = 0.0
+    for node in inventory:
+        totals = per_model.get(node.model)
+        if totals is None:
+            totals = per_model[node.model] = _Totals()
+        totals.add(node)
+        if node.available and node.gpu_count:
+            frag += expected.node_fragmentation(node.model, node.gpu_free, node.cpu_free)
+    return api.ClusterSummary(
+        cluster=inventory.cluster,
+        seq=seq,
+        models=[per_model[name].build(name) for name in sorted(per_model)],
+        fragmentation_milli=int(frag),
+    )
+
+
+class _Totals:
+    """Plain accumulators (pydantic attribute writes are too slow for a per-node loop)."""
+
+    def __init__(self) -> None:
+        self.nodes = 0
+        self.total_gpus = 0
+        self.gpus_per_node = 0
+        self.gpu_memory_mib = 0
+        self.unavailable_gpus = 0
+        self.free_gpus = 0
+        self.shared_free_milli = 0
+        self.by_free = [0] * 9
+        self.racks: dict[str, list[int]] = {}
+        self.nvlink_block = 0
+        self.max_cpu = 0
+        self.max_memory = 0
+
+    def add(self, node: model.Node) -> None:
+        self.nodes += 1
+        self.total_gpus += node.gpu_count
+        self.gpus_per_node = max(self.gpus_per_node, node.gpu_count)
+        self.gpu_memory_mib = max(self.gpu_memory_mib, node.gpu_memory_mib)
+        if not node.available:
+            self.unavailable_gpus += node.gpu_count
+            return
+        whole = 0
+        for milli in node.gpu_free:
+            if milli >= model.GPU_MILLI:
+                whole += 1
+            else:
+                self.shared_free_milli += milli
+        self.free_gpus += whole
+        while len(self.by_free) <= whole:
+            self.by_free.append(0)
+        self.by_free[whole] += 1
+        if node.rack:
+            histogram = self.racks.setdefault(node.rack, [0] * 9)
+            while len(histogram) <= whole:
+                histogram.append(0)
+            histogram[whole] += 1
+        if node.nvlink_island > 1:
+            self.nvlink_block = max(self.nvlink_block, _nvlink_block(node))
+        elif whole:
+            self.nvlink_block = max(self.nvlink_block, 1)
+        self.max_cpu = max(self.max_cpu, node.cpu_free)
+        self.max_memory = max(self.max_memory, node.memory_free)
+
+    def build(self, name: str) -> api.ModelSummary:
+        return api.ModelSummary(
+            model=name,
+            gpu_memory_mib=self.gpu_memory_mib,
+            gpus_per_node=self.gpus_per_node,
+            nodes=self.nodes,
+            total_gpus=self.total_gpus,
+            free_gpus=self.free_gpus,
+            unavailable_gpus=self.unavailable_gpus,
+            nodes_by_free=self.by_free,
+            shared_free_milli=self.shared_free_milli,
+            largest_free_nvlink_block=self.nvlink_block,
+            racks=self.racks,
+            max_free_cpu_milli=self.max_cpu,
+            max_free_memory_mib=self.max_memory,
+        )
+
+
+def _nvlink_block(node: model.Node) -> int:
+    """Most wholly free GPUs inside one NVLink island (1 when the node has no NVLink)."""
+    if node.nvlink_island <= 1:
+        return 1 if any(m >= model.GPU_MILLI for m in node.gpu_free) else 0
+    counts: dict[int, int] = {}
+    for index, milli in enumerate(node.gpu_free):
+        if milli >= model.GPU_MILLI:
+            island = node.island_of(index)
+            counts[island] = counts.get(island, 0) + 1
+    return max(counts.values(), default=0)
+
+
+_WORKLOAD: list[fragmentation.Workload] = []
+
+
+def _default_workload() -> fragmentation.Workload:
+    if not _WORKLOAD:
+        _WORKLOAD.append(fragmentation.default_workload())
+    return _WORKLOAD[0]

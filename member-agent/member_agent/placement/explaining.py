@@ -1,0 +1,123 @@
+"""Why a gang does not fit: short, sorted, human-readable reasons. Pure.
+
+Called by `gang.place_gang` only after every topology group failed; the reasons go back to
+the broker in a rejection and to the user through `gpufed why`. It walks the filters in the
+order a user thinks of them (ready nodes, GPU model, GPU memory, GPUs, CPU, memory) and names
+the first one that leaves too few nodes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from member_agent.placement import filtering, indexing
+
+
+def explain(
+    free_index: indexing.FreeIndex,
+    demands: Sequence[filtering.Demand],
+    *,
+    min_member: int,
+    groups: Sequence[str] = (),
+) -> tuple[str, ...]:
+    reasons: set[str] = set()
+    entries = list(free_index.entries.values())
+    ready = [entry for entry in entries if entry.available]
+    if not ready:
+        reasons.add(f"nodes: none of {len(entries)} is ready and schedulable")
+        return tuple(sorted(reasons))
+    present = sorted({entry.model for entry in ready if entry.gpu_count})
+    need_all = min(min_member, len(demands))
+    for demand, count in Counter(demands).items():
+        need = count if need_all == len(demands) else max(1, need_all - (len(demands) - count))
+        reason = _explain_one(ready, demand, need=need, present=present)
+        if reason:
+            reasons.add(reason)
+    if not reasons:
+        if groups:
+            reasons.add(
+                f"topology: no single group holds the whole gang (tried {len(groups)}: "
+                f"{', '.join(groups[:3])}{', ...' if len(groups) > 3 else ''})"
+            )
+        else:
+            reasons.add(
+                f"gang: {len(demands)} pods do not fit together (GPUs, CPU and memory combined)"
+            )
+    return tuple(sorted(reasons))
+
+
+def _explain_one(
+    ready: Sequence[indexing.Entry],
+    demand: filtering.Demand,
+    *,
+    need: int,
+    present: Sequence[str],
+) -> str:
+    nodes = list(ready)
+    if demand.gpus:
+        nodes = [entry for entry in nodes if entry.gpu_count]
+    if demand.models:
+        nodes = [entry for entry in nodes if entry.model in demand.models]
+        if not nodes:
+            return (
+                f"gpu model: no node of model {'|'.join(demand.models)} "
+                f"(cluster has {', '.join(present) or 'no GPUs'})"
+            )
+    if demand.min_gpu_memory_mib:
+        largest = max((entry.gpu_memory_mib for entry in nodes), default=0)
+        nodes = [entry for entry in nodes if entry.gpu_memory_mib >= demand.min_gpu_memory_mib]
+        if not nodes:
+            return (
+                f"gpu memory: no node with {demand.min_gpu_memory_mib} MiB per GPU "
+                f"(largest {largest} MiB)"
+            )
+    shape = demand.describe()
+    if demand.gpus and max((entry.gpu_count for entry in nodes), default=0) < demand.gpus:
+        return f"gpus: no node has {demand.gpus} GPUs (largest has {max(e.gpu_count for e in nodes)})"
+    if demand.nvlink and max((entry.island for entry in nodes), default=1) < demand.gpus:
+        return f"nvlink: no node has an NVLink island of {demand.gpus} GPUs"
+    with_gpus = [entry for entry in nodes if filtering.fits_gpus(entry, demand)]
+    with_cpu = [entry for entry in with_gpus if entry.cpu_free >= demand.cpu_milli]
+    with_mem = [entry for entry in with_cpu if entry.mem_free >= demand.memory_mib]
+    room = sum(_pods_fitting(entry, demand) for entry in with_mem)
+    if room >= need:
+        return ""
+    plural = "s" if need > 1 else ""
+    if len(with_gpus) < need and demand.gpus:
+        if demand.sharing:
+            largest = max((entry.max_free for entry in nodes), default=0)
+            return (
+                f"gang: {need} pod{plural} × {shape} need a GPU with {demand.gpu_milli} milli "
+                f"free each, {room} fit (largest free {largest} milli)"
+            )
+        return (
+            f"gang: {need} pod{plural} × {shape} need {need} node{plural} with "
+            f"{demand.gpus} free, {len(with_gpus)} {'has' if len(with_gpus) == 1 else 'have'}"
+        )
+    if len(with_cpu) < len(with_gpus) and len(with_cpu) < need:
+        return (
+            f"cpu: {len(with_gpus)} node(s) have the GPUs for {shape}, {len(with_cpu)} also "
+            f"have {demand.cpu_milli} milli-CPU free ({need} needed)"
+        )
+    if len(with_mem) < need:
+        return (
+            f"memory: {len(with_cpu)} node(s) have GPUs and CPU for {shape}, {len(with_mem)} "
+            f"also have {demand.memory_mib} MiB free ({need} needed)"
+        )
+    return f"gang: {need} pod{plural} × {shape} need room for {need}, the nodes hold {room}"
+
+
+def _pods_fitting(entry: indexing.Entry, demand: filtering.Demand) -> int:
+    """How many pods of `demand` the node could hold on its own."""
+    counts = []
+    if demand.cpu_milli:
+        counts.append(entry.cpu_free // demand.cpu_milli)
+    if demand.memory_mib:
+        counts.append(entry.mem_free // demand.memory_mib)
+    if demand.gpus and not demand.sharing:
+        per = filtering.largest_island_block(entry) if demand.nvlink else entry.whole
+        counts.append(per // demand.gpus)
+    elif demand.sharing:
+        counts.append(sum(free // demand.gpu_milli for free in entry.gpu_free))
+    return min(counts) if counts else 1

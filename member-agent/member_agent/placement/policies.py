@@ -1,0 +1,78 @@
+"""The named placement policies: a registry from name to score plug-in. Pure.
+
+`place_gang(..., policy="name")` resolves names here; `gpufed simulate --policy a,b` builds
+them with the trace's expected workload. Names:
+
+* `fgd`: FGD exactly as published (integer score, ties to the lowest rank).
+* `fgd-float`: FGD comparing the fragmentation change itself, not its truncated sigmoid.
+* `bestfit`: the FGD paper's BestFit (least weighted CPU/GPU leftover).
+* `binpack`, `spread`, `firstfit`, `random`: the classic heuristics.
+* `default` (= `fgd-pack`): fragmentation-aware and packing; see `make_default`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from member_agent.placement import fragmentation, scoring
+
+DEFAULT = "default"
+
+Factory = Callable[[fragmentation.Workload, int], scoring.Scorer]
+
+
+def make_default(workload: fragmentation.Workload, seed: int = 0) -> scoring.Scorer:
+    """gpufed's default: FGD on the exact fragmentation change, packing among near-ties.
+
+    Comparing ΔF itself instead of int(100·sigmoid(ΔF/1000)) separates nodes the paper's
+    score lumps together; the small packing term sends near-ties to the node that keeps the
+    fewest GPUs idle, which keeps whole nodes free for large pods.
+    """
+    del seed
+    return scoring.FGD(workload, name=DEFAULT, truncate=False, pack=1.0)
+
+
+REGISTRY: dict[str, Factory] = {
+    "fgd": lambda workload, seed: scoring.FGD(workload, name="fgd"),
+    "fgd-float": lambda workload, seed: scoring.FGD(workload, name="fgd-float", truncate=False),
+    "fgd-pack": lambda workload, seed: scoring.FGD(
+        workload, name="fgd-pack", truncate=False, pack=1.0
+    ),
+    "bestfit": lambda workload, seed: scoring.BestFit(),
+    "binpack": lambda workload, seed: scoring.Binpack(),
+    "spread": lambda workload, seed: scoring.Spread(),
+    "firstfit": lambda workload, seed: scoring.Scorer(),
+    "random": lambda workload, seed: scoring.Random(seed),
+    DEFAULT: make_default,
+}
+
+_shared: dict[str, scoring.Scorer] = {}
+
+
+class UnknownPolicy(ValueError):
+    """A policy name that is not in the registry."""
+
+
+def names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def make(
+    name: str, *, workload: fragmentation.Workload | None = None, seed: int = 0
+) -> scoring.Scorer:
+    """A fresh plug-in for `name`, with `workload` as FGD's expected workload."""
+    factory = REGISTRY.get(name)
+    if factory is None:
+        raise UnknownPolicy(f"unknown placement policy {name!r}; known: {', '.join(names())}")
+    return factory(workload if workload is not None else fragmentation.default_workload(), seed)
+
+
+def resolve(policy: str | scoring.Scorer) -> scoring.Scorer:
+    """A plug-in object as is, or a shared one by name (with the fixed default workload)."""
+    if isinstance(policy, scoring.Scorer):
+        return policy
+    scorer = _shared.get(policy)
+    if scorer is None:
+        scorer = make(policy)
+        _shared[policy] = scorer
+    return scorer

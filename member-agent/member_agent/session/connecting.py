@@ -1,0 +1,372 @@
+"""The agent's WebSocket session with the broker: connect out, hello, heartbeats, reconnect.
+
+`Connector.run` loops until stopped: connect `GET {broker}/v1/agents/connect` with the
+cluster's bearer token, send `hello` with every job the agent holds, wait for `welcome`, send a
+full summary, then read offers and cancels (handled one at a time by `handling.JobHandler`) and
+write replies, job updates, summaries and heartbeats. Silence for three heartbeat intervals
+drops the session; it is opened again with exponential backoff and jitter. A 401/403 is
+permanent until the token changes: it is logged and retried slowly.
+
+Messages are routed through `Router`: while no session is live they are dropped, and `hello`
+carries the current state of every job on the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import aiohttp
+import pydantic
+
+from broker.api import messages
+from member_agent.session import handling, reporting
+
+logger = logging.getLogger(__name__)
+
+CONNECT_PATH = "/v1/agents/connect"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+Outgoing = tuple[messages.Message, Callable[[], None] | None]
+T = TypeVar("T")
+
+
+class SessionError(Exception):
+    """The broker did not hold up its side of the protocol; the session is opened again."""
+
+
+class AuthError(SessionError):
+    """The broker refused the token (HTTP 401/403): retrying soon will not help."""
+
+
+@dataclass(frozen=True)
+class ConnectSettings:
+    broker_url: str
+    cluster: str
+    token_file: Path | None = None
+    heartbeat_seconds: float = 5.0  # until the broker's welcome says otherwise
+    backoff_initial_seconds: float = 0.1
+    backoff_max_seconds: float = 5.0
+    auth_retry_seconds: float = 30.0
+    connect_timeout_seconds: float = 10.0
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+    @property
+    def url(self) -> str:
+        return self.broker_url.rstrip("/") + CONNECT_PATH
+
+
+def backoff_delay(
+    attempt: int,
+    *,
+    initial: float,
+    maximum: float,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """Seconds to wait before attempt `attempt` + 1: doubling from `initial`, capped at
+    `maximum`, the upper half jittered."""
+    base = min(maximum, initial * (1 << min(attempt, 60)))
+    return base / 2 + rand() * base / 2
+
+
+def read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise AuthError(f"cannot read the token file {path}: {exc.strerror}") from exc
+    if not token:
+        raise AuthError(f"the token file {path} is empty")
+    return token
+
+
+class Stopped(SessionError):
+    """The agent is stopping."""
+
+
+async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T:
+    """`work`'s result, or Stopped (and `work` cancelled) if `stop` is set first."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise Stopped("the agent is stopping")
+    return task.result()
+
+
+class Link:
+    """One session the broker welcomed (or is about to): where outgoing messages queue."""
+
+    def __init__(self) -> None:
+        self.outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
+        self.work: asyncio.Queue[messages.Offer | messages.Cancel | None] = asyncio.Queue()
+        self.epoch = -1
+        self.heartbeat_seconds = 5.0
+        self.closed = False
+        self.welcomed = False
+
+    def send(
+        self, message: messages.Message, /, *, on_sent: Callable[[], None] | None = None
+    ) -> None:
+        if not self.closed:
+            self.outbox.put_nowait((message, on_sent))
+
+    def send_summary(self, summary: messages.Summary) -> None:
+        self.send(summary)
+
+
+class Router:
+    """Sends to the current session, or drops while there is none."""
+
+    def __init__(self) -> None:
+        self.link: Link | None = None
+        self.dropped = 0
+
+    def send(
+        self, message: messages.Message, /, *, on_sent: Callable[[], None] | None = None
+    ) -> None:
+        link = self.link
+        if link is None or link.closed:
+            self.dropped += 1
+            return
+        link.send(message, on_sent=on_sent)
+
+    @property
+    def connected(self) -> bool:
+        return self.link is not None and self.link.welcomed and not self.link.closed
+
+
+class Connector:
+    def __init__(
+        self,
+        settings: ConnectSettings,
+        *,
+        handler: handling.JobHandler,
+        reporter: reporting.SummaryReporter,
+        router: Router,
+    ) -> None:
+        self.settings = settings
+        self.handler = handler
+        self.reporter = reporter
+        self.router = router
+        self.sessions = 0  # sessions the broker welcomed
+        self.failures = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep a session open until `stop` is set."""
+        attempt = 0
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.settings.connect_timeout_seconds
+        )
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while not stop.is_set():
+                delay = None
+                try:
+                    if await self._run_session(http, stop):
+                        attempt = 0
+                except Stopped:
+                    break
+                except AuthError as exc:
+                    self.failures += 1
+                    delay = self.settings.auth_retry_seconds * (0.9 + 0.2 * random.random())
+                    logger.error(
+                        "broker %s refused cluster %s: %s; fix the token, retrying in %.0f s",
+                        self.settings.broker_url,
+                        self.settings.cluster,
+                        exc,
+                        delay,
+                    )
+                except (aiohttp.ClientError, OSError, TimeoutError, SessionError) as exc:
+                    self.failures += 1
+                    logger.warning(
+                        "session with broker %s failed (attempt %d): %s",
+                        self.settings.broker_url,
+                        attempt + 1,
+                        str(exc) or type(exc).__name__,
+                    )
+                except Exception:
+                    self.failures += 1
+                    logger.exception("session with broker %s broke", self.settings.broker_url)
+                if stop.is_set():
+                    break
+                if delay is None:
+                    delay = backoff_delay(
+                        attempt,
+                        initial=self.settings.backoff_initial_seconds,
+                        maximum=self.settings.backoff_max_seconds,
+                    )
+                    attempt += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+
+    async def _run_session(self, http: aiohttp.ClientSession, stop: asyncio.Event) -> bool:
+        """One session, from connect to drop. True if the broker welcomed it."""
+        token = read_token(self.settings.token_file)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            async with asyncio.timeout(self.settings.connect_timeout_seconds):
+                ws = await _unless_stopped(
+                    http.ws_connect(
+                        self.settings.url,
+                        headers=headers,
+                        autoping=True,
+                        max_msg_size=self.settings.max_message_bytes,
+                        timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0),
+                    ),
+                    stop,
+                )
+        except aiohttp.WSServerHandshakeError as exc:
+            if exc.status in (401, 403):
+                raise AuthError(f"HTTP {exc.status} {exc.message}") from exc
+            raise SessionError(f"HTTP {exc.status} {exc.message} at {self.settings.url}") from exc
+        link = Link()
+        self.router.link = link
+        try:
+            await _unless_stopped(self._greet(ws, link), stop)
+            self.sessions += 1
+            logger.info(
+                "session with broker %s open: cluster %s, epoch %d",
+                self.settings.broker_url,
+                self.settings.cluster,
+                link.epoch,
+            )
+            await self._serve(ws, link, stop)
+        finally:
+            link.closed = True
+            if self.router.link is link:
+                self.router.link = None
+            self.reporter.detach()
+            await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY)
+        return link.welcomed
+
+    async def _greet(self, ws: aiohttp.ClientWebSocketResponse, link: Link) -> None:
+        async with self.handler.lock:  # no offer half-bound while the jobs are listed
+            jobs, mark_reported = self.handler.hello_jobs()
+        hello = messages.Hello(cluster=self.settings.cluster, jobs=jobs)
+        await ws.send_str(messages.encode(hello))
+        mark_reported()
+        wait = max(self.settings.connect_timeout_seconds, 3 * self.settings.heartbeat_seconds)
+        async with asyncio.timeout(wait):
+            while True:
+                message = await self._receive(ws)
+                if message is None:
+                    raise SessionError("the broker closed the session before its welcome")
+                if isinstance(message, messages.Welcome):
+                    break
+                logger.warning("ignoring %s before the broker's welcome", message.type)
+        link.epoch = message.epoch
+        link.heartbeat_seconds = message.heartbeat_seconds
+        link.welcomed = True
+
+    async def _serve(
+        self, ws: aiohttp.ClientWebSocketResponse, link: Link, stop: asyncio.Event
+    ) -> None:
+        first = self.reporter.attach(link.send_summary)
+        tasks = {
+            asyncio.create_task(self._read(ws, link), name="agent-read"),
+            asyncio.create_task(self._write(ws, link, first), name="agent-write"),
+            asyncio.create_task(self._beat(link), name="agent-heartbeat"),
+            asyncio.create_task(stop.wait(), name="agent-stop"),
+        }
+        worker = asyncio.create_task(self._work(link), name="agent-offers")
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if not task.cancelled() and (exc := task.exception()) is not None:
+                    raise SessionError(f"{task.get_name()}: {exc}") from exc
+        finally:
+            link.closed = True
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            link.work.put_nowait(None)
+            try:
+                await asyncio.wait_for(worker, self.settings.connect_timeout_seconds * 3)
+            except TimeoutError:
+                logger.error("an offer was still being handled when the session closed")
+
+    async def _read(self, ws: aiohttp.ClientWebSocketResponse, link: Link) -> None:
+        while True:
+            timeout = 3 * link.heartbeat_seconds
+            try:
+                message = await self._receive(ws, wait=timeout)
+            except TimeoutError:
+                logger.warning("nothing from the broker for %.1f s: reconnecting", timeout)
+                return
+            if message is None:
+                logger.info("the broker closed the session (code %s)", ws.close_code)
+                return
+            if isinstance(message, messages.Offer | messages.Cancel):
+                link.work.put_nowait(message)
+            elif not isinstance(message, messages.Heartbeat):
+                logger.warning("ignoring an unexpected %s message", message.type)
+
+    async def _receive(
+        self, ws: aiohttp.ClientWebSocketResponse, *, wait: float | None = None
+    ) -> messages.Message | None:
+        """The next message that decodes, or None once the socket is closed."""
+        while True:
+            frame = await ws.receive(timeout=wait)
+            if frame.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                try:
+                    return messages.decode(frame.data)
+                except pydantic.ValidationError as exc:
+                    logger.warning(
+                        "ignoring a message that does not decode: %s",
+                        exc.errors(include_url=False)[:3],
+                    )
+                continue
+            if frame.type == aiohttp.WSMsgType.ERROR:
+                logger.warning("session error: %s", ws.exception())
+            return None
+
+    async def _write(
+        self, ws: aiohttp.ClientWebSocketResponse, link: Link, first: messages.Summary
+    ) -> None:
+        await ws.send_str(messages.encode(first))
+        while True:
+            message, on_sent = await link.outbox.get()
+            await ws.send_str(messages.encode(message))
+            if on_sent is not None:
+                on_sent()
+
+    async def _beat(self, link: Link) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(link.heartbeat_seconds)
+            seq += 1
+            link.send(messages.Heartbeat(seq=seq))
+
+    async def _work(self, link: Link) -> None:
+        """Offers and cancels of this session, one at a time, in arrival order."""
+        while True:
+            item = await link.work.get()
+            if item is None:
+                return
+            if link.closed:
+                continue  # the broker learns what happened from the next hello
+            try:
+                if isinstance(item, messages.Offer):
+                    await self.handler.handle_offer(item, session_epoch=link.epoch, reply=link.send)
+                else:
+                    await self.handler.handle_cancel(item)
+            except Exception as exc:
+                logger.exception("handling %s of job %s failed", item.type, item.job_id)
+                if isinstance(item, messages.Offer):
+                    link.send(
+                        messages.Rejected(
+                            job_id=item.job_id, epoch=item.epoch, reasons=[f"agent error: {exc}"]
+                        )
+                    )

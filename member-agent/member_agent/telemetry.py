@@ -1,0 +1,101 @@
+"""The agent's `/metrics` and `/healthz`: a few numbers read from its parts at scrape time.
+
+`gpufed_agent_session_connected`, `gpufed_agent_sessions_total`,
+`gpufed_agent_offers_total{result}`, `gpufed_agent_pods{phase}`, `gpufed_agent_jobs{state}`,
+`gpufed_agent_summaries_total`. A collector of its own reads them from the handler, the
+connector and the reporter, so nothing has to remember to update a gauge.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client import aiohttp as prometheus_aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from member_agent.session import connecting, handling, reporting
+
+logger = logging.getLogger(__name__)
+
+
+class AgentCollector(Collector):
+    def __init__(
+        self,
+        *,
+        cluster: str,
+        handler: handling.JobHandler,
+        connector: connecting.Connector,
+        reporter: reporting.SummaryReporter,
+    ) -> None:
+        self.cluster = cluster
+        self.handler = handler
+        self.connector = connector
+        self.reporter = reporter
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["cluster"]
+        connected = GaugeMetricFamily(
+            "gpufed_agent_session_connected",
+            "1 while a session with the broker is open",
+            labels=labels,
+        )
+        connected.add_metric([self.cluster], 1.0 if self.connector.router.connected else 0.0)
+        yield connected
+        sessions = CounterMetricFamily(
+            "gpufed_agent_sessions", "Sessions the broker welcomed", labels=labels
+        )
+        sessions.add_metric([self.cluster], self.connector.sessions)
+        yield sessions
+        offers = CounterMetricFamily(
+            "gpufed_agent_offers", "Offers handled, by result", labels=["cluster", "result"]
+        )
+        for result, count in sorted(self.handler.offers.items()):
+            offers.add_metric([self.cluster, result], count)
+        yield offers
+        pods = GaugeMetricFamily(
+            "gpufed_agent_pods",
+            "Pods of the jobs the agent holds, by phase",
+            labels=["cluster", "phase"],
+        )
+        for phase, count in sorted(self.handler.pods_by_phase().items()):
+            pods.add_metric([self.cluster, phase], count)
+        yield pods
+        jobs = GaugeMetricFamily(
+            "gpufed_agent_jobs", "Jobs the agent holds, by state", labels=["cluster", "state"]
+        )
+        states = Counter(record.state.value for record in self.handler.table)
+        for state, count in sorted(states.items()):
+            jobs.add_metric([self.cluster, state], count)
+        yield jobs
+        summaries = CounterMetricFamily(
+            "gpufed_agent_summaries", "Inventory summaries sent", labels=labels
+        )
+        summaries.add_metric([self.cluster], self.reporter.sent)
+        yield summaries
+
+
+async def start_server(collector: AgentCollector, *, host: str, port: int) -> web.AppRunner:
+    """Serve `/metrics` and `/healthz` on host:port until the runner is cleaned up."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+
+    async def healthz(request: web.Request) -> web.Response:
+        del request
+        return web.json_response(
+            {"status": "ok", "connected": collector.connector.router.connected}
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", prometheus_aiohttp.make_aiohttp_handler(registry=registry))
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    logger.info("metrics on http://%s:%d/metrics", host, port)
+    return runner

@@ -1,0 +1,94 @@
+"""Creating a gang's pods: all of them, or none left behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker.api import jobs
+from member_agent.binding import binding
+from member_agent.cluster import base, errors, simulated
+from member_agent.placement import gang
+from tests.unit.agent import builders
+
+
+async def prepare(
+    tmp_path: Path, job: jobs.GPUJob
+) -> tuple[simulated.SimulatedBackend, list[base.PodRequest]]:
+    backend = builders.small_backend(tmp_path)
+    placement = gang.place_gang(backend.inventory(), jobs.gang_request("j1", job))
+    assert isinstance(placement, gang.GangPlacement)
+    requests = binding.build_requests("j1", job, placement, traceparent=builders.TRACEPARENT)
+    return backend, requests
+
+
+async def test_the_pods_carry_gpufeds_labels_and_the_trace(tmp_path: Path) -> None:
+    job = builders.make_job(gpus=4, replicas=2, namespace="team-a", duration=1)
+    backend, requests = await prepare(tmp_path, job)
+    await binding.create_gang(backend, requests)
+    assert [(r.namespace, r.name) for r in requests] == [
+        ("team-a", "j1-worker-0"),
+        ("team-a", "j1-worker-1"),
+    ]
+    first = requests[0]
+    assert first.labels == {
+        "app": "train",
+        "gpufed.io/job": "j1",
+        "gpufed.io/gang": "j1",
+        "gpufed.io/queue": "research",
+        "gpufed.io/task": "worker",
+    }
+    assert first.annotations == {
+        "gpufed.io/sim-duration": "1",
+        "traceparent": builders.TRACEPARENT,
+    }
+    assert first.template["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
+    assert sorted(p.name for p in backend.pods_of("j1")) == ["j1-worker-0", "j1-worker-1"]
+    await backend.close()
+
+
+@pytest.mark.parametrize(
+    ("succeed", "concurrency"),
+    [
+        pytest.param(0, 1, id="first create fails"),
+        pytest.param(2, 1, id="third of four fails, one at a time"),
+        pytest.param(3, 1, id="last of four fails"),
+        pytest.param(2, 8, id="third of four fails, concurrently"),
+    ],
+)
+async def test_a_failed_create_leaves_no_pod(
+    tmp_path: Path, succeed: int, concurrency: int
+) -> None:
+    job = builders.make_job(gpus=4, replicas=4)
+    backend, requests = await prepare(tmp_path, job)
+    free_before = sum(n.whole_free for n in backend.inventory())
+    backend.fail_creates_after(succeed)
+    with pytest.raises(binding.BindingError, match="injected create failure") as caught:
+        await binding.create_gang(backend, requests, concurrency=concurrency)
+    assert isinstance(caught.value.__cause__, errors.TemporaryBackendError)
+    assert len(caught.value.rolled_back) == succeed
+    assert backend.pods_of("j1") == []
+    assert sum(n.whole_free for n in backend.inventory()) == free_before
+    await backend.close()
+
+
+async def test_delete_pods_reports_what_it_could_not_delete(tmp_path: Path) -> None:
+    job = builders.make_job(gpus=1, replicas=2)
+    backend, requests = await prepare(tmp_path, job)
+    await binding.create_gang(backend, requests)
+
+    refuse = backend.delete_pod
+
+    async def delete(namespace: str, name: str, *, grace_seconds: float) -> None:
+        if name.endswith("-1"):
+            raise errors.TemporaryBackendError("API server away")
+        await refuse(namespace, name, grace_seconds=grace_seconds)
+
+    backend.delete_pod = delete  # type: ignore[method-assign]
+    failed = await binding.delete_pods(
+        backend, [("default", r.name) for r in requests] + [("default", "missing")], grace_seconds=5
+    )
+    assert failed == ["j1-worker-1"]
+    assert [p.name for p in backend.pods_of("j1")] == ["j1-worker-1"]
+    await backend.close()
