@@ -64,23 +64,26 @@ class OtlpReceiver:
             resource = _attrs(resource_spans.resource.attributes)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    self.spans.append(ReceivedSpan(
-                        service=str(resource.get("service.name", "")),
-                        resource=resource,
-                        name=span.name,
-                        trace_id=span.trace_id.hex(),
-                        span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(),
-                        start_ns=span.start_time_unix_nano,
-                        end_ns=span.end_time_unix_nano,
-                        attributes=_attrs(span.attributes),
-                        events=tuple(e.name for e in span.events),
-                        links=tuple(link.span_id.hex() for link in span.links),
-                    ))
+                    self.spans.append(
+                        ReceivedSpan(
+                            service=str(resource.get("service.name", "")),
+                            resource=resource,
+                            name=span.name,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_span_id=span.parent_span_id.hex(),
+                            start_ns=span.start_time_unix_nano,
+                            end_ns=span.end_time_unix_nano,
+                            attributes=_attrs(span.attributes),
+                            events=tuple(e.name for e in span.events),
+                            links=tuple(link.span_id.hex() for link in span.links),
+                        )
+                    )
         self.arrived.set()
         response = trace_service_pb2.ExportTraceServiceResponse()
-        return web.Response(body=response.SerializeToString(),
-                            content_type="application/x-protobuf")
+        return web.Response(
+            body=response.SerializeToString(), content_type="application/x-protobuf"
+        )
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)

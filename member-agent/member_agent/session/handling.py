@@ -124,7 +124,9 @@ class JobHandler:
                 return reject("limit", [over])
         context = propagate.extract({"traceparent": offer.traceparent or ""})
         with tracer.start_as_current_span(
-            "place", context=context, attributes={"job_id": offer.job_id, "pods": request.pods}
+            "agent.place",
+            context=context,
+            attributes={"job_id": offer.job_id, "pods": request.pods},
         ):
             inventory = self.backend.inventory()
             placement = gang.place_gang(
@@ -151,7 +153,9 @@ class JobHandler:
         self._stale_nodes.update(r.node for r in requests)
         try:
             with tracer.start_as_current_span(
-                "bind", context=context, attributes={"job_id": offer.job_id, "pods": len(requests)}
+                "agent.bind",
+                context=context,
+                attributes={"job_id": offer.job_id, "pods": len(requests)},
             ):
                 await binding.create_gang(self.backend, requests)
         except binding.BindingError as exc:
@@ -272,8 +276,31 @@ class JobHandler:
         self.on_change()
 
     def _send_update(self, record: table.JobRecord, state: status.JobState, reason: str) -> None:
+        self._trace_running(record, state, reason)
         update = record.update(state, reason)
         self.send(update, on_sent=self._reported(record) if state.terminal else None)
+
+    @staticmethod
+    def _trace_running(record: table.JobRecord, state: status.JobState, reason: str) -> None:
+        """`job.running`: from the gang running to its final state, in the job's trace."""
+        if state == status.JobState.RUNNING and record.running_since_ns is None:
+            record.running_since_ns = time.time_ns()
+        elif state.terminal and record.running_since_ns is not None:
+            span = tracer.start_span(
+                "job.running",
+                context=propagate.extract({"traceparent": record.traceparent or ""}),
+                start_time=record.running_since_ns,
+                attributes={
+                    "gpufed.job": record.job_id,
+                    "gpufed.state": state.value,
+                    "gpufed.reason": reason,
+                    "gpufed.pods": len(record.pods),
+                },
+            )
+            if state == status.JobState.FAILED:
+                span.set_status(trace.StatusCode.ERROR, reason)
+            span.end()
+            record.running_since_ns = None
 
     def _reported(self, record: table.JobRecord) -> Callable[[], None]:
         def mark() -> None:

@@ -45,6 +45,7 @@ class JobRecord:
     failure: str | None = None
     failure_message: str = ""
     terminal_at: float | None = None
+    running_since_ns: int | None = None  # wall clock, for the job.running span
     reported_at: float | None = None
 
     def set_phase(self, pod: status.PodStatus, phase: status.PodPhase, *, reason: str = "") -> None:

@@ -1,0 +1,91 @@
+"""One trace per job, across processes: a real broker and agent export over OTLP/HTTP to an
+in-process receiver that parses the real protobuf requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gpufed import processes
+from tests.builders import make_job
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+
+pytestmark = pytest.mark.e2e
+
+H100 = "NVIDIA-H100-80GB-HBM3"
+BROKER_SPANS = {"job", "job.submit", "job.queue", "job.schedule", "job.dispatch"}
+AGENT_SPANS = {"agent.place", "agent.bind", "job.running"}
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[OtlpReceiver]:
+    server = OtlpReceiver()
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def wait_spans(
+    receiver: OtlpReceiver, trace_id: str, names: set[str], *, timeout: float = 20.0
+) -> list[ReceivedSpan]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        spans = receiver.trace(trace_id)
+        if names <= {s.name for s in spans}:
+            return spans
+        await asyncio.sleep(0.1)
+    got = sorted({s.name for s in receiver.trace(trace_id)})
+    raise AssertionError(f"trace {trace_id}: missing {sorted(names - set(got))}, got {got}")
+
+
+async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
+    fleet: processes.Fleet, receiver: OtlpReceiver
+) -> None:
+    fleet.env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
+    await fleet.start_broker()
+    await fleet.start_agent("h100", processes.config_dir() / "clusters" / "h100.yaml")
+    await fleet.wait_clusters_ready(["h100"])
+    async with fleet.client("team-a") as api:
+        job_doc = make_job("traced", gpus=8).model(H100).gang(2).duration(0.5).document()
+        submitted = await api.submit(json.dumps(job_doc))
+        job_id, trace_id = submitted["id"], submitted["traceId"]
+        for _ in range(200):
+            job = await api.get(job_id)
+            if job["status"]["state"] == "Succeeded":
+                break
+            await asyncio.sleep(0.05)
+        assert job["status"]["state"] == "Succeeded"
+
+    spans = await wait_spans(receiver, trace_id, BROKER_SPANS | AGENT_SPANS)
+    by_name = {s.name: s for s in spans}
+    services = {s.service for s in spans}
+    assert {"gpufed-broker", "gpufed-agent"} <= services
+    assert by_name["agent.place"].resource.get("gpufed.cluster") == "h100"
+
+    root = by_name["job"]
+    assert job["traceparent"].split("-")[2] == root.span_id
+    for name in ("job.submit", "job.queue", "job.schedule", "job.dispatch"):
+        assert by_name[name].parent_span_id == root.span_id, name
+    dispatch = by_name["job.dispatch"]
+    for name in AGENT_SPANS:
+        assert by_name[name].parent_span_id == dispatch.span_id, name
+        assert by_name[name].service == "gpufed-agent"
+    # the HTTP request span (aiohttp instrumentation) is the job span's parent
+    http = [s for s in spans if s.span_id == root.parent_span_id]
+    assert http and http[0].service == "gpufed-broker"
+    # the job span covers submit to finish
+    assert root.start_ns <= by_name["job.submit"].start_ns
+    assert root.end_ns >= by_name["job.running"].end_ns
+    assert root.attributes["gpufed.state"] == "Succeeded"
+    assert "Running" in root.events and "Succeeded" in root.events
