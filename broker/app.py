@@ -45,7 +45,9 @@ def create_app(settings: BrokerSettings) -> web.Application:
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         backing = await opening.open_store(settings.store)
-        job_records = records.JobRecords(backing)
+        job_records = records.JobRecords(
+            backing, observe=lambda op, seconds: meters.store_latency.labels(op=op).observe(seconds)
+        )
         await job_records.load()
         app[clusters.READY]["store"] = True
         fleet = fleet_.Fleet(stale_after=3 * settings.heartbeat_seconds)

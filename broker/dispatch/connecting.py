@@ -123,6 +123,9 @@ class Sessions:
     def _export_summary(self, cluster: fleet_.Cluster) -> None:
         if cluster.summary is None:
             return
+        self.meters.cluster_fragmentation.labels(cluster=cluster.name).set(
+            cluster.summary.fragmentation_milli / 1000
+        )
         for model in cluster.summary.models:
             gauge = self.meters.cluster_gpus
             allocated = model.total_gpus - model.free_gpus - model.unavailable_gpus

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 
 from broker.api import jobs as jobs_api
@@ -155,7 +154,6 @@ class Lifecycle:
                 chosen.append((record, assignment, cluster))
             if not chosen:
                 return 0
-            started = time.perf_counter()
             try:
                 await self.jobs.save_many([r for r, _, _ in chosen])
             except errors.StoreError as exc:
@@ -164,10 +162,6 @@ class Lifecycle:
                     self.queued.add(record.id)
                 self.wakeup.set()
                 return 0
-            finally:
-                self.meters.store_latency.labels(op="dispatch").observe(
-                    time.perf_counter() - started
-                )
             for record, assignment, cluster in chosen:
                 cluster.inflight[record.id] = fleet_.InFlight(
                     fit=fitting.Fit(cluster.name, assignment.takes, leftover=0)

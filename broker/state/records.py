@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from broker.api import status
@@ -45,9 +46,20 @@ def _dump(record: status.JobRecord) -> bytes:
 class JobRecords:
     """All jobs, cached; the store is the source of truth on start."""
 
-    def __init__(self, backing: store.Store) -> None:
+    def __init__(
+        self, backing: store.Store, *, observe: Callable[[str, float], None] | None = None
+    ) -> None:
         self.store = backing
         self._jobs: dict[str, Cached] = {}
+        self._observe = observe
+
+    async def _commit(self, op: str, txn: store.Txn) -> int:
+        started = time.perf_counter()
+        try:
+            return await self.store.commit(txn)
+        finally:
+            if self._observe is not None:
+                self._observe(op, time.perf_counter() - started)
 
     async def load(self) -> int:
         entries, revision = await self.store.list(JOBS)
@@ -82,7 +94,7 @@ class JobRecords:
             compares.append(store.Compare(idem, 0))
             puts.append((idem, record.id.encode()))
         try:
-            revision = await self.store.commit(store.Txn(compares=compares, puts=puts))
+            revision = await self._commit("create", store.Txn(compares=compares, puts=puts))
         except errors.ConflictError:
             if record.idempotency_key:
                 existing = await self.find_idempotent(record.tenant, record.idempotency_key)
@@ -113,7 +125,7 @@ class JobRecords:
                 )
                 puts.append((_job_key(record.id), _dump(record)))
             try:
-                revision = await self.store.commit(store.Txn(compares=compares, puts=puts))
+                revision = await self._commit("update", store.Txn(compares=compares, puts=puts))
             except errors.StoreError:
                 # the cache holds the changed objects: put it back to what the store has
                 await self.refresh(r.id for r in chunk)

@@ -78,6 +78,12 @@ class BrokerMetrics:
             ["cluster"],
             registry=r,
         )
+        self.cluster_fragmentation = Gauge(
+            "gpufed_cluster_fragmentation_gpus",
+            "Free GPUs stranded by fragmentation (FGD measure against the expected workload)",
+            ["cluster"],
+            registry=r,
+        )
         self.store_latency = Histogram(
             "gpufed_store_operation_duration_seconds",
             "Store writes by operation",
