@@ -71,12 +71,15 @@ def create_app(settings: BrokerSettings) -> web.Application:
         tasks = [
             asyncio.create_task(scheduler.run(), name="scheduler"),
             asyncio.create_task(sessions.watch(), name="sessions-watchdog"),
+            asyncio.create_task(life.run_flusher(), name="group-commit"),
         ]
         app[clusters.READY]["scheduler"] = True
         logger.info("broker ready: %d jobs loaded from %s", len(job_records), settings.store)
         yield
         for task in tasks:
             await cycle.stop_task(task)
+        async with life.lock:
+            await job_records.flush()
         await backing.close()
 
     app.cleanup_ctx.append(lifespan)

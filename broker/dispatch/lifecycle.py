@@ -44,6 +44,7 @@ class Lifecycle:
         self.why: dict[str, tuple[str, ...]] = {}
         self.wakeup = asyncio.Event()
         self.spans = jobspans.JobSpans()
+        self.flush_needed = asyncio.Event()
 
     # ---- transitions ------------------------------------------------------------------
 
@@ -213,7 +214,7 @@ class Lifecycle:
                 status.PodStatus(name=p.name, task=p.task, node=p.node, gpus=p.gpus)
                 for p in message.pods
             ]
-            await self.jobs.save(record)
+            self._save_soon(record)
             if record.status.cancel_requested:
                 await self._send_cancel(cluster.name, record.id, message.epoch, "Cancelled")
 
@@ -275,7 +276,25 @@ class Lifecycle:
             self._requeue(record, reason or "Requeued", text)
         elif not pods:
             return
-        await self.jobs.save(record)
+        self._save_soon(record)
+
+    def _save_soon(self, record: status.JobRecord) -> None:
+        self.jobs.save_soon(record)
+        self.flush_needed.set()
+
+    async def run_flusher(self, *, gather_seconds: float = 0.002) -> None:
+        """Group commit of what agents report: one transaction for many updates."""
+        while True:
+            await self.flush_needed.wait()
+            self.flush_needed.clear()
+            await asyncio.sleep(gather_seconds)
+            async with self.lock:
+                try:
+                    await self.jobs.flush()
+                except errors.StoreError as exc:
+                    logger.warning("group commit of %d jobs failed: %s", self.jobs.dirty, exc)
+                    self.flush_needed.set()
+                    await asyncio.sleep(0.5)
 
     async def hello(self, cluster: fleet_.Cluster, hello: messages.Hello) -> None:
         """Reconcile what the agent holds with what the broker believes (fencing)."""

@@ -52,6 +52,8 @@ class JobRecords:
         self.store = backing
         self._jobs: dict[str, Cached] = {}
         self._observe = observe
+        # changed in memory, written by the next flush (group commit)
+        self._dirty: dict[str, status.JobRecord] = {}
 
     async def _commit(self, op: str, txn: store.Txn) -> int:
         started = time.perf_counter()
@@ -105,15 +107,49 @@ class JobRecords:
         return record
 
     async def save(self, record: status.JobRecord) -> None:
-        """Write one changed record (compare-and-swap on its cached revision)."""
+        """Write one changed record now (compare-and-swap on its cached revision)."""
         await self.save_many([record])
 
-    async def save_many(self, records: Sequence[status.JobRecord]) -> None:
+    def save_soon(self, record: status.JobRecord) -> None:
+        """Write a changed record with the next group commit (`flush`).
+
+        For what agents report: a broker that crashes before the flush learns it again from
+        the agent's hello, so durability is not lost, and many updates share one transaction.
+        """
+        self._dirty[record.id] = record
+
+    @property
+    def dirty(self) -> int:
+        return len(self._dirty)
+
+    async def flush(self) -> None:
+        """Write every record changed by `save_soon` since the last flush.
+
+        On a temporary store error the records stay dirty (the cache is ahead of the store)
+        and the next flush tries again; on a conflict the cache is refreshed.
+        """
+        if not self._dirty:
+            return
+        batch = list(self._dirty.values())
+        self._dirty.clear()
+        try:
+            await self.save_many(batch, refresh=False)
+        except errors.ConflictError:
+            await self.refresh(r.id for r in batch)
+            raise
+        except errors.StoreError:
+            for record in batch:
+                self._dirty.setdefault(record.id, record)
+            raise
+
+    async def save_many(self, records: Sequence[status.JobRecord], *, refresh: bool = True) -> None:
         """Write changed records in as few transactions as possible, all-or-nothing per chunk.
 
-        On a conflict the cache is refreshed from the store for the records involved and
-        ConflictError is raised: the caller decides again from fresh state.
+        On a store error the cache is refreshed from the store for the records involved (with
+        `refresh`) and the error is raised: the caller decides again from fresh state.
         """
+        for record in records:
+            self._dirty.pop(record.id, None)
         for start in range(0, len(records), MAX_TXN_OPS):
             chunk = records[start : start + MAX_TXN_OPS]
             compares = []
@@ -128,7 +164,8 @@ class JobRecords:
                 revision = await self._commit("update", store.Txn(compares=compares, puts=puts))
             except errors.StoreError:
                 # the cache holds the changed objects: put it back to what the store has
-                await self.refresh(r.id for r in chunk)
+                if refresh:
+                    await self.refresh(r.id for r in chunk)
                 raise
             for record in chunk:
                 self._jobs[record.id] = Cached(record, revision)

@@ -1,0 +1,153 @@
+"""End-to-end throughput and latency with real processes: etcd, a broker, 3 simulated clusters.
+
+    .venv/bin/python -m e2e.bench_throughput [--store etcd|sqlite] [--jobs 2000] [--rate 200]
+
+Two runs, figures printed (no assertions; these machines are shared and noisy):
+1. burst: submit `--jobs` gang jobs (`--pods` pods of 1 GPU each) as fast as 64 clients can,
+   and time until every pod is placed (job Dispatched→accepted by an agent): pods placed/s.
+2. paced: submit at `--rate` jobs/s for `--seconds`, and report submit→dispatched latency
+   percentiles from the broker's own event times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpufed import processes
+from tests import etcdserver
+
+CLUSTERS = ["bench-a", "bench-b", "bench-c"]
+
+
+def write_cluster(path: Path, name: str, nodes: int) -> None:
+    path.write_text(yaml.safe_dump({"cluster": name, "pools": [{
+        "name": "gpu", "count": nodes, "gpu_product": "NVIDIA-H100-80GB-HBM3", "gpus_per_node": 8,
+        "gpu_memory_mib": 81559, "cpu": 220, "memory": "2000Gi", "nvlink_island": 8, "racks": 8,
+    }]}))
+
+
+def job_doc(n: int, pods: int) -> str:
+    return json.dumps({
+        "apiVersion": "gpufed.io/v1", "kind": "GPUJob", "metadata": {"name": f"bench-{n}"},
+        "spec": {"queue": "bench", "tasks": [{"name": "w", "replicas": pods, "template": {
+            "metadata": {"annotations": {"gpufed.io/sim-duration": "3600"}},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {
+                "nvidia.com/gpu": 1, "cpu": "1", "memory": "1Gi"}}}]}}}]},
+    })
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else 0.0
+
+
+def _time(job: dict[str, Any], state: str) -> datetime | None:
+    for event in job["status"]["events"]:
+        if event["state"] == state:
+            return datetime.fromisoformat(event["time"])
+    return None
+
+
+async def accepted_offers(fleet: processes.Fleet) -> int:
+    """Offers the agents accepted, from the broker's /metrics (cheap to poll)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{fleet.url}/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        if family.name == "gpufed_placements":
+            return int(sum(s.value for s in family.samples
+                           if s.name.endswith("_total") and s.labels.get("result") == "accepted"))
+    return 0
+
+
+async def burst(fleet: processes.Fleet, jobs: int, pods: int) -> None:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for n in range(jobs):
+        queue.put_nowait(n)
+    async with fleet.client("bench") as api:
+        async def worker() -> None:
+            while not queue.empty():
+                await api.submit(job_doc(queue.get_nowait(), pods))
+
+        started = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(64)])
+        submitted = time.perf_counter() - started
+        while True:
+            placed = await accepted_offers(fleet)
+            if placed >= jobs:
+                break
+            if time.perf_counter() - started > 600:
+                print(f"burst: only {placed}/{jobs} placed after 600 s")
+                break
+            await asyncio.sleep(0.05)
+        elapsed = time.perf_counter() - started
+    print(f"burst: {jobs} jobs x {pods} pods submitted in {submitted:.2f}s "
+          f"({jobs / submitted:.0f} jobs/s); all {jobs * pods} pods placed in {elapsed:.2f}s "
+          f"= {jobs * pods / elapsed:.0f} pods/s")
+
+
+async def paced(fleet: processes.Fleet, rate: float, seconds: float) -> None:
+    total = int(rate * seconds)
+    async with fleet.client("bench") as api:
+        started = time.perf_counter()
+        tasks = []
+        for n in range(total):
+            delay = started + n / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(api.submit(job_doc(100_000 + n, 1))))
+        ids = {r["id"] for r in await asyncio.gather(*tasks)}
+        achieved = total / (time.perf_counter() - started)
+        await asyncio.sleep(2.0)
+        items = [j for j in await api.jobs(limit=1_000_000) if j["id"] in ids]
+    lat = []
+    for job in items:
+        queued, dispatched = _time(job, "Queued"), _time(job, "Dispatched")
+        if queued and dispatched:
+            lat.append((dispatched - queued).total_seconds() * 1000)
+    print(f"paced: {total} jobs at {achieved:.0f}/s (asked {rate:.0f}/s); "
+          f"submit->dispatched ms p50 {pct(lat, 50):.1f} p90 {pct(lat, 90):.1f} "
+          f"p99 {pct(lat, 99):.1f} max {max(lat, default=0):.1f} ({len(lat)} dispatched)")
+
+
+async def main(args: argparse.Namespace) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="gpufed-bench-"))
+    server = etcdserver.EtcdServer.start() if args.store == "etcd" else None
+    fleet = processes.Fleet(workdir=workdir, store=server.url if server else "")
+    try:
+        fleet.write_tokens(tenants=["bench"], clusters=CLUSTERS)
+        await fleet.start_broker()
+        for name in CLUSTERS:
+            write_cluster(workdir / f"{name}.yaml", name, args.nodes)
+            await fleet.start_agent(name, workdir / f"{name}.yaml")
+        await fleet.wait_clusters_ready(CLUSTERS, timeout=120)
+        print(f"store={args.store}, 3 clusters x {args.nodes} nodes x 8 GPUs, 2 cores shared by "
+              f"client, broker, agents{' and etcd' if server else ''}")
+        await burst(fleet, args.jobs, args.pods)
+        await paced(fleet, args.rate, args.seconds)
+    finally:
+        await fleet.stop()
+        if server is not None:
+            server.cleanup()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--store", choices=["etcd", "sqlite"], default="etcd")
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--pods", type=int, default=4)
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--rate", type=float, default=200)
+    parser.add_argument("--seconds", type=float, default=10)
+    asyncio.run(main(parser.parse_args()))
