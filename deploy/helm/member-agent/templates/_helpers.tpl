@@ -1,0 +1,34 @@
+{{/* The release's full name: the release name, with the chart's unless it already has it. */}}
+{{- define "member-agent.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "member-agent.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "member-agent.labels" -}}
+{{ include "member-agent.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: member-agent
+app.kubernetes.io/part-of: gpufed
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "member-agent.serviceAccountName" -}}
+{{- default (include "member-agent.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "member-agent.tokenSecret" -}}
+{{- if .Values.broker.token.create -}}
+{{- printf "%s-token" (include "member-agent.fullname" .) -}}
+{{- else -}}
+{{- required "broker.token.existingSecret (or broker.token.create with broker.token.value) is required" .Values.broker.token.existingSecret -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,318 @@
+"""The ClusterBackend of a real Kubernetes cluster, through kubernetes-asyncio.
+
+`start` lists Nodes and the Pods of all namespaces, then watches both in the background
+(`watching.ListWatch`: resume from the last resourceVersion, relist on 410 Gone, reconnect with
+exponential backoff and jitter). `kubernetes_state.ClusterState` turns what they report into
+the GPU inventory and the events the agent reads; `kubernetes_objects` reads nodes (GPU Feature
+Discovery labels, allocatable GPUs and MIG devices, taints, readiness; label keys are
+configurable, defaults documented there) and builds the pods.
+
+Binding: `spec.nodeName`, not a `kubernetes.io/hostname` node selector. The agent has already
+chosen nodes and GPUs for the whole gang at once against its live inventory; `nodeName` hands
+each pod straight to the kubelet, bypassing the kube-scheduler: no scheduling-queue latency, no
+second opinion that could leave one pod of a gang Pending while the others run, and exactly the
+node chosen (what Armada's executor and Volcano's binder effectively do). The kubelet still
+admits the pod (resources, node affinity), so a stale view surfaces at once as a Failed pod
+(`OutOfnvidia.com/gpu`), and ResourceQuota admission still applies at create time. The price:
+no scheduler plugins run (NoSchedule taints, topology spread, preemption), which is why the
+inventory keeps tainted nodes out unless the taint is tolerated, and tolerated taints are added
+to the pod as tolerations. A hostname selector would keep the kube-scheduler in the loop (its
+plugins, its preemption) at the cost of a scheduling round per pod and a gang that may bind
+only in part.
+
+Pods gpufed creates carry the labels `gpufed.io/job`, `gpufed.io/gang`, `gpufed.io/queue`,
+`gpufed.io/task`, the W3C `traceparent` annotation, and `gpufed.io/gpus` (`0,1,2`): the GPU
+indices placement chose, for bookkeeping; the device plugin picks the devices itself.
+
+Events: a PodEvent when one of gpufed's pods changes phase (Pending is not reported; Unknown is
+reported as Failed/NodeLost), with the pod's `status.reason` (Evicted, OutOfnvidia.com/gpu), a
+container's termination reason (OOMKilled first, else the first failing one) or NodeLost (the
+taint manager deleting it, its node deleted) as the reason; Deleted when it disappears. A node
+that is NotReady makes no PodEvent by itself (the kubelet or the taint manager decide the pods'
+fate); it leaves the free inventory at once. InventoryChanged when what the summary reads
+changed (coalesced: at most one waits unread).
+
+Configuration: in a pod (`KUBERNETES_SERVICE_HOST` set) the service account is used; outside,
+a kubeconfig (`kubeconfig`, default `~/.kube/config`) and its `context`. Namespaces and label
+keys not passed in come from the environment, as the Helm chart sets them: `GPUFED_NAMESPACES`
+(comma-separated namespaces pods may be created in; unset: any the RBAC allows) and
+`GPUFED_LABEL_KEYS` (a JSON object in `LabelKeys.from_mapping`'s camelCase keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+from kubernetes_asyncio import client, config
+
+from broker.api import status
+from member_agent.cluster import base, errors, watching
+from member_agent.cluster import kubernetes_errors as k8s_errors
+from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster import kubernetes_state as state
+from member_agent.inventory import model
+
+logger = logging.getLogger(__name__)
+
+LabelKeys = objects.LabelKeys
+NAMESPACES_ENV = "GPUFED_NAMESPACES"
+LABEL_KEYS_ENV = "GPUFED_LABEL_KEYS"
+DEFAULT_BACKOFF = watching.Backoff()
+USER_AGENT = "gpufed-member-agent"
+RawCall = Callable[..., Awaitable[Any]]  # a generated API call made with _preload_content=False
+
+
+def namespaces_from_env(environ: Mapping[str, str]) -> list[str] | None:
+    """`GPUFED_NAMESPACES` (team-a,team-b) as a list; None when unset."""
+    raw = environ.get(NAMESPACES_ENV)
+    if raw is None:
+        return None
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def label_keys_from_env(environ: Mapping[str, str]) -> LabelKeys:
+    """`GPUFED_LABEL_KEYS` (JSON) as LabelKeys; the defaults when unset."""
+    raw = environ.get(LABEL_KEYS_ENV)
+    if not raw:
+        return LabelKeys()
+    try:
+        values = json.loads(raw)
+        if not isinstance(values, dict):
+            raise ValueError("not a JSON object")
+        return LabelKeys.from_mapping(values)
+    except ValueError as exc:
+        raise errors.PermanentBackendError(f"{LABEL_KEYS_ENV}: {exc}") from exc
+
+
+class _EventStream:
+    """The backend's events, in order. Cancelling a wait (a timeout) loses nothing and does
+    not end the stream, unlike an async generator; `close()` ends it."""
+
+    def __init__(
+        self, queue: asyncio.Queue[base.BackendEvent | None], cluster_state: state.ClusterState
+    ) -> None:
+        self._queue = queue
+        self._state = cluster_state
+
+    def __aiter__(self) -> _EventStream:
+        return self
+
+    async def __anext__(self) -> base.BackendEvent:
+        event = await self._queue.get()
+        if event is None:
+            self._queue.put_nowait(None)  # every reader sees the end
+            raise StopAsyncIteration
+        if isinstance(event, base.InventoryChanged):
+            self._state.change_pending = False
+        return event
+
+
+class KubernetesBackend:
+    """ClusterBackend over the Kubernetes API (see the module docstring)."""
+
+    def __init__(
+        self,
+        cluster: str,
+        *,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        namespaces: list[str] | None = None,
+        label_keys: LabelKeys | None = None,
+        api_client: client.ApiClient | None = None,
+        backoff: watching.Backoff = DEFAULT_BACKOFF,
+        watch_timeout_seconds: int = 300,
+        request_timeout_seconds: float = 30.0,
+    ) -> None:
+        self.cluster = cluster
+        self._kubeconfig = kubeconfig
+        self._context = context
+        if namespaces is None:
+            namespaces = namespaces_from_env(os.environ)
+        self._namespaces = frozenset(namespaces) if namespaces is not None else None
+        self._keys = label_keys if label_keys is not None else label_keys_from_env(os.environ)
+        self._api = api_client
+        self._owns_api = api_client is None
+        self._backoff = backoff
+        self._watch_timeout = watch_timeout_seconds
+        self._request_timeout = request_timeout_seconds
+        self._queue: asyncio.Queue[base.BackendEvent | None] = asyncio.Queue()
+        self._state = state.ClusterState(cluster, self._keys, self._queue.put_nowait)
+        self._watches: list[watching.ListWatch] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def from_config(
+        cls,
+        cluster: str,
+        *,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        namespaces: list[str] | None = None,
+        label_keys: LabelKeys | None = None,
+        **kwargs: Any,
+    ) -> KubernetesBackend:
+        """A backend with its own API client: in-cluster config when running in a pod (and no
+        kubeconfig is given), the kubeconfig and context otherwise."""
+        backend = cls(
+            cluster,
+            kubeconfig=kubeconfig,
+            context=context,
+            namespaces=namespaces,
+            label_keys=label_keys,
+            **kwargs,
+        )
+        await backend._connect()
+        return backend
+
+    async def _connect(self) -> client.ApiClient:
+        if self._api is not None:
+            return self._api
+        configuration = client.Configuration()
+        in_cluster = os.environ.get("KUBERNETES_SERVICE_HOST")
+        try:
+            if in_cluster and self._kubeconfig is None and self._context is None:
+                config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            else:
+                await config.load_kube_config(
+                    config_file=self._kubeconfig,
+                    context=self._context,
+                    client_configuration=configuration,
+                    persist_config=False,
+                )
+        except (config.ConfigException, OSError) as exc:
+            raise errors.PermanentBackendError(f"kubernetes configuration: {exc}") from exc
+        self._api = client.ApiClient(configuration=configuration)
+        self._api.user_agent = USER_AGENT
+        self._owns_api = True
+        return self._api
+
+    def _core(self) -> client.CoreV1Api:
+        if self._api is None:
+            raise errors.PermanentBackendError("the backend is not started")
+        return client.CoreV1Api(self._api)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """List nodes, then pods (errors raise: a wrong config or RBAC fails fast), then
+        watch both in the background."""
+        await self._connect()
+        core = self._core()
+        self._watches = [
+            watching.ListWatch(
+                "nodes",
+                core.list_node,
+                state.NodeFeed(self._state),
+                backoff=self._backoff,
+                timeout_seconds=self._watch_timeout,
+            ),
+            watching.ListWatch(
+                "pods",
+                core.list_pod_for_all_namespaces,
+                state.PodFeed(self._state),
+                backoff=self._backoff,
+                timeout_seconds=self._watch_timeout,
+            ),
+        ]
+        for watch in self._watches:
+            await watch.relist()
+        self._tasks = [
+            asyncio.create_task(watch.run(), name=f"watch-{watch.kind}") for watch in self._watches
+        ]
+        logger.info(
+            "cluster %s: %d GPU nodes, %d pods held",
+            self.cluster,
+            len(self._state.inventory.nodes),
+            len(self._state.inventory.pods),
+        )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self._queue.put_nowait(None)
+        if self._api is not None and self._owns_api:
+            await self._api.close()
+            self._api = None
+
+    @property
+    def label_keys(self) -> LabelKeys:
+        return self._keys
+
+    @property
+    def watches(self) -> list[watching.ListWatch]:
+        """The list+watch loops (nodes, pods): their resourceVersion and counters."""
+        return list(self._watches)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def inventory(self) -> model.Inventory:
+        return self._state.inventory
+
+    def pods_of(self, job_id: str) -> list[status.PodStatus]:
+        return self._state.pods_of(job_id)
+
+    def events(self) -> AsyncIterator[base.BackendEvent]:
+        return _EventStream(self._queue, self._state)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    async def create_pod(self, request: base.PodRequest) -> None:
+        """Create one pod bound to `request.node`; its GPUs are held in the inventory as soon
+        as the API server accepts it."""
+        if self._namespaces is not None and request.namespace not in self._namespaces:
+            raise errors.PermanentBackendError(
+                f"pod {request.name}: namespace {request.namespace} is not one this agent "
+                f"may create pods in ({', '.join(sorted(self._namespaces))})"
+            )
+        body = objects.build_pod(request, self._keys)
+        record = objects.read_pod(body)
+        problem = self._state.check_fits(record)
+        if problem:
+            raise errors.PermanentBackendError(f"pod {request.name}: {problem}")
+        what = f"create pod {request.namespace}/{request.name}"
+        create: RawCall = self._core().create_namespaced_pod
+        async with k8s_errors.translating(what):
+            response = await create(
+                request.namespace,
+                body,
+                _preload_content=False,
+                _request_timeout=self._request_timeout,
+            )
+            async with response:
+                await k8s_errors.check_response(response, what=what)
+        self._state.add_created(record, at=time.monotonic())
+
+    async def delete_pod(self, namespace: str, name: str, *, grace_seconds: float) -> None:
+        """Delete one pod with a grace period; a pod that does not exist is not an error. Its
+        GPUs stay held until the watch reports it gone (it runs through its grace period)."""
+        grace = max(0, round(grace_seconds))
+        what = f"delete pod {namespace}/{name}"
+        options = client.V1DeleteOptions(
+            grace_period_seconds=grace, propagation_policy="Background"
+        )
+        delete: RawCall = self._core().delete_namespaced_pod
+        async with k8s_errors.translating(what):
+            response = await delete(
+                name,
+                namespace,
+                grace_period_seconds=grace,
+                body=options,
+                _preload_content=False,
+                _request_timeout=self._request_timeout,
+            )
+            async with response:
+                if response.status == 404:
+                    self._state.forget(namespace, name)
+                    return
+                await k8s_errors.check_response(response, what=what)

@@ -1,0 +1,344 @@
+"""Kubernetes Nodes and Pods as gpufed reads them, and the Pod it writes. Pure functions on the
+JSON dicts the API server sends (no client models: a 5,000-node list parses in milliseconds).
+
+Node labels read (keys configurable through `LabelKeys`, defaults below):
+
+| what | default key | set by |
+|---|---|---|
+| GPU model | `nvidia.com/gpu.product` | GPU Feature Discovery (GFD) |
+| GPU memory (MiB) | `nvidia.com/gpu.memory` | GFD |
+| physical GPUs | `nvidia.com/gpu.count` | GFD (kept in the labels; `allocatable` counts) |
+| NVLink domain | `nvidia.com/gpu.clique` | GFD, on multi-node NVLink systems (GB200 NVL72) |
+| rack | `gpufed.io/rack` | the platform team (no standard label exists) |
+| NVLink island size | `gpufed.io/nvlink-island` | the platform team (8 on an HGX board) |
+
+GPUs are `status.allocatable["nvidia.com/gpu"]`; MIG devices are every `nvidia.com/mig-<profile>`
+in `allocatable` (names read, not hard-coded), exposed on the inventory Node as labels
+`gpufed.io/mig.<profile>` (allocatable) and `gpufed.io/mig-free.<profile>` (not requested by a
+live pod); `mig_slices(node)` reads them back. Nodes without GPUs are in the inventory too, with
+`gpu_count` 0 and model "" (CPU-only tasks of a gang can go there).
+
+A node is available when its Ready condition is True, `spec.unschedulable` is false and it has
+no NoSchedule/NoExecute taint outside `LabelKeys.tolerated_taints` (default `nvidia.com/gpu`,
+the taint many providers put on every GPU node). Per-pod tolerations are not evaluated: a taint
+either keeps gpufed off the node or is tolerated for all gpufed pods, which then carry a
+matching toleration (pods are bound with `spec.nodeName`, see `kubernetes.py`, so no scheduler
+checks taints for them).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.api import jobs, status
+from member_agent.cluster import base
+from member_agent.inventory import model
+
+logger = logging.getLogger(__name__)
+
+JOB_LABEL = "gpufed.io/job"
+GANG_LABEL = "gpufed.io/gang"
+QUEUE_LABEL = "gpufed.io/queue"
+TASK_LABEL = "gpufed.io/task"
+GPUS_ANNOTATION = "gpufed.io/gpus"
+TRACEPARENT_ANNOTATION = "traceparent"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+MIG_LABEL_PREFIX = "gpufed.io/mig."
+MIG_FREE_LABEL_PREFIX = "gpufed.io/mig-free."
+NODE_LOST = "NodeLost"
+_LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9_.-]")
+# reasons a pod is being torn down, from its DisruptionTarget condition
+_DISRUPTIONS = {"DeletionByTaintManager": NODE_LOST}
+_PHASES = {
+    "Pending": status.PodPhase.PENDING,
+    "Running": status.PodPhase.RUNNING,
+    "Succeeded": status.PodPhase.SUCCEEDED,
+    "Failed": status.PodPhase.FAILED,
+}
+
+
+@dataclass(frozen=True)
+class LabelKeys:
+    """Which node labels mean what. Defaults: see the module docstring."""
+
+    gpu_product: str = jobs.GPU_PRODUCT_LABEL
+    gpu_memory: str = "nvidia.com/gpu.memory"
+    gpu_count: str = "nvidia.com/gpu.count"
+    rack: str = "gpufed.io/rack"
+    nvlink_domain: str = "nvidia.com/gpu.clique"
+    nvlink_island: str = "gpufed.io/nvlink-island"
+    tolerated_taints: tuple[str, ...] = (jobs.GPU_RESOURCE,)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> LabelKeys:
+        """From the camelCase `labelKeys` section of the agent's config (Helm values)."""
+        names = {
+            "gpuProduct": "gpu_product",
+            "gpuMemory": "gpu_memory",
+            "gpuCount": "gpu_count",
+            "rack": "rack",
+            "nvlinkDomain": "nvlink_domain",
+            "nvlinkIsland": "nvlink_island",
+            "toleratedTaints": "tolerated_taints",
+        }
+        unknown = sorted(set(values) - set(names) - set(names.values()))
+        if unknown:
+            raise ValueError(f"labelKeys: unknown keys {unknown}; known: {sorted(names)}")
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            attr = names.get(key, key)
+            kwargs[attr] = tuple(value) if attr == "tolerated_taints" else str(value)
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """What gpufed keeps of one pod: where it is, what it holds, and (for its own) its phase."""
+
+    namespace: str
+    name: str
+    node: str
+    gpus: int
+    cpu_milli: int
+    memory_mib: int
+    holds: bool  # bound to a node and not terminal: its requests are in use
+    job_id: str = ""  # "" for pods gpufed did not create
+    task: str = ""
+    phase: status.PodPhase = status.PodPhase.PENDING
+    reason: str = ""
+    slots: tuple[status.GPUSlot, ...] = ()  # the GPUs placement chose (gpufed's pods)
+    mig: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ours(self) -> bool:
+        return bool(self.job_id)
+
+    @property
+    def key(self) -> str:
+        """The inventory key: the pod name for gpufed's pods (unique, as placement names them),
+        namespace/name for the others."""
+        return self.name if self.ours else f"{self.namespace}/{self.name}"
+
+
+def parse_count(value: Any) -> int:
+    """A Kubernetes integer quantity ("8", 8); anything else is 0."""
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return 0
+
+
+@functools.lru_cache(maxsize=4096)  # a cluster uses few distinct quantities ("1", "8Gi")
+def _parse_quantity(value: str | int | float, kind: str) -> int:
+    parse = jobs.parse_cpu_milli if kind == "cpu" else jobs.parse_memory_mib
+    return int(parse(value))
+
+
+def _quantity(value: Any, kind: str, where: str) -> int:
+    try:
+        return _parse_quantity(value, kind)
+    except (ValueError, TypeError):
+        logger.warning("%s: cannot read %s quantity %r", where, kind, value)
+        return 0
+
+
+def read_node(raw: Mapping[str, Any], keys: LabelKeys) -> model.Node | None:
+    """The inventory Node of a Kubernetes Node (None for an object without a name)."""
+    meta = raw.get("metadata") or {}
+    spec = raw.get("spec") or {}
+    state = raw.get("status") or {}
+    name = str(meta.get("name", ""))
+    labels = dict(meta.get("labels") or {})
+    allocatable = state.get("allocatable") or {}
+    gpus = parse_count(allocatable.get(jobs.GPU_RESOURCE, 0))
+    mig = {
+        res[len(MIG_RESOURCE_PREFIX) :]: parse_count(qty)
+        for res, qty in allocatable.items()
+        if res.startswith(MIG_RESOURCE_PREFIX) and parse_count(qty) > 0
+    }
+    if not name:
+        return None
+    for profile, count in sorted(mig.items()):
+        labels[MIG_LABEL_PREFIX + profile] = str(count)
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in state.get("conditions") or []
+    )
+    blocking = [
+        t
+        for t in spec.get("taints") or []
+        if t.get("effect") in ("NoSchedule", "NoExecute")
+        and t.get("key") not in keys.tolerated_taints
+    ]
+    return model.Node(
+        name=name,
+        model=labels.get(keys.gpu_product, ""),
+        gpu_count=max(gpus, 0),
+        gpu_memory_mib=parse_count(labels.get(keys.gpu_memory, 0)),
+        cpu_milli=_quantity(allocatable.get("cpu", 0), "cpu", name),
+        memory_mib=_quantity(allocatable.get("memory", 0), "memory", name),
+        rack=labels.get(keys.rack, ""),
+        nvlink_domain=labels.get(keys.nvlink_domain, ""),
+        nvlink_island=parse_count(labels.get(keys.nvlink_island, 0)),
+        ready=ready,
+        schedulable=not spec.get("unschedulable", False) and not blocking,
+        labels=labels,
+    )
+
+
+def fresh_copy(node: model.Node) -> model.Node:
+    """A copy of a parsed node with everything free (for rebuilding it in the inventory)."""
+    return dataclasses.replace(
+        node, labels=dict(node.labels), gpu_free=[], cpu_free=-1, memory_free=-1
+    )
+
+
+def mig_slices(node: model.Node, *, free: bool = True) -> dict[str, int]:
+    """MIG devices of a node by profile (e.g. "1g.10gb"): free ones, or all allocatable."""
+    prefix = MIG_FREE_LABEL_PREFIX if free else MIG_LABEL_PREFIX
+    return {
+        k[len(prefix) :]: parse_count(v) for k, v in node.labels.items() if k.startswith(prefix)
+    }
+
+
+def _requests_of(spec: Mapping[str, Any]) -> dict[str, int]:
+    """Effective requests of a pod: the sum over containers, at least the largest init
+    container (as the scheduler counts them), in GPUs, milli-CPU, MiB and MIG devices."""
+
+    def one(container: Mapping[str, Any]) -> dict[str, int]:
+        res = container.get("resources") or {}
+        limits = res.get("limits") or {}
+        requests = {**limits, **(res.get("requests") or {})}
+        out: dict[str, int] = {}
+        for name, qty in requests.items():
+            if name == jobs.GPU_RESOURCE or name.startswith(MIG_RESOURCE_PREFIX):
+                out[name] = parse_count(qty)
+            elif name == "cpu":
+                out[name] = _quantity(qty, "cpu", "pod")
+            elif name == "memory":
+                out[name] = _quantity(qty, "memory", "pod")
+        return out
+
+    total: dict[str, int] = {}
+    for container in spec.get("containers") or []:
+        for name, value in one(container).items():
+            total[name] = total.get(name, 0) + value
+    for container in spec.get("initContainers") or []:
+        for name, value in one(container).items():
+            total[name] = max(total.get(name, 0), value)
+    return total
+
+
+def _reason_of(state: Mapping[str, Any], phase: str) -> str:
+    if phase == "Unknown":
+        return NODE_LOST
+    if state.get("reason"):  # Evicted, NodeLost, OutOfnvidia.com/gpu, UnexpectedAdmissionError
+        return str(state["reason"])
+    for cond in state.get("conditions") or []:
+        if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
+            reason = str(cond.get("reason") or "Disrupted")
+            return _DISRUPTIONS.get(reason, reason)
+    if phase != "Failed":
+        return ""
+    found = ""
+    statuses = [
+        *(state.get("initContainerStatuses") or []),
+        *(state.get("containerStatuses") or []),
+    ]
+    for cs in statuses:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if term.get("reason") == "OOMKilled":
+            return "OOMKilled"
+        if term and not found and term.get("exitCode", 0) != 0:
+            found = str(term.get("reason") or "Error")
+    return found or "Failed"
+
+
+def _slots_of(annotations: Mapping[str, str], gpus: int) -> tuple[status.GPUSlot, ...]:
+    raw = annotations.get(GPUS_ANNOTATION, "")
+    milli_raw = annotations.get(jobs.GPU_MILLI_ANNOTATION, "")
+    milli = int(milli_raw) if milli_raw.isdigit() and 0 < int(milli_raw) <= 1000 else 1000
+    indices = [int(p) for p in raw.split(",") if p.strip().isdigit()]
+    if len(indices) != gpus:
+        return ()
+    return tuple(status.GPUSlot.model_construct(index=i, milli=milli) for i in indices)
+
+
+def read_pod(raw: Mapping[str, Any]) -> PodRecord:
+    """What gpufed keeps of a Kubernetes Pod (any pod: its own or a foreign one)."""
+    meta = raw.get("metadata") or {}
+    spec = raw.get("spec") or {}
+    state = raw.get("status") or {}
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    phase_raw = str(state.get("phase") or "Pending")
+    requests = _requests_of(spec)
+    gpus = requests.get(jobs.GPU_RESOURCE, 0)
+    node = str(spec.get("nodeName") or "")
+    phase = _PHASES.get(phase_raw, status.PodPhase.FAILED)  # Unknown: the node is lost
+    return PodRecord(
+        namespace=str(meta.get("namespace") or "default"),
+        name=str(meta.get("name", "")),
+        node=node,
+        gpus=gpus,
+        cpu_milli=requests.get("cpu", 0),
+        memory_mib=requests.get("memory", 0),
+        holds=bool(node) and phase_raw not in ("Succeeded", "Failed"),
+        job_id=str(labels.get(JOB_LABEL, "")),
+        task=str(labels.get(TASK_LABEL, "")),
+        phase=phase,
+        reason=_reason_of(state, phase_raw),
+        slots=_slots_of(annotations, gpus),
+        mig={
+            k[len(MIG_RESOURCE_PREFIX) :]: v
+            for k, v in requests.items()
+            if k.startswith(MIG_RESOURCE_PREFIX) and v > 0
+        },
+    )
+
+
+def label_value(value: str) -> str:
+    """A string made a valid label value (63 characters, alphanumeric at both ends)."""
+    cleaned = _LABEL_VALUE_BAD.sub("-", value)[:63]
+    return cleaned.strip("-_.")
+
+
+def build_pod(request: base.PodRequest, keys: LabelKeys) -> dict[str, Any]:
+    """The Pod to create: the user's template bound to the chosen node with `spec.nodeName`,
+    gpufed's labels, the trace context and the chosen GPU indices as annotations."""
+    template = copy.deepcopy(request.template)
+    meta: dict[str, Any] = dict(template.get("metadata") or {})
+    spec: dict[str, Any] = dict(template.get("spec") or {})
+    labels = {**(meta.get("labels") or {}), **request.labels}
+    labels.update(
+        {
+            JOB_LABEL: label_value(request.job_id),
+            GANG_LABEL: label_value(request.job_id),
+            QUEUE_LABEL: label_value(request.queue),
+            TASK_LABEL: label_value(request.task),
+        }
+    )
+    annotations = {**(meta.get("annotations") or {}), **request.annotations}
+    annotations[GPUS_ANNOTATION] = ",".join(str(slot.index) for slot in request.gpus)
+    for drop in ("generateName", "resourceVersion", "uid", "creationTimestamp"):
+        meta.pop(drop, None)
+    meta.update(
+        name=request.name, namespace=request.namespace, labels=labels, annotations=annotations
+    )
+    spec["nodeName"] = request.node
+    spec.setdefault("restartPolicy", "Never")  # a batch pod ends; Always would never finish
+    tolerations = list(spec.get("tolerations") or [])
+    tolerated = {t.get("key") for t in tolerations if t.get("operator") == "Exists"}
+    for key in keys.tolerated_taints:
+        if key not in tolerated:
+            tolerations.append({"key": key, "operator": "Exists"})
+    if tolerations:
+        spec["tolerations"] = tolerations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}

@@ -1,0 +1,383 @@
+"""What the Kubernetes backend knows of its cluster: nodes and pods as the watches report
+them, the GPU inventory derived from them, and the events they cause.
+
+The inventory is always derived, never patched blindly: a node change rebuilds that node and
+re-applies the pods on it; a relist rebuilds everything from the listed objects (it replaces,
+so nothing is counted twice across reconnects). Every pod that is bound and not terminal holds
+its requests: gpufed's own pods the GPUs placement chose (the `gpufed.io/gpus` annotation),
+other pods the number of GPUs they request, on indices taken from the top (the device plugin,
+not gpufed, picks a foreign pod's devices; only the count is real). Pods gpufed created are held
+from the moment the create succeeds, before any watch reports them, and the watch's report
+then replaces that entry instead of adding to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from broker.api import status
+from member_agent.cluster import base
+from member_agent.cluster import kubernetes_objects as objects
+from member_agent.inventory import model
+
+logger = logging.getLogger(__name__)
+
+# whole-GPU slots are shared, never mutated: building pydantic models is the cost of a relist
+_WHOLE = tuple(status.GPUSlot(index=i) for i in range(64))
+_TERMINAL = (status.PodPhase.SUCCEEDED, status.PodPhase.FAILED, status.PodPhase.DELETED)
+
+
+def _holding(rec: objects.PodRecord | None) -> tuple[Any, ...]:
+    if rec is None or not rec.holds:
+        return ()
+    mig = tuple(sorted(rec.mig.items()))
+    return (rec.node, rec.gpus, rec.cpu_milli, rec.memory_mib, rec.slots, mig)
+
+
+def _shape(node: model.Node | None) -> model.Node | None:
+    """What the summary reads of a node: labels other than MIG counts do not count (GFD
+    rewrites a timestamp label every minute)."""
+    if node is None:
+        return None
+    mig = {k: v for k, v in node.labels.items() if k.startswith(objects.MIG_LABEL_PREFIX)}
+    return dataclasses.replace(node, labels=mig)
+
+
+class ClusterState:
+    """Nodes, pods and the inventory of one cluster. Called from the watch loops and from
+    create/delete; single-threaded (one event loop), so no locking."""
+
+    def __init__(
+        self, cluster: str, keys: objects.LabelKeys, emit: Callable[[base.BackendEvent], None]
+    ) -> None:
+        self.inventory = model.Inventory(cluster=cluster)
+        self._keys = keys
+        self._emit = emit
+        self._nodes: dict[str, model.Node] = {}  # as parsed, everything free
+        self._pods: dict[str, objects.PodRecord] = {}  # by key, as the API reports them
+        self._created: dict[str, tuple[objects.PodRecord, float]] = {}  # created, not seen yet
+        self._by_node: dict[str, set[str]] = defaultdict(set)  # keys of holding pods
+        self._by_job: dict[str, set[str]] = defaultdict(set)
+        self._reported: dict[str, objects.PodRecord] = {}  # gpufed's pods: last phase sent
+        self.change_pending = False
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    def replace_nodes(self, items: list[dict[str, Any]], *, started: float) -> None:
+        del started
+        parsed = [objects.read_node(item, self._keys) for item in items]
+        nodes = {node.name: node for node in parsed if node is not None}
+        listed = {str((item.get("metadata") or {}).get("name", "")) for item in items}
+        lost = set(self._nodes) - listed  # gone from the cluster, not just out of GPUs
+        self._nodes = nodes
+        self._rebuild()
+        for name in sorted(lost):
+            self._report_node_lost(name)
+        self._changed("nodes listed")
+
+    def apply_node(self, kind: str, raw: dict[str, Any]) -> None:
+        name = str((raw.get("metadata") or {}).get("name", ""))
+        node = None if kind == "DELETED" else objects.read_node(raw, self._keys)
+        old = self._nodes.get(name)
+        if node == old:
+            return  # a heartbeat or a change gpufed does not read
+        if node is None:
+            del self._nodes[name]
+        else:
+            self._nodes[name] = node
+        self._rebuild_node(name)
+        if kind == "DELETED":
+            self._report_node_lost(name)
+        if _shape(node) != _shape(old):
+            self._changed(f"node {name} changed")
+
+    # -- pods --------------------------------------------------------------------------------
+
+    def replace_pods(self, items: list[dict[str, Any]], *, started: float) -> None:
+        pods = {rec.key: rec for rec in map(objects.read_pod, items)}
+        # a pod created after the list was asked for may be missing from it: keep it
+        self._created = {
+            key: entry
+            for key, entry in self._created.items()
+            if key not in pods and entry[1] >= started
+        }
+        self._pods = pods
+        gone = [rec for key, rec in self._reported.items() if key not in pods]
+        self._rebuild()
+        for rec in gone:
+            if rec.key not in self._created:
+                self._report_deleted(rec)
+        for rec in pods.values():
+            if rec.ours:
+                self._report(rec)
+        self._changed("pods listed")
+
+    def apply_pod(self, kind: str, raw: dict[str, Any]) -> None:
+        rec = objects.read_pod(raw)
+        key = rec.key
+        created = self._created.pop(key, None)
+        old = self._pods.get(key) or (created[0] if created else None)
+        if kind == "DELETED":
+            self._pods.pop(key, None)
+            self._drop(old or rec)
+            if rec.ours:
+                self._report_deleted(old or rec)
+            if _holding(old):
+                self._changed(f"pod {key} deleted")
+            return
+        self._pods[key] = rec
+        if _holding(old) != _holding(rec):
+            if old is not None:
+                self._untrack(old)
+            self._track(rec)
+            self._place(rec)
+            self._refresh_mig(rec.node, *([old.node] if old else []))
+            self._changed(f"pod {key} changed")
+        elif old is None:
+            self._track(rec)
+        if rec.ours:
+            self._report(rec)
+
+    def add_created(self, rec: objects.PodRecord, *, at: float) -> None:
+        """A pod this backend just created: hold its GPUs until the watch reports it."""
+        if rec.key in self._pods:
+            return  # the watch was faster than the create's response
+        self._created[rec.key] = (rec, at)
+        self._track(rec)
+        self._place(rec)
+        self._refresh_mig(rec.node)
+        self._reported.setdefault(rec.key, rec)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The API says the pod does not exist: stop holding it (if it is gpufed's)."""
+        for key in (name, f"{namespace}/{name}"):
+            rec = self.record(key)
+            if rec is None or rec.namespace != namespace:
+                continue
+            self._created.pop(key, None)
+            self._pods.pop(key, None)
+            self._drop(rec)
+            if rec.ours:
+                self._report_deleted(rec)
+            self._changed(f"pod {key} is gone")
+
+    def record(self, key: str) -> objects.PodRecord | None:
+        rec = self._pods.get(key)
+        if rec is not None:
+            return rec
+        created = self._created.get(key)
+        return created[0] if created else None
+
+    def check_fits(self, rec: objects.PodRecord) -> str:
+        """Why a pod to create does not fit its node now ("" when it does)."""
+        if self.record(rec.key) is not None:
+            return ""  # the API decides (409); it already holds what it needs
+        node = self.inventory.nodes.get(rec.node)
+        if node is None:
+            return f"node {rec.node} is not in the GPU inventory"
+        if not node.ready:
+            return f"node {rec.node} is NotReady"
+        if not node.schedulable:
+            return f"node {rec.node} is cordoned or tainted"
+        slots = self._slots_for(node, rec)
+        if len(slots) < rec.gpus:
+            return f"node {rec.node} has {len(slots)} GPUs free for {rec.name}, needs {rec.gpus}"
+        return ""
+
+    def pods_of(self, job_id: str) -> list[status.PodStatus]:
+        out = []
+        for key in sorted(self._by_job.get(job_id, ())):
+            rec = self.record(key)
+            if rec is None:
+                continue
+            held = self.inventory.pods.get(key)
+            gpus = list(rec.slots) or (list(held[0].gpus) if held else [])
+            out.append(
+                status.PodStatus(
+                    name=rec.name,
+                    task=rec.task,
+                    node=rec.node,
+                    gpus=gpus,
+                    phase=rec.phase,
+                    reason=rec.reason,
+                )
+            )
+        return out
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _records(self) -> Iterable[objects.PodRecord]:
+        yield from self._pods.values()
+        for rec, _ in self._created.values():
+            yield rec
+
+    def _track(self, rec: objects.PodRecord) -> None:
+        if rec.holds:
+            self._by_node[rec.node].add(rec.key)
+        if rec.ours:
+            self._by_job[rec.job_id].add(rec.key)
+
+    def _untrack(self, rec: objects.PodRecord) -> None:
+        self._by_node.get(rec.node, set()).discard(rec.key)
+        self._by_job.get(rec.job_id, set()).discard(rec.key)
+
+    def _drop(self, rec: objects.PodRecord) -> None:
+        self._untrack(rec)
+        self.inventory.release(rec.key)
+        self._refresh_mig(rec.node)
+
+    def _place(self, rec: objects.PodRecord) -> None:
+        """Hold what the pod requests on its node (what it held before is released first)."""
+        self.inventory.release(rec.key)
+        node = self.inventory.nodes.get(rec.node)
+        if node is None or not rec.holds:
+            return
+        slots = self._slots_for(node, rec)
+        if len(slots) < rec.gpus:
+            logger.warning(
+                "pod %s asks %d GPUs of %s, %d free in the inventory: counting what is free",
+                rec.key,
+                rec.gpus,
+                rec.node,
+                len(slots),
+            )
+        # model_construct: these values are ours and already valid (validation is most of the cost)
+        placement = status.PodPlacement.model_construct(
+            name=rec.key, task=rec.task, node=rec.node, gpus=slots
+        )
+        self.inventory.apply(placement, cpu_milli=rec.cpu_milli, memory_mib=rec.memory_mib)
+
+    @staticmethod
+    def _slots_for(node: model.Node, rec: objects.PodRecord) -> list[status.GPUSlot]:
+        if rec.gpus <= 0:
+            return []
+        free = node.gpu_free
+        chosen = {slot.index for slot in rec.slots}
+        if (
+            rec.slots
+            and len(chosen) == len(rec.slots)
+            and all(s.index < len(free) and free[s.index] >= s.milli for s in rec.slots)
+        ):
+            return list(rec.slots)
+        milli = rec.slots[0].milli if rec.slots else model.GPU_MILLI
+        if rec.gpus == 1 and milli < model.GPU_MILLI:
+            shared = [i for i, f in enumerate(free) if f >= milli]
+            return [status.GPUSlot.model_construct(index=shared[0], milli=milli)] if shared else []
+        whole = [i for i in reversed(range(len(free))) if free[i] == model.GPU_MILLI]
+        return [
+            _WHOLE[i] if i < len(_WHOLE) else status.GPUSlot(index=i)
+            for i in sorted(whole[: rec.gpus])
+        ]
+
+    def _rebuild(self) -> None:
+        """The whole inventory again, from the nodes and pods known now."""
+        self.inventory.nodes.clear()
+        self.inventory.pods.clear()
+        self._by_node.clear()
+        self._by_job.clear()
+        for node in self._nodes.values():
+            self.inventory.add(objects.fresh_copy(node))
+        records = sorted(self._records(), key=lambda rec: not rec.ours)  # ours keep their GPUs
+        for rec in records:
+            self._track(rec)
+            self._place(rec)
+        self._refresh_mig(*self._nodes)
+
+    def _rebuild_node(self, name: str) -> None:
+        keys = list(self._by_node.get(name, ()))
+        for key in keys:
+            self.inventory.release(key)
+        self.inventory.nodes.pop(name, None)
+        if name in self._nodes:
+            self.inventory.add(objects.fresh_copy(self._nodes[name]))
+        records = [rec for rec in map(self.record, keys) if rec is not None]
+        for rec in sorted(records, key=lambda rec: not rec.ours):
+            self._place(rec)
+        self._refresh_mig(name)
+
+    def _refresh_mig(self, *names: str) -> None:
+        for name in names:
+            node = self.inventory.nodes.get(name)
+            if node is None:
+                continue
+            allocatable = objects.mig_slices(node, free=False)
+            if not allocatable:
+                continue
+            used: dict[str, int] = defaultdict(int)
+            for rec in map(self.record, self._by_node.get(name, ())):
+                for profile, count in (rec.mig if rec else {}).items():
+                    used[profile] += count
+            for profile, count in allocatable.items():
+                label = objects.MIG_FREE_LABEL_PREFIX + profile
+                node.labels[label] = str(max(count - used[profile], 0))
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _changed(self, reason: str) -> None:
+        if not self.change_pending:  # one InventoryChanged waits in the queue at most
+            self.change_pending = True
+            self._emit(base.InventoryChanged(reason=reason))
+
+    def _report(self, rec: objects.PodRecord) -> None:
+        last = self._reported.get(rec.key)
+        self._reported[rec.key] = rec
+        if last is None and rec.phase == status.PodPhase.PENDING:
+            return
+        if last is not None and (last.phase, last.reason) == (rec.phase, rec.reason):
+            return
+        self._emit(
+            base.PodEvent(
+                job_id=rec.job_id, name=rec.name, phase=rec.phase, node=rec.node, reason=rec.reason
+            )
+        )
+
+    def _report_deleted(self, rec: objects.PodRecord) -> None:
+        last = self._reported.pop(rec.key, None) or rec
+        self._emit(
+            base.PodEvent(
+                job_id=last.job_id,
+                name=last.name,
+                phase=status.PodPhase.DELETED,
+                node=last.node,
+                reason=last.reason or "Deleted",
+            )
+        )
+
+    def _report_node_lost(self, name: str) -> None:
+        for key in sorted(self._by_node.get(name, ())):
+            rec = self.record(key)
+            if rec is None or not rec.ours or rec.phase in _TERMINAL:
+                continue
+            self._report(
+                dataclasses.replace(rec, phase=status.PodPhase.FAILED, reason=objects.NODE_LOST)
+            )
+
+
+class NodeFeed:
+    """The nodes watch's sink (`watching.Sink`)."""
+
+    def __init__(self, cluster_state: ClusterState) -> None:
+        self._state = cluster_state
+
+    def replace(self, items: list[dict[str, Any]], *, started: float) -> None:
+        self._state.replace_nodes(items, started=started)
+
+    def apply(self, kind: str, obj: dict[str, Any]) -> None:
+        self._state.apply_node(kind, obj)
+
+
+class PodFeed:
+    """The pods watch's sink (`watching.Sink`)."""
+
+    def __init__(self, cluster_state: ClusterState) -> None:
+        self._state = cluster_state
+
+    def replace(self, items: list[dict[str, Any]], *, started: float) -> None:
+        self._state.replace_pods(items, started=started)
+
+    def apply(self, kind: str, obj: dict[str, Any]) -> None:
+        self._state.apply_pod(kind, obj)

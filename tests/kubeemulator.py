@@ -1,0 +1,442 @@
+"""kmock's KubernetesEmulator, adapted to what the agent's Kubernetes backend relies on. Tests only.
+
+The gaps of kmock 0.8 (see DEPENDENCIES.md) closed here, in a subclass:
+
+- kubernetes-asyncio sends `watch=True`; kmock only knows `watch=true` and would answer a list;
+- every change gets a resourceVersion from one counter, new objects a uid and a
+  creationTimestamp, new pods `status.phase: Pending`, lists the current resourceVersion (and
+  work for kinds with no object yet);
+- a watch honours `resourceVersion`: it replays the events after it (from a history) rather
+  than every object as ADDED, and answers 410 Gone (an ERROR event) when `compact()` has
+  dropped that version;
+- `break_watches()` ends every open watch stream, as a proxy or an API server restart would;
+- `fail(...)` makes the n-th matching request fail before it changes anything.
+
+Label and field selectors stay ignored (the backend uses none), and `/version/` stays 404 (the
+backend never asks for it). The helpers (`add_node`, `add_pod`, `set_pod_phase`,
+`set_node_ready`, ...) go over HTTP through the same handler, so they cause the same watch
+events the API server would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import datetime
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import attrs
+import kmock
+from kubernetes_asyncio import client
+
+from broker.api import status
+from member_agent.cluster import base
+
+GPU = "nvidia.com/gpu"
+H100 = "NVIDIA-H100-80GB-HBM3"
+_BREAK = object()
+PODS = kmock.resource("v1/pods")
+
+
+@dataclass
+class _Failure:
+    action: str
+    plural: str
+    countdown: int  # matching requests to let through first
+    times: int
+    status: int
+
+
+class _Recorder:
+    """Stands in for kmock's per-resource event bus: kmock calls `put` under its lock."""
+
+    def __init__(self, emulator: Emulator, resource: Any) -> None:
+        self._emulator = emulator
+        self._resource = resource
+
+    async def put(self, *events: dict[str, Any]) -> None:
+        for event in events:
+            self._emulator._record(self._resource, event)
+
+
+class _Recorders(dict[Any, _Recorder]):
+    def __init__(self, emulator: Emulator) -> None:
+        super().__init__()
+        self._emulator = emulator
+
+    def __missing__(self, resource: Any) -> _Recorder:
+        recorder = self[resource] = _Recorder(self._emulator, resource)
+        return recorder
+
+
+@attrs.define(kw_only=True)
+class Emulator(kmock.KubernetesEmulator):
+    _version: int = attrs.field(default=0, init=False)
+    _compacted: int = attrs.field(default=0, init=False)
+    _history: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list, init=False)
+    _watchers: list[tuple[Any, str | None, asyncio.Queue[Any]]] = attrs.field(
+        factory=list, init=False
+    )
+    _failures: list[_Failure] = attrs.field(factory=list, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._buses = _Recorders(self)  # type: ignore[assignment]
+
+    # -- the adapted server ------------------------------------------------------------------
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if (
+            request.method == kmock.method.GET
+            and request.action != kmock.action.WATCH
+            and str(request.params.get("watch", "")).lower() in ("true", "1")
+        ):
+            watch = attrs.evolve(request, action=kmock.action.WATCH)
+            # kmock matches reactions by the identity of the recorded request: swap it
+            index = next(i for i, seen in enumerate(self._requests) if seen is request)
+            self._requests[index] = request = watch
+        if request.resource is not None and request.action is not None:
+            self._maybe_fail(request)
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("uid", str(uuid.uuid4()))
+            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            meta.setdefault("creationTimestamp", stamp)
+            if request.resource is not None and request.resource.plural == "pods":
+                request.data.setdefault("status", {}).setdefault("phase", "Pending")
+        return await super()._handle(request)
+
+    def _maybe_fail(self, request: kmock.Request) -> None:
+        assert request.action is not None and request.resource is not None
+        for failure in self._failures:
+            if failure.times <= 0:
+                continue
+            if request.action.name.lower() != failure.action:
+                continue
+            if request.resource.plural != failure.plural:
+                continue
+            if failure.countdown > 0:
+                failure.countdown -= 1
+                continue
+            failure.times -= 1
+            raise kmock.KubernetesError(
+                status=failure.status, reason="Injected", message=f"injected {failure.status}"
+            )
+
+    def _record(self, resource: Any, event: dict[str, Any]) -> None:
+        """One change (under kmock's lock): give it a resourceVersion, keep it, fan it out."""
+        self._version += 1
+        event = copy.deepcopy(event)
+        meta = event["object"].setdefault("metadata", {})
+        meta["resourceVersion"] = str(self._version)
+        key = (resource, meta.get("namespace"), meta.get("name"))
+        if event["type"] != "DELETED" and key in self.objects and not self.objects[key].deleted:
+            stored = self.objects[key]
+            stored["metadata"] = {**stored.raw.get("metadata", {}), **meta}
+        self._history.append((self._version, resource, event))
+        for watched, namespace, queue in self._watchers:
+            if watched == resource and namespace in (None, meta.get("namespace")):
+                queue.put_nowait(event)
+
+    def _matching(self, request: kmock.Request) -> list[dict[str, Any]]:
+        return [
+            obj.raw
+            for (resource, namespace, _), obj in self.objects.items()
+            if resource == request.resource
+            and not obj.deleted
+            and (request.namespace is None or namespace == request.namespace)
+        ]
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        async with self._lock:
+            items = self._matching(request)
+            version = self._version
+        return {"kind": "List", "metadata": {"resourceVersion": str(version)}, "items": items}
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        yield b""  # send the headers now
+        since = str(request.params.get("resourceVersion") or "0")
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        entry = (request.resource, request.namespace, queue)
+        async with self._lock:
+            if since != "0" and int(since) < self._compacted:
+                gone = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+                backlog = [{"type": "ERROR", "object": gone}]
+            elif since != "0":
+                backlog = [
+                    event
+                    for version, resource, event in self._history
+                    if version > int(since)
+                    and resource == request.resource
+                    and request.namespace in (None, event["object"]["metadata"].get("namespace"))
+                ]
+            else:
+                backlog = [{"type": "ADDED", "object": raw} for raw in self._matching(request)]
+            self._watchers.append(entry)
+        try:
+            for event in backlog:
+                yield event
+                if event["type"] == "ERROR":
+                    return
+            while (event := await queue.get()) is not _BREAK:
+                yield event
+        finally:
+            self._watchers.remove(entry)
+
+    # -- controls for tests ------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def compact(self) -> None:
+        """Forget the history: a watch resuming from a version older than the current one gets
+        410 Gone (a list's version, the current one, can still be watched from)."""
+        self._compacted = self._version
+        self._history.clear()
+
+    def break_watches(self) -> int:
+        """End every open watch stream; returns how many there were."""
+        for _, _, queue in self._watchers:
+            queue.put_nowait(_BREAK)
+        return len(self._watchers)
+
+    def watch_count(self, plural: str) -> int:
+        return sum(1 for resource, _, _ in self._watchers if resource.plural == plural)
+
+    def fail(
+        self, action: str, plural: str, *, nth: int = 1, times: int = 1, status: int = 500
+    ) -> None:
+        """Fail the `nth` (1-based, counted from now) `action` request on `plural`, and the
+        `times - 1` after it, with `status`, before anything changes."""
+        self._failures.append(_Failure(action.lower(), plural, nth - 1, times, status))
+
+    def clear_failures(self) -> None:
+        self._failures.clear()
+
+    def requests_of(self, action: str, plural: str) -> list[kmock.Request]:
+        return [
+            r
+            for r in self._requests
+            if r.action is not None
+            and r.action.name.lower() == action.lower()
+            and r.resource is not None
+            and r.resource.plural == plural
+        ]
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        key = (PODS, namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return dict(self.objects[key].raw)
+
+    def pods(self) -> list[dict[str, Any]]:
+        return [
+            obj.raw
+            for (resource, _, _), obj in self.objects.items()
+            if resource.plural == "pods" and not obj.deleted
+        ]
+
+    async def _send(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        async with self.request(method, path, json=body) as response:
+            data: dict[str, Any] = await response.json()
+            if response.status >= 400:
+                raise RuntimeError(f"{method} {path}: {response.status} {data.get('message')}")
+            return data
+
+    async def add_node(self, name: str, **kwargs: Any) -> dict[str, Any]:
+        return await self._send("POST", "/api/v1/nodes", node_body(name, **kwargs))
+
+    async def patch_node(self, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._send("PATCH", f"/api/v1/nodes/{name}", patch)
+
+    async def delete_node(self, name: str) -> dict[str, Any]:
+        return await self._send("DELETE", f"/api/v1/nodes/{name}")
+
+    async def set_node_ready(self, name: str, ready: bool) -> None:
+        await self.patch_node(name, {"status": {"conditions": [_ready(ready)]}})
+
+    async def add_pod(self, namespace: str, name: str, **kwargs: Any) -> dict[str, Any]:
+        body = pod_body(namespace, name, **kwargs)
+        return await self._send("POST", f"/api/v1/namespaces/{namespace}/pods", body)
+
+    async def delete_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return await self._send("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}")
+
+    async def set_pod_phase(
+        self,
+        namespace: str,
+        name: str,
+        phase: str,
+        *,
+        reason: str | None = None,
+        container_reason: str | None = None,
+        exit_code: int = 1,
+    ) -> None:
+        """What the kubelet would report: the phase, a pod-level reason (Evicted), or the
+        container's termination reason (OOMKilled)."""
+        state: dict[str, Any] = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
+        if phase in ("Succeeded", "Failed"):
+            code = 0 if phase == "Succeeded" else exit_code
+            term = {
+                "exitCode": code,
+                "reason": container_reason or ("Completed" if code == 0 else "Error"),
+            }
+            state = {"terminated": term}
+        status: dict[str, Any] = {
+            "phase": phase,
+            "containerStatuses": [{"name": "main", "ready": phase == "Running", "state": state}],
+        }
+        if reason:
+            status["reason"] = reason
+        await self._send("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", {"status": status})
+
+
+def _ready(ready: bool) -> dict[str, str]:
+    return {
+        "type": "Ready",
+        "status": "True" if ready else "False",
+        "reason": "KubeletReady" if ready else "NodeStatusUnknown",
+    }
+
+
+def node_body(
+    name: str,
+    *,
+    gpus: int = 8,
+    product: str = H100,
+    memory_mib: int = 81559,
+    labels: Mapping[str, str] | None = None,
+    ready: bool = True,
+    unschedulable: bool = False,
+    taints: list[dict[str, str]] | None = None,
+    allocatable: Mapping[str, str] | None = None,
+    cpu: str = "128",
+    memory: str = "1Ti",
+) -> dict[str, Any]:
+    """A GPU node as GPU Feature Discovery and the NVIDIA device plugin leave it."""
+    alloc = {"cpu": cpu, "memory": memory, "pods": "110", GPU: str(gpus), **(allocatable or {})}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "nvidia.com/gpu.product": product,
+                "nvidia.com/gpu.memory": str(memory_mib),
+                "nvidia.com/gpu.count": str(gpus),
+                **(labels or {}),
+            },
+        },
+        "spec": {"unschedulable": unschedulable, "taints": list(taints or [])},
+        "status": {"allocatable": alloc, "capacity": dict(alloc), "conditions": [_ready(ready)]},
+    }
+
+
+def pod_body(
+    namespace: str,
+    name: str,
+    *,
+    node: str = "",
+    gpus: int = 0,
+    cpu: str = "1",
+    memory: str = "1Gi",
+    labels: Mapping[str, str] | None = None,
+    phase: str | None = "Running",
+) -> dict[str, Any]:
+    """A pod someone else runs (a foreign pod, unless its labels say gpufed's)."""
+    limits = {GPU: str(gpus)} if gpus else {}
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels or {})},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "busybox",
+                    "resources": {"requests": {"cpu": cpu, "memory": memory}, "limits": limits},
+                }
+            ]
+        },
+    }
+    if node:
+        body["spec"]["nodeName"] = node
+    if phase:
+        body["status"] = {"phase": phase}
+    return body
+
+
+# -- helpers for the backend's tests ---------------------------------------------------------
+
+
+async def until(predicate: Callable[[], bool], *, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "the condition did not become true in time"
+        await asyncio.sleep(0.005)
+
+
+async def next_event(
+    stream: AsyncIterator[base.BackendEvent],
+    match: Callable[[base.BackendEvent], bool],
+    *,
+    timeout: float = 5.0,
+) -> base.BackendEvent:
+    async def find() -> base.BackendEvent:
+        async for event in stream:
+            if match(event):
+                return event
+        raise AssertionError("the event stream ended")
+
+    return await asyncio.wait_for(find(), timeout)
+
+
+def pod_request(name: str, node: str, gpus: list[int], **kwargs: Any) -> base.PodRequest:
+    template = {
+        "metadata": {"labels": {"team": "vision"}, "annotations": {"note": "kept"}},
+        "spec": {
+            "containers": [
+                {
+                    "name": "train",
+                    "image": "trainer:1",
+                    "resources": {"limits": {GPU: len(gpus)}, "requests": {"cpu": "4"}},
+                }
+            ]
+        },
+    }
+    job = kwargs.pop("job_id", "job-a")
+    return base.PodRequest(
+        namespace=kwargs.pop("namespace", "team-a"),
+        name=name,
+        job_id=job,
+        task="worker",
+        queue="research",
+        node=node,
+        gpus=tuple(status.GPUSlot(index=i) for i in gpus),
+        cpu_milli=4000,
+        memory_mib=0,
+        template=template,
+        annotations={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        **kwargs,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running() -> AsyncIterator[tuple[Emulator, client.ApiClient]]:
+    """An emulator on a loopback port, and a kubernetes-asyncio client pointed at it."""
+    async with Emulator() as emulator, kmock.Server(emulator) as server:
+        emulator.resources["v1/nodes"] = kmock.ResourceInfo(kind="Node", namespaced=False)
+        emulator.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True)
+        configuration = client.Configuration(host=str(server.url).rstrip("/"))
+        api = client.ApiClient(configuration=configuration)
+        try:
+            yield emulator, api
+        finally:
+            await api.close()
