@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a cluster may stay away before its jobs move",
     )
+    broker.add_argument(
+        "--queues", help="queues, quotas and priority classes YAML (none: every queue is open)"
+    )
+    broker.add_argument(
+        "--cycle-interval",
+        type=float,
+        default=0.005,
+        help="seconds between scheduling cycles, at least",
+    )
     broker.add_argument("--log-level", default="INFO")
 
     agent = sub.add_parser("agent", help="run a member agent")
@@ -68,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--backend", choices=["simulated", "kubernetes"], default="simulated")
     agent.add_argument("--nodes", help="node pools YAML (simulated backend)")
     agent.add_argument("--limits", help="per-namespace GPU limits YAML")
+    agent.add_argument("--kubeconfig", help="kubernetes backend: kubeconfig (default: in-cluster)")
+    agent.add_argument("--context", help="kubernetes backend: kubeconfig context")
+    agent.add_argument("--namespace", action="append", dest="namespaces",
+                       help="kubernetes backend: a namespace pods may be created in (repeat)")
     agent.add_argument("--metrics-port", type=int, default=0)
     agent.add_argument("--log-level", default="INFO")
 
@@ -84,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--queue")
     listing.add_argument("--state")
     _user_parser(sub, "clusters", "member clusters and their GPUs")
+    queues = _user_parser(sub, "queues", "queues: quotas, usage, fair share (admin token)")
+    queues.add_argument("name", nargs="?", help="one queue")
+    queues.add_argument(
+        "--apply", metavar="FILE", help="put queue NAME from FILE, or each queue of a queues file"
+    )
 
     demo = sub.add_parser("demo", help="broker + 3 simulated clusters + a mixed workload")
     demo.add_argument("--jobs", type=int, default=72)
@@ -187,10 +205,15 @@ async def _dispatch_user(args: argparse.Namespace, api: client_.BrokerClient) ->
         _print(args, job, f"{job['id']} cancelling ({job['status']['state']})")
     elif args.command == "why":
         answer = await api.why(args.job_id)
-        rows = [[c["cluster"], r] for c in answer["clusters"] for r in c["reasons"]]
-        text = f"{answer['id']}: {answer['state']}"
-        text += "\n" + (tables.render(["CLUSTER", "REASON"], rows) if rows else answer["message"])
+        rows = [[r["cluster"], r["code"], r["message"]] for r in answer.get("reasons", [])]
+        if not rows:
+            rows = [[c["cluster"], "", r] for c in answer["clusters"] for r in c["reasons"]]
+        text = f"{answer['id']}: {answer['state']} (queue {answer.get('queue', '-')})"
+        table = tables.render(["CLUSTER", "CODE", "REASON"], rows)
+        text += "\n" + (table if rows else answer["message"])
         _print(args, answer, text)
+    elif args.command == "queues":
+        return await _queues_command(args, api)
     elif args.command == "list":
         items = await api.jobs(queue=args.queue, state=args.state)
         _print(args, items, _job_table(items))
@@ -224,6 +247,60 @@ async def _dispatch_user(args: argparse.Namespace, api: client_.BrokerClient) ->
     return 0
 
 
+def _queue_rows(views: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for view in views:
+        spec, st = view["spec"], view["status"]
+        for item in st["gpus"] or [
+            {"model": "-", "inUse": "", "guaranteed": "", "limit": "", "fairShare": ""}
+        ]:
+            rows.append(
+                [
+                    view["name"],
+                    spec["tenant"],
+                    spec["cohort"],
+                    spec["weight"],
+                    st["pendingJobs"],
+                    st["runningJobs"],
+                    item["model"],
+                    item["inUse"],
+                    item["guaranteed"],
+                    "-" if item["limit"] is None else item["limit"],
+                    item["fairShare"],
+                    f"{st['dominantShare']:.3f}",
+                    st["preemptions"],
+                ]
+            )
+    return rows
+
+
+QUEUE_HEADERS = [
+    "QUEUE", "TENANT", "COHORT", "WEIGHT", "PENDING", "RUNNING", "MODEL", "IN USE",
+    "GUARANTEED", "LIMIT", "FAIR SHARE", "SHARE", "PREEMPTED",
+]  # fmt: skip
+
+
+async def _queues_command(args: argparse.Namespace, api: client_.BrokerClient) -> int:
+    import yaml
+
+    if args.apply:
+        document = yaml.safe_load(Path(args.apply).read_text()) or {}
+        named = [{**document, "name": args.name}] if args.name else None
+        specs = named or list(document.get("queues", []))
+        views = [await api.put_queue(str(spec.pop("name")), spec) for spec in specs]
+    elif args.name:
+        views = [await api.queue(args.name)]
+    else:
+        listing = await api.queues()
+        views = listing["items"]
+    warnings = sorted({w for view in views for w in view.get("warnings", [])})
+    text = tables.render(QUEUE_HEADERS, _queue_rows(views))
+    if warnings:
+        text += "\n" + "\n".join(f"warning: {w}" for w in warnings)
+    _print(args, views if len(views) != 1 or not args.name else views[0], text)
+    return 0
+
+
 def _run_broker(args: argparse.Namespace) -> int:
     from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
 
@@ -242,12 +319,21 @@ def _run_broker(args: argparse.Namespace) -> int:
         port=args.port,
         heartbeat_seconds=args.heartbeat,
         lost_after_seconds=args.lost_after,
+        queues_file=Path(args.queues) if args.queues else None,
+        cycle_interval_seconds=args.cycle_interval,
     )
+    from broker.scheduler import registry
+
+    try:
+        application = app.create_app(settings)
+    except registry.QueuesFileError as exc:
+        print(f"gpufed broker: {exc}", file=sys.stderr)
+        return 2
     if settings.store.startswith("sqlite:///"):
         Path(settings.store.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     try:
         web.run_app(
-            app.create_app(settings),
+            application,
             host=args.host,
             port=args.port,
             print=None,
@@ -275,6 +361,9 @@ def _run_agent(args: argparse.Namespace) -> int:
             "nodes_file": args.nodes,
             "limits_file": args.limits,
             "metrics_port": args.metrics_port,
+            "kubeconfig": args.kubeconfig,
+            "kube_context": args.context,
+            "namespaces": args.namespaces,
         }
     )
     try:

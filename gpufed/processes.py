@@ -104,6 +104,8 @@ class Fleet:
     tokens: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     peak: dict[str, int] = field(default_factory=dict)
+    queues: Path | None = None  # the broker's queues file (--queues)
+    cycle_interval: float | None = None  # the broker's --cycle-interval
 
     @property
     def url(self) -> str:
@@ -143,6 +145,12 @@ class Fleet:
                 str(self.heartbeat),
                 "--lost-after",
                 str(self.lost_after),
+                *(["--queues", str(self.queues)] if self.queues else []),
+                *(
+                    ["--cycle-interval", str(self.cycle_interval)]
+                    if self.cycle_interval is not None
+                    else []
+                ),
             ],
             workdir=self.workdir,
             env=self.env,
@@ -150,7 +158,11 @@ class Fleet:
         await self.wait_http("/readyz", self.broker)
         return self.broker
 
-    async def start_agent(self, cluster: str, nodes: Path, *extra: str) -> Service:
+    async def start_agent(
+        self, cluster: str, nodes: Path | None, *extra: str, backend: str = "simulated"
+    ) -> Service:
+        """An agent process; `nodes` for the simulated backend, `extra` flags for others."""
+        where = ["--nodes", str(nodes)] if nodes is not None else []
         service = await spawn(
             f"agent-{cluster}",
             [
@@ -162,9 +174,8 @@ class Fleet:
                 "--token-file",
                 str(self.workdir / f"{cluster}.token"),
                 "--backend",
-                "simulated",
-                "--nodes",
-                str(nodes),
+                backend,
+                *where,
                 *extra,
             ],
             workdir=self.workdir,
