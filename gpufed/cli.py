@@ -346,9 +346,8 @@ def _run_broker(args: argparse.Namespace) -> int:
 
 
 def _run_agent(args: argparse.Namespace) -> int:
-    from member_agent import app as agent_app
-
     from broker.telemetry import tracing
+    from member_agent import app as agent_app
 
     logs.setup(service="gpufed-agent", level=args.log_level)
     tracing.setup("gpufed-agent", cluster=args.cluster)
