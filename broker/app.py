@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict
 from broker.dispatch import connecting, lifecycle
 from broker.dispatch import fleet as fleet_
 from broker.http import auth, clusters, jobs, openapi, problems
-from broker.scheduler import cycle
+from broker.http import queues as queues_http
+from broker.scheduler import cycle, registry
 from broker.state import opening, records
 from broker.telemetry import metrics
 
@@ -31,16 +32,21 @@ class BrokerSettings(BaseModel):
     heartbeat_seconds: float = 5.0
     lost_after_seconds: float = 60.0
     cancel_grace_seconds: float = 30.0
+    queues_file: Path | None = None  # config/queues.yaml; none: every queue is open
+    cycle_interval_seconds: float = 0.005  # at most one scheduling cycle per interval
 
 
 def create_app(settings: BrokerSettings) -> web.Application:
     app = web.Application(client_max_size=jobs.MAX_BODY, middlewares=[problems.problems_middleware])
     app[auth.AUTHENTICATOR] = auth.Authenticator.from_file(settings.tokens_file)
+    queues = registry.QueueRegistry.from_file(settings.queues_file)
+    app[jobs.QUEUES] = queues
     meters = metrics.BrokerMetrics()
     app[clusters.READY] = {"store": False, "scheduler": False}
     jobs.add_routes(app)
     clusters.add_routes(app)
     openapi.add_routes(app)
+    queues_http.add_routes(app)
     app.router.add_get("/metrics", make_aiohttp_handler(registry=meters.registry))
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
@@ -49,6 +55,7 @@ def create_app(settings: BrokerSettings) -> web.Application:
             backing, observe=lambda op, seconds: meters.store_latency.labels(op=op).observe(seconds)
         )
         await job_records.load()
+        await queues.load(backing)
         app[clusters.READY]["store"] = True
         fleet = fleet_.Fleet(stale_after=3 * settings.heartbeat_seconds)
         life = lifecycle.Lifecycle(
@@ -67,11 +74,18 @@ def create_app(settings: BrokerSettings) -> web.Application:
         app[jobs.LIFECYCLE] = life
         app[clusters.FLEET] = fleet
         app[clusters.SESSIONS] = sessions
-        scheduler = cycle.Scheduler(life, fleet, meters=meters)
+        scheduler = cycle.Scheduler(
+            life,
+            fleet,
+            meters=meters,
+            queues=queues,
+            min_interval=settings.cycle_interval_seconds,
+        )
         tasks = [
             asyncio.create_task(scheduler.run(), name="scheduler"),
             asyncio.create_task(sessions.watch(), name="sessions-watchdog"),
             asyncio.create_task(life.run_flusher(), name="group-commit"),
+            asyncio.create_task(queues.follow(backing), name="queues-watch"),
         ]
         app[clusters.READY]["scheduler"] = True
         logger.info("broker ready: %d jobs loaded from %s", len(job_records), settings.store)

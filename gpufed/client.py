@@ -93,6 +93,23 @@ class BrokerClient:
         result: dict[str, Any] = await self._call("DELETE", f"/v1/jobs/{job_id}")
         return result
 
+    async def queues(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", "/v1/queues")
+        return result
+
+    async def queue(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", f"/v1/queues/{name}")
+        return result
+
+    async def put_queue(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call(
+            "PUT",
+            f"/v1/queues/{name}",
+            data=json.dumps(spec),
+            headers={"Content-Type": "application/json"},
+        )
+        return result
+
     async def clusters(self) -> list[dict[str, Any]]:
         body = await self._call("GET", "/v1/clusters")
         items: list[dict[str, Any]] = body["items"]

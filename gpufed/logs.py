@@ -1,4 +1,15 @@
-"""Logging for gpufed processes: JSON lines on stderr, context from contextvars."""
+"""Logging for gpufed processes: JSON lines on stderr, each with the context it was logged in.
+
+A line carries `trace_id` and `span_id` of the current OpenTelemetry span when there is one
+(so a log line leads to its trace in Tempo), the fields bound with `bind(job_id=..., cluster=...)`
+(kept in the `CONTEXT` contextvar: they follow the asyncio task and the tasks it starts), and
+the fields given to one call with `extra=`:
+
+    with logs.bind(cluster=name):
+        logger.info("offer sent", extra={"job_id": job_id})
+
+A call's `extra=` wins over bound fields, and bound fields over the span's ids.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +17,41 @@ import contextvars
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 
+from opentelemetry import trace
+
 CONTEXT: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("gpufed_log_context")
+
+# attributes every LogRecord has: anything else on a record came from `extra=`
+_BLANK = logging.LogRecord("", logging.INFO, "", 0, "", None, None)
+_RECORD_ATTRIBUTES = frozenset({*vars(_BLANK), "message", "asctime", "taskName"})
+
+
+@contextmanager
+def bind(**fields: object) -> Iterator[None]:
+    """Add `fields` to every line logged inside the block, in this task and those it starts."""
+    token = CONTEXT.set({**CONTEXT.get({}), **{key: str(value) for key, value in fields.items()}})
+    try:
+        yield
+    finally:
+        CONTEXT.reset(token)
+
+
+def read_context(record: logging.LogRecord) -> dict[str, object]:
+    """The context fields of one line: the span's ids, then bound fields, then `extra=`."""
+    fields: dict[str, object] = {}
+    span = trace.get_current_span().get_span_context()
+    if span.is_valid:
+        fields["trace_id"] = format(span.trace_id, "032x")
+        fields["span_id"] = format(span.span_id, "016x")
+    fields.update(CONTEXT.get({}))
+    for key, value in vars(record).items():
+        if key not in _RECORD_ATTRIBUTES and not key.startswith("_"):
+            fields[key] = value
+    return fields
 
 
 class JsonFormatter(logging.Formatter):
@@ -24,7 +67,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        line.update(CONTEXT.get({}))
+        line.update(read_context(record))
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)

@@ -146,7 +146,8 @@ class Sessions:
                 return
 
     async def watch(self) -> None:
-        """Close silent sessions; requeue the jobs of clusters gone past their grace."""
+        """Close silent sessions; requeue the jobs of clusters gone past their grace; export
+        each session's state."""
         while True:
             await asyncio.sleep(min(self.heartbeat, 1.0))
             now = time.monotonic()
@@ -169,3 +170,5 @@ class Sessions:
                     cluster.lost = True
                     moved = await self.lifecycle.cluster_lost(cluster.name)
                     logger.warning("cluster %s lost: %d jobs requeued", cluster.name, moved)
+                health = cluster.health(now=now, stale_after=self.fleet.stale_after)
+                self.meters.set_session_state(cluster.name, health)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from broker.api import jobs as jobs_api
 from broker.api import messages, status
 from broker.api.status import JobState
 from broker.dispatch import fleet as fleet_
-from broker.scheduler import fitting, planning, snapshot
+from broker.scheduler import fitting, occupancy, planning, quotas, snapshot
 from broker.state import errors, records
 from broker.telemetry import jobspans, metrics
 
@@ -24,6 +27,23 @@ logger = logging.getLogger(__name__)
 # reasons a gang failed that are not the workload's fault: the job is retried elsewhere
 INFRA_REASONS = frozenset({"NodeLost", "Evicted", "PodDeleted", "ClusterLost", "LostByAgent"})
 MAX_INFRA_RETRIES = 3
+# states in which a job holds GPUs on a cluster (what quotas count)
+HOLDING = frozenset({JobState.DISPATCHED, JobState.RUNNING})
+PREEMPTED = "Preempted"
+
+
+@dataclass
+class Preempting:
+    """A victim the broker asked its agent to stop, until its GPUs show free in a summary."""
+
+    preemptor: str
+    cluster: str
+    reason: str
+    message: str
+    since: float  # monotonic
+    confirmed: bool = False  # the agent reported the job gone
+    summary_at: object | None = None  # the cluster's summary when it did
+    handed: bool = False  # reported released to one planning cycle
 
 
 class Lifecycle:
@@ -45,6 +65,21 @@ class Lifecycle:
         self.wakeup = asyncio.Event()
         self.spans = jobspans.JobSpans()
         self.flush_needed = asyncio.Event()
+        # tenancy: jobs holding GPUs, victims being preempted, why-reasons with their codes
+        self.active: set[str] = {r.id for r in jobs if r.status.state in HOLDING}
+        self.preempting: dict[str, Preempting] = {}
+        self.preemptions: Counter[str] = Counter()  # victim's queue -> jobs preempted
+        self.why_details: dict[str, tuple[planning.Reason, ...]] = {}
+        self._models_of: dict[str, dict[str, int]] = {}
+        self._views: dict[str, tuple[tuple[object, ...], snapshot.RunningJob]] = {}
+        self.preempt_timeout = 2 * cancel_grace_seconds + 30.0
+        # GPUs held per queue and model, kept on every transition (see `usage`)
+        self._held: dict[str, tuple[str, dict[str, int]]] = {}
+        self._usage: dict[str, dict[str, int]] = {}
+        self._holders: Counter[str] = Counter()
+        for record in jobs:
+            if record.status.state in HOLDING:
+                self._hold(record)
 
     # ---- transitions ------------------------------------------------------------------
 
@@ -69,6 +104,65 @@ class Lifecycle:
             started = record.event_time(JobState.QUEUED) or record.created
             latency = (record.status.events[-1].time - started).total_seconds()
             self.meters.submit_to_running.observe(latency)
+        self._track(record, state)
+
+    def _track(self, record: status.JobRecord, state: JobState) -> None:
+        """Keep the jobs holding GPUs and their usage; a victim leaving them has stopped."""
+        if state in HOLDING:
+            self.active.add(record.id)
+            self._hold(record)
+            return
+        self.active.discard(record.id)
+        self._unhold(record.id)
+        self._models_of.pop(record.id, None)
+        if state != JobState.QUEUED:
+            self.why_details.pop(record.id, None)
+        entry = self.preempting.get(record.id)
+        if entry is not None and not entry.confirmed:
+            entry.confirmed = True
+            cluster = self.fleet.clusters.get(entry.cluster)
+            entry.summary_at = cluster.summary if cluster is not None else None
+
+    def _hold(self, record: status.JobRecord) -> None:
+        if record.id in self._held:
+            return
+        gpus = self._models_of.get(record.id)
+        if gpus is None:
+            cluster = self.fleet.clusters.get(record.status.cluster or "")
+            summary = cluster.summary if cluster is not None else None
+            gpus = occupancy.infer_models(
+                jobs_api.gang_request(record.id, record.job),
+                [m.model for m in summary.models] if summary else [],
+            )
+        queue = record.job.spec.queue
+        self._held[record.id] = (queue, gpus)
+        self._holders[queue] += 1
+        held = self._usage.setdefault(queue, {})
+        for model, count in gpus.items():
+            held[model] = held.get(model, 0) + count
+
+    def _unhold(self, job_id: str) -> None:
+        found = self._held.pop(job_id, None)
+        if found is None:
+            return
+        queue, gpus = found
+        self._holders[queue] -= 1
+        held = self._usage.get(queue, {})
+        for model, count in gpus.items():
+            held[model] = held.get(model, 0) - count
+
+    def usage(self) -> quotas.Usage:
+        """GPUs held per queue and model (Dispatched and Running jobs), without a walk."""
+        return quotas.Usage(self._usage, self._holders)
+
+    def resync_usage(self) -> None:
+        """Recount the usage from the jobs themselves (models inferred from fresh summaries;
+        store conflicts that put records back): the scheduler calls it every few seconds."""
+        views = self.running_jobs()
+        self._held = {v.job_id: (v.queue, dict(v.gpus)) for v in views}
+        fresh = quotas.Usage.of(views)
+        self._usage = {q: dict(g) for q, g in fresh.gpus.items()}
+        self._holders = Counter(fresh.jobs)
 
     def _requeue(self, record: status.JobRecord, reason: str, msg: str) -> None:
         record.status.cluster = None
@@ -130,15 +224,127 @@ class Lifecycle:
                     created=record.created,
                     request=jobs_api.gang_request(job_id, record.job),
                     excluded=self.fleet.excluded_for(job_id),
+                    priority_class=record.job.spec.priority_class,
+                    queued_since=record.status.events[-1].time if record.status.events else None,
                 )
             )
         return out
+
+    def running_jobs(self) -> list[snapshot.RunningJob]:
+        """The jobs holding GPUs (Dispatched, Running), as the planner sees them."""
+        out = []
+        for job_id in self.active:
+            record = self.jobs.get(job_id)
+            if record is None or record.status.state not in HOLDING or not record.status.cluster:
+                continue
+            preempting = job_id in self.preempting
+            key = (
+                record.status.state,
+                record.status.cluster,
+                len(record.status.events),
+                len(record.status.pods),
+                preempting,
+            )
+            cached = self._views.get(job_id)
+            if cached is None or cached[0] != key:
+                cluster = self.fleet.clusters.get(record.status.cluster)
+                summary = cluster.summary if cluster is not None else None
+                view = occupancy.running_view(
+                    record,
+                    models=self._models_of.get(job_id),
+                    cluster_models=[m.model for m in summary.models] if summary else [],
+                    preempting=preempting,
+                )
+                cached = (key, view)
+                self._views[job_id] = cached
+            out.append(cached[1])
+        if len(self._views) > 2 * len(self.active) + 64:
+            self._views = {k: v for k, v in self._views.items() if k in self.active}
+        return out
+
+    def releasing(self) -> list[snapshot.Releasing]:
+        """Victims whose GPUs their preemptors wait for; `released` once a summary newer than
+        the agent's confirmation arrived (reported to one cycle, then forgotten)."""
+        now = time.monotonic()
+        out = []
+        for victim, entry in list(self.preempting.items()):
+            cluster = self.fleet.clusters.get(entry.cluster)
+            if entry.handed or cluster is None or cluster.lost:
+                del self.preempting[victim]
+                continue
+            if now - entry.since > self.preempt_timeout:
+                logger.warning("preemption of %s not confirmed in time: forgotten", victim)
+                del self.preempting[victim]
+                continue
+            released = (
+                entry.confirmed
+                and cluster.summary is not None
+                and cluster.summary is not entry.summary_at
+            )
+            entry.handed = released
+            held = self._held.get(victim)
+            out.append(
+                snapshot.Releasing(
+                    victim,
+                    entry.preemptor,
+                    entry.cluster,
+                    released,
+                    queue=held[0] if held else "",
+                    gpus=dict(held[1]) if held and not entry.confirmed else {},
+                )
+            )
+        return out
+
+    async def preempt(self, preemptions: Sequence[planning.Preemption]) -> int:
+        """Stop a cycle's victims: a Cancel (reason Preempted, with the grace period) to their
+        agents; each goes back to the queue when its agent reports it cancelled."""
+        if not preemptions:
+            return 0
+        async with self.lock:
+            chosen: list[tuple[status.JobRecord, planning.Preemption]] = []
+            for item in preemptions:
+                record = self.jobs.get(item.job_id)
+                if (
+                    record is None
+                    or record.status.cluster != item.cluster
+                    or record.status.state not in HOLDING
+                    or record.status.cancel_requested
+                    or record.id in self.preempting
+                ):
+                    continue
+                self.preempting[record.id] = Preempting(
+                    preemptor=item.preemptor,
+                    cluster=item.cluster,
+                    reason=item.reason,
+                    message=item.message,
+                    since=time.monotonic(),
+                )
+                record.record(record.status.state, "Preempting", item.message)
+                chosen.append((record, item))
+            if not chosen:
+                return 0
+            try:
+                await self.jobs.save_many([r for r, _ in chosen])
+            except errors.StoreError as exc:
+                logger.warning("preemption commit failed, victims keep running: %s", exc)
+                for record, _ in chosen:
+                    self.preempting.pop(record.id, None)
+                return 0
+            for record, item in chosen:
+                queue = record.job.spec.queue
+                self.preemptions[queue] += 1
+                self.meters.preemptions.labels(queue=queue, reason=item.reason).inc()
+                await self._send_cancel(
+                    record.status.cluster, record.id, record.status.epoch, PREEMPTED
+                )
+        return len(chosen)
 
     async def dispatch(self, plan: planning.CyclePlan) -> int:
         """Commit a cycle's plan (Dispatched) and send the offers. Returns offers sent."""
         now = status.utcnow()
         for miss in plan.unplaceable:
             self.why[miss.job_id] = miss.reasons
+            self.why_details[miss.job_id] = miss.details
             self.spans.waiting(miss.job_id, miss.reasons, now=now)
         async with self.lock:
             chosen: list[tuple[status.JobRecord, planning.Assignment, fleet_.Cluster]] = []
@@ -151,6 +357,8 @@ class Lifecycle:
                 record.status.epoch = cluster.epoch
                 record.status.attempts += 1
                 record.status.reasons = []
+                taken = fitting.Fit(cluster.name, assignment.takes, leftover=0).gpus_by_model
+                self._models_of[record.id] = taken
                 self._move(record, JobState.DISPATCHED, "Dispatched", f"offered to {cluster.name}")
                 chosen.append((record, assignment, cluster))
             if not chosen:
@@ -161,6 +369,8 @@ class Lifecycle:
                 logger.warning("dispatch commit failed, jobs stay queued: %s", exc)
                 for record, _, _ in chosen:
                     self.queued.add(record.id)
+                    self.active.discard(record.id)
+                    self._unhold(record.id)
                 self.wakeup.set()
                 return 0
             for record, assignment, cluster in chosen:
@@ -270,6 +480,8 @@ class Lifecycle:
         elif state == JobState.CANCELLED:
             if record.status.cancel_requested:
                 self._move(record, JobState.CANCELLED, "Cancelled", text or "pods deleted")
+            elif record.id in self.preempting:
+                self._requeue(record, PREEMPTED, self.preempting[record.id].message)
             else:
                 self._requeue(record, reason or "Evicted", text or "the agent removed the job")
         elif state == JobState.QUEUED:
@@ -328,6 +540,8 @@ class Lifecycle:
             for record in lost:
                 if record.status.cancel_requested:
                     self._move(record, JobState.CANCELLED, "Cancelled", "gone from the cluster")
+                elif record.id in self.preempting:
+                    self._requeue(record, PREEMPTED, self.preempting[record.id].message)
                 else:
                     record.status.infra_retries += 1
                     self._requeue(record, "LostByAgent", f"{cluster.name} no longer holds it")

@@ -12,11 +12,14 @@ import yaml
 from aiohttp import web
 
 from broker.api import jobs, status
+from broker.api import queues as queues_api
 from broker.dispatch import lifecycle as lifecycle_
 from broker.http import auth, problems
+from broker.scheduler import quotas, registry
 from broker.telemetry import jobspans, tracing
 
 LIFECYCLE = web.AppKey("lifecycle", lifecycle_.Lifecycle)
+QUEUES = web.AppKey("queues", registry.QueueRegistry)
 MAX_BODY = 1024 * 1024
 _ID_CHARS = string.ascii_lowercase + string.digits
 YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
@@ -70,6 +73,7 @@ async def submit(request: web.Request) -> web.Response:
     if not isinstance(document, dict):
         raise problems.Problem(422, "Invalid job", "the body must be a GPUJob object")
     job = jobs.GPUJob.model_validate(document)
+    _check_queue(request, principal.name, job)
     lifecycle = request.app[LIFECYCLE]
     key = request.headers.get("Idempotency-Key")
     if key is not None and not 1 <= len(key) <= 255:
@@ -148,30 +152,81 @@ async def cancel_job(request: web.Request) -> web.Response:
     return web.json_response(_dump(record), status=202)
 
 
+def _check_queue(request: web.Request, tenant: str, job: jobs.GPUJob) -> None:
+    queues = request.app.get(QUEUES)
+    if queues is None:
+        return
+    try:
+        queues.check_job(tenant, job)
+    except registry.QueueError as exc:
+        title = "Forbidden" if exc.status == 403 else "Invalid job"
+        raise problems.Problem(exc.status, title, str(exc), field=exc.field) from None
+
+
 async def why(request: web.Request) -> web.Response:
     lifecycle = request.app[LIFECYCLE]
     record = _visible(request, lifecycle.jobs.get(request.match_info["job_id"]))
-    reasons = list(lifecycle.why.get(record.id, ())) or record.status.reasons
-    clusters: dict[str, list[str]] = {}
+    answer = why_answer(record, lifecycle, request.app.get(QUEUES))
+    return web.json_response(answer.model_dump(mode="json", by_alias=True))
+
+
+def why_answer(
+    record: status.JobRecord,
+    lifecycle: lifecycle_.Lifecycle,
+    queues: registry.QueueRegistry | None,
+) -> queues_api.WhyAnswer:
+    """Per cluster, the sorted reasons the job is not placed: codes and plain words."""
+    reasons = [
+        queues_api.WhyReason(cluster=r.cluster, code=r.code, message=r.message)
+        for r in lifecycle.why_details.get(record.id, ())
+    ]
+    if not reasons:  # an agent's rejection, kept with the job
+        for text in record.status.reasons:
+            cluster, _, message = text.partition(": ")
+            reasons.append(
+                queues_api.WhyReason(
+                    cluster=cluster, code=queues_api.ReasonCode.REJECTED, message=message
+                )
+            )
+    reasons.sort(key=lambda r: (r.cluster, r.code.value, r.message))
+    by_cluster: dict[str, list[queues_api.WhyReason]] = {}
     for reason in reasons:
-        cluster, _, text = reason.partition(": ")
-        clusters.setdefault(cluster, []).append(text)
-    body = {
-        "id": record.id,
-        "state": record.status.state.value,
-        "placed": record.status.state != status.JobState.QUEUED,
-        "clusters": [{"cluster": c, "reasons": sorted(r)} for c, r in sorted(clusters.items())],
-        "message": "; ".join(reasons) if reasons else _plain_state(record),
-    }
-    return web.json_response(body)
+        by_cluster.setdefault(reason.cluster, []).append(reason)
+    spec = record.job.spec
+    tenancy = quotas.Tenancy(queues.config if queues is not None else None)
+    return queues_api.WhyAnswer(
+        id=record.id,
+        state=record.status.state.value,
+        placed=record.status.state != status.JobState.QUEUED,
+        queue=spec.queue,
+        priority=tenancy.priority_of(spec.queue, spec.priority, spec.priority_class),
+        clusters=[
+            queues_api.WhyCluster(
+                cluster=cluster,
+                codes=[r.code for r in items],
+                reasons=[r.message for r in items],
+            )
+            for cluster, items in by_cluster.items()
+        ],
+        reasons=reasons,
+        message="; ".join(f"{r.cluster}: {r.message}" for r in reasons)
+        if reasons
+        else _plain_state(record, lifecycle),
+    )
 
 
-def _plain_state(record: status.JobRecord) -> str:
+def _plain_state(record: status.JobRecord, lifecycle: lifecycle_.Lifecycle) -> str:
     state = record.status.state
+    last = record.status.events[-1] if record.status.events else None
     if state == status.JobState.QUEUED:
+        if last is not None and last.reason == lifecycle_.PREEMPTED:
+            return f"preempted ({last.message}); waiting for the next scheduling cycle"
         return "waiting for the next scheduling cycle"
     if state.terminal:
         return f"finished: {state.value}"
+    preempting = lifecycle.preempting.get(record.id)
+    if preempting is not None:
+        return f"{state.value} on {record.status.cluster}; being {preempting.message}"
     return f"{state.value} on {record.status.cluster}"
 
 

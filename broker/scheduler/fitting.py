@@ -1,8 +1,10 @@
 """Does a whole gang fit a cluster, judged from the cluster's summary? Pure.
 
-Called by `planning.plan_cycle` for every (job, cluster) pair. Works on per-model histograms of
-nodes by whole free GPUs, so a check costs O(pods × GPUs per node), never O(nodes). A fit also
-says how to deduct the gang (`assume`), so later decisions in the cycle see it.
+Called by `planning.plan_cycle` for every (job, cluster) pair, and by `preemption` on scratch
+copies with the victims' GPUs given back. Works on per-model histograms of nodes by whole free
+GPUs, so a check costs O(pods × GPUs per node), never O(nodes). A fit also says how to deduct
+the gang (`assume`), so later decisions in the cycle see it. `models` narrows the GPU models a
+fit may use (the ones the job's queue has quota for, less those held for a reservation).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from broker.api import jobs
+from broker.api.queues import ReasonCode
 from broker.scheduler import snapshot
 
 GPU_MILLI = 1000
@@ -33,20 +36,34 @@ class Fit:
     takes: tuple[Take, ...]
     leftover: int  # whole GPUs left free on the nodes taken: lower is a tighter fit
 
+    @property
+    def gpus_by_model(self) -> dict[str, int]:
+        """GPUs the fit takes per model (a sharing pod counts one GPU)."""
+        out: dict[str, int] = {}
+        for take in self.takes:
+            count = take.gpus or (1 if take.shared_milli else 0)
+            if count:
+                out[take.model] = out.get(take.model, 0) + count
+        return out
+
 
 @dataclass(frozen=True)
 class NoFit:
     cluster: str
     reason: str
+    code: ReasonCode = ReasonCode.CAPACITY
 
 
 def _eligible_models(
-    cluster: snapshot.ClusterCapacity, shape: jobs.PodShape
+    cluster: snapshot.ClusterCapacity,
+    shape: jobs.PodShape,
+    allowed: frozenset[str] | None = None,
 ) -> list[snapshot.ModelCapacity]:
     return [
         m
         for name, m in sorted(cluster.models.items())
         if (not shape.models or name in shape.models)
+        and (allowed is None or name in allowed)
         and m.gpu_memory_mib >= shape.min_gpu_memory_mib
     ]
 
@@ -71,8 +88,9 @@ def _fit_pods(
     request: jobs.GangRequest,
     *,
     rack: str | None,
-) -> tuple[list[Take], str] | tuple[list[Take], None]:
-    """Try every pod of the gang on scratch histograms; (takes, None) or (partial, reason)."""
+    allowed: frozenset[str] | None = None,
+) -> tuple[list[Take], NoFit] | tuple[list[Take], None]:
+    """Try every pod of the gang on scratch histograms; (takes, None) or (partial, why not)."""
     scratch = {
         name: (list(m.racks[rack]) if rack is not None else list(m.nodes_by_free))
         for name, m in cluster.models.items()
@@ -82,11 +100,22 @@ def _fit_pods(
     nvlink = request.topology.nvlink == jobs.TopologyMode.REQUIRED
     takes: list[Take] = []
     for shape in _pods_by_size(request):
-        models = [m for m in _eligible_models(cluster, shape) if m.model in scratch]
+        models = [m for m in _eligible_models(cluster, shape, allowed) if m.model in scratch]
         if not models:
+            if allowed is not None and _eligible_models(cluster, shape):
+                return takes, NoFit(
+                    cluster.name,
+                    "the GPU models of this cluster the job could use are not available to its "
+                    f"queue here ({'/'.join(m.model for m in _eligible_models(cluster, shape))})",
+                    ReasonCode.QUOTA,
+                )
             wanted = "/".join(shape.models) or "any"
             have = "/".join(sorted(cluster.models)) or "none"
-            return takes, f"no GPU of model {wanted} with enough memory (has {have})"
+            return takes, NoFit(
+                cluster.name,
+                f"no GPU of model {wanted} with enough memory (has {have})",
+                ReasonCode.GPU_MODEL,
+            )
         placed = False
         for m in models:
             hist = scratch[m.model]
@@ -120,34 +149,44 @@ def _fit_pods(
         if not placed:
             need = sum(1 for s in _pods_by_size(request) if s.gpus == shape.gpus)
             where = f" in rack {rack}" if rack else ""
-            return takes, (
+            text = (
                 f"needs {need} node(s) with {shape.gpus} free GPU(s) of "
                 f"{'/'.join(m.model for m in models)}{where}; not enough free"
             )
+            return takes, NoFit(cluster.name, text, ReasonCode.CAPACITY)
     return takes, None
 
 
-def fit_gang(cluster: snapshot.ClusterCapacity, request: jobs.GangRequest) -> Fit | NoFit:
-    """Whether the whole gang fits `cluster` now, and the tightest way it does."""
+def fit_gang(
+    cluster: snapshot.ClusterCapacity,
+    request: jobs.GangRequest,
+    *,
+    models: frozenset[str] | None = None,
+) -> Fit | NoFit:
+    """Whether the whole gang fits `cluster` now (on `models` only, if given), tightest way."""
     if not cluster.healthy:
-        return NoFit(cluster.name, "cluster unhealthy")
+        return NoFit(cluster.name, "cluster unhealthy", ReasonCode.CLUSTER_UNHEALTHY)
     rack_mode = request.topology.rack
     if rack_mode != jobs.TopologyMode.NONE and request.pods > 1:
         racks = sorted({r for m in cluster.models.values() for r in m.racks})
         best: Fit | None = None
         for rack in racks:
-            takes, reason = _fit_pods(cluster, request, rack=rack)
-            if reason is None:
+            takes, miss = _fit_pods(cluster, request, rack=rack, allowed=models)
+            if miss is None:
                 fit = Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
                 if best is None or fit.leftover < best.leftover:
                     best = fit
         if best is not None:
             return best
         if rack_mode == jobs.TopologyMode.REQUIRED:
-            return NoFit(cluster.name, "topology: no single rack has room for the whole gang")
-    takes, reason = _fit_pods(cluster, request, rack=None)
-    if reason is not None:
-        return NoFit(cluster.name, reason)
+            return NoFit(
+                cluster.name,
+                "topology: no single rack has room for the whole gang",
+                ReasonCode.TOPOLOGY,
+            )
+    takes, miss = _fit_pods(cluster, request, rack=None, allowed=models)
+    if miss is not None:
+        return miss
     return Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
 
 

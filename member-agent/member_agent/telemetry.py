@@ -2,8 +2,9 @@
 
 `gpufed_agent_session_connected`, `gpufed_agent_sessions_total`,
 `gpufed_agent_offers_total{result}`, `gpufed_agent_pods{phase}`, `gpufed_agent_jobs{state}`,
-`gpufed_agent_summaries_total`. A collector of its own reads them from the handler, the
-connector and the reporter, so nothing has to remember to update a gauge.
+`gpufed_agent_summaries_total`, `gpufed_agent_placement_duration_seconds` (the handler's
+histogram). A collector of its own reads them from the handler, the connector and the reporter,
+so nothing has to remember to update a gauge. Every family carries the `cluster` label.
 """
 
 from __future__ import annotations
@@ -77,6 +78,17 @@ class AgentCollector(Collector):
         )
         summaries.add_metric([self.cluster], self.reporter.sent)
         yield summaries
+        for family in self.handler.placement_duration.collect():
+            yield label_cluster(family, self.cluster)
+
+
+def label_cluster(family: Metric, cluster: str) -> Metric:
+    """A copy of `family` whose samples all carry `cluster`."""
+    labelled = Metric(family.name, family.documentation, family.type, family.unit)
+    labelled.samples = [
+        sample._replace(labels={"cluster": cluster, **sample.labels}) for sample in family.samples
+    ]
+    return labelled
 
 
 async def start_server(collector: AgentCollector, *, host: str, port: int) -> web.AppRunner:

@@ -4,6 +4,11 @@ The session calls `build_requests` with the placement `placement.gang.place_gang
 `create_gang`: every pod is created through the ClusterBackend, or, if one create fails, the
 ones already created are deleted again and BindingError is raised. Nothing here decides where
 a pod goes.
+
+Each pod carries what an agent restarted later needs to rebuild the job from its pods alone
+(`base.held_job` reads it back): the labels `gpufed.io/job` and `gpufed.io/task`, and the
+annotations `gpufed.io/epoch` (the offer's), `gpufed.io/min-member`, `gpufed.io/gang-size`
+and the W3C `traceparent`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ JOB_LABEL = "gpufed.io/job"
 GANG_LABEL = "gpufed.io/gang"
 QUEUE_LABEL = "gpufed.io/queue"
 TASK_LABEL = "gpufed.io/task"
-TRACEPARENT_ANNOTATION = "traceparent"
+TRACEPARENT_ANNOTATION = base.TRACEPARENT_ANNOTATION
 DEFAULT_CONCURRENCY = 32
 
 
@@ -44,9 +49,17 @@ def build_requests(
     placement: gang.GangPlacement,
     *,
     traceparent: str | None = None,
+    epoch: int | None = None,
 ) -> list[base.PodRequest]:
-    """One PodRequest per placed pod: gpufed's labels and the trace context on top of the
-    task's own template metadata."""
+    """One PodRequest per placed pod: gpufed's labels, the trace context and what a restarted
+    agent needs (epoch, minMember, gang size) on top of the task's own template metadata."""
+    total = sum(task.replicas for task in job.spec.tasks)
+    gang_meta = {
+        base.MIN_MEMBER_ANNOTATION: str(job.spec.gang.min_member or total),
+        base.GANG_SIZE_ANNOTATION: str(total),
+    }
+    if epoch is not None:
+        gang_meta[base.EPOCH_ANNOTATION] = str(epoch)
     templates: dict[str, tuple[dict[str, Any], dict[str, str], dict[str, str]]] = {}
     for task in job.spec.tasks:
         template = task.template.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -57,7 +70,7 @@ def build_requests(
             QUEUE_LABEL: job.spec.queue,
             TASK_LABEL: task.name,
         }
-        annotations = dict(task.template.metadata.annotations)
+        annotations = {**task.template.metadata.annotations, **gang_meta}
         if traceparent:
             annotations[TRACEPARENT_ANNOTATION] = traceparent
         templates[task.name] = (template, labels, annotations)

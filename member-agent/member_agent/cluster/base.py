@@ -2,16 +2,26 @@
 
 Implementations: `simulated.SimulatedBackend` (YAML node pools, pods that run for a while) and
 `kubernetes.KubernetesBackend` (kubernetes-asyncio). The agent core never knows which.
+
+Every pod gpufed creates carries, besides its labels, the annotations a restarted agent needs
+to rebuild the job from its pods (`held_job` reads them back): the epoch of the offer that
+created it, the gang's `minMember` and its size. `held_jobs()` lists what a backend found.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from broker.api import status
 from member_agent.inventory import model
+
+
+EPOCH_ANNOTATION = "gpufed.io/epoch"
+MIN_MEMBER_ANNOTATION = "gpufed.io/min-member"
+GANG_SIZE_ANNOTATION = "gpufed.io/gang-size"
+TRACEPARENT_ANNOTATION = "traceparent"
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,64 @@ class InventoryChanged:
 BackendEvent = PodEvent | InventoryChanged
 
 
+@dataclass(frozen=True)
+class HeldJob:
+    """A job whose pods a backend found in the cluster (at start: the agent adopts it)."""
+
+    job_id: str
+    namespace: str
+    epoch: int  # of the offer that created the pods (0: not recorded)
+    min_member: int
+    gang_size: int  # pods the gang was created with (0: not recorded)
+    gpus: int  # GPUs its pods request (a shared-GPU pod counts one)
+    pods: tuple[status.PodStatus, ...]
+    traceparent: str | None = None
+
+
+@dataclass(frozen=True)
+class GPUQuota:
+    """A namespace's GPU quota (a Kubernetes ResourceQuota's `requests.nvidia.com/gpu` or
+    `limits.nvidia.com/gpu`) with what is used of it now."""
+
+    namespace: str
+    name: str
+    resource: str
+    hard: int
+    used: int
+
+    @property
+    def room(self) -> int:
+        return max(self.hard - self.used, 0)
+
+
+def _whole(value: str | None) -> int:
+    return int(value) if value is not None and value.strip().isdigit() else 0
+
+
+def held_job(
+    job_id: str,
+    namespace: str,
+    annotations: Mapping[str, str],
+    pods: Iterable[status.PodStatus],
+    *,
+    gpus: int,
+) -> HeldJob:
+    """A HeldJob from one of its pods' annotations and all its pods. Pods of an agent that
+    wrote no such annotations: every pod found is needed, the epoch and size are unknown."""
+    found = tuple(sorted(pods, key=lambda pod: pod.name))
+    min_member = _whole(annotations.get(MIN_MEMBER_ANNOTATION)) or len(found)
+    return HeldJob(
+        job_id=job_id,
+        namespace=namespace,
+        epoch=_whole(annotations.get(EPOCH_ANNOTATION)),
+        min_member=min_member,
+        gang_size=_whole(annotations.get(GANG_SIZE_ANNOTATION)),
+        gpus=gpus,
+        pods=found,
+        traceparent=annotations.get(TRACEPARENT_ANNOTATION) or None,
+    )
+
+
 class ClusterBackend(Protocol):
     async def start(self) -> None:
         """Load nodes and pods (list, then watch in the background)."""
@@ -79,4 +147,13 @@ class ClusterBackend(Protocol):
 
     def events(self) -> AsyncIterator[BackendEvent]:
         """Pod phase changes of gpufed's pods and inventory changes, in order."""
+        ...
+
+    def held_jobs(self) -> dict[str, HeldJob]:
+        """gpufed's jobs whose pods are in the cluster now, by job id (after `start`: the
+        jobs a restarted agent finds)."""
+        ...
+
+    def gpu_quotas(self, namespace: str) -> list[GPUQuota]:
+        """The GPU quotas of a namespace the cluster enforces, with their use now."""
         ...

@@ -53,6 +53,12 @@ MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 MIG_LABEL_PREFIX = "gpufed.io/mig."
 MIG_FREE_LABEL_PREFIX = "gpufed.io/mig-free."
 NODE_LOST = "NodeLost"
+_JOB_META = (
+    base.EPOCH_ANNOTATION,
+    base.MIN_MEMBER_ANNOTATION,
+    base.GANG_SIZE_ANNOTATION,
+    base.TRACEPARENT_ANNOTATION,
+)
 _LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9_.-]")
 # reasons a pod is being torn down, from its DisruptionTarget condition
 _DISRUPTIONS = {"DeletionByTaintManager": NODE_LOST}
@@ -115,6 +121,8 @@ class PodRecord:
     reason: str = ""
     slots: tuple[status.GPUSlot, ...] = ()  # the GPUs placement chose (gpufed's pods)
     mig: dict[str, int] = field(default_factory=dict)
+    # gpufed's pods: the annotations a restarted agent rebuilds the job from (`base.held_job`)
+    job_meta: dict[str, str] = field(default_factory=dict)
 
     @property
     def ours(self) -> bool:
@@ -283,6 +291,7 @@ def read_pod(raw: Mapping[str, Any]) -> PodRecord:
     gpus = requests.get(jobs.GPU_RESOURCE, 0)
     node = str(spec.get("nodeName") or "")
     phase = _PHASES.get(phase_raw, status.PodPhase.FAILED)  # Unknown: the node is lost
+    job_id = str(labels.get(JOB_LABEL, ""))
     return PodRecord(
         namespace=str(meta.get("namespace") or "default"),
         name=str(meta.get("name", "")),
@@ -291,7 +300,7 @@ def read_pod(raw: Mapping[str, Any]) -> PodRecord:
         cpu_milli=requests.get("cpu", 0),
         memory_mib=requests.get("memory", 0),
         holds=bool(node) and phase_raw not in ("Succeeded", "Failed"),
-        job_id=str(labels.get(JOB_LABEL, "")),
+        job_id=job_id,
         task=str(labels.get(TASK_LABEL, "")),
         phase=phase,
         reason=_reason_of(state, phase_raw),
@@ -301,6 +310,7 @@ def read_pod(raw: Mapping[str, Any]) -> PodRecord:
             for k, v in requests.items()
             if k.startswith(MIG_RESOURCE_PREFIX) and v > 0
         },
+        job_meta={k: str(annotations[k]) for k in _JOB_META if k in annotations} if job_id else {},
     )
 
 

@@ -14,7 +14,8 @@ nothing is placed and `explaining` says why.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from broker.api import jobs, status
@@ -146,6 +147,8 @@ def choose_node(
         feasible.sort(key=lambda entry: entry.rank)
         return scorer.pick(feasible, job_id=job_id)
     score = scorer.score
+    if scorer.tolerance > 0:
+        return _choose_within(candidates, demand, scorer, scratch=scratch, names=names)
     best: indexing.Entry | None = None
     best_score = 0.0
     best_rank = 0
@@ -159,4 +162,33 @@ def choose_node(
         value = score(entry, demand)
         if best is None or value > best_score or (value == best_score and entry.rank < best_rank):
             best, best_score, best_rank = entry, value, entry.rank
+    return best
+
+
+def _choose_within(
+    candidates: Iterable[indexing.Entry],
+    demand: filtering.Demand,
+    scorer: scoring.Scorer,
+    *,
+    scratch: dict[str, indexing.Entry] | None,
+    names: frozenset[str] | None,
+) -> indexing.Entry | None:
+    """Lowest rank among the nodes scoring within `scorer.tolerance` of the best."""
+    scored: list[tuple[float, indexing.Entry]] = []
+    top = -math.inf
+    for entry in candidates:
+        if scratch:
+            entry = scratch.get(entry.name, entry)
+        if names is not None and entry.name not in names:
+            continue
+        if not filtering.fits(entry, demand):
+            continue
+        value = scorer.score(entry, demand)
+        scored.append((value, entry))
+        top = max(top, value)
+    floor = top - scorer.tolerance
+    best: indexing.Entry | None = None
+    for value, entry in scored:
+        if value >= floor and (best is None or entry.rank < best.rank):
+            best = entry
     return best

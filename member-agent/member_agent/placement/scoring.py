@@ -24,6 +24,7 @@ class Scorer:
 
     name = "firstfit"
     randomised = False
+    tolerance = 0.0  # scores within this of the best tie (the rank decides)
 
     def score(self, entry: indexing.Entry, demand: filtering.Demand) -> float:
         return 0.0

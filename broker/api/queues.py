@@ -1,0 +1,279 @@
+"""Queues, tenants, quotas and priority classes: `config/queues.yaml` and `/v1/queues`.
+
+The broker is the one source of truth for quotas. A queue belongs to a tenant and a cohort and
+holds, per GPU model (the `nvidia.com/gpu.product` label, or `"*"` for every model not listed),
+a guaranteed quota and a limit: the most GPUs of that model the queue may hold, borrowed ones
+included. Between the guarantee and the limit a queue borrows what its cohort leaves idle, and
+a queue below its guarantee reclaims it from borrowers by preemption. Priority classes name
+job priorities; a job picks one with `spec.priorityClass`, else it gets its queue's.
+
+A file or PUT that cannot work is refused (guaranteed above limit, unknown priority class); a
+cohort whose guarantees exceed its GPUs is accepted with a warning (`warnings`), because
+capacity changes as clusters come and go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from broker.api import jobs
+
+ANY_MODEL = "*"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ModelQuota(_Model):
+    guaranteed: Annotated[int, Field(ge=0)] = 0
+    limit: Annotated[int | None, Field(ge=0)] = Field(
+        None, description="most GPUs of the model the queue may hold, borrowed included"
+    )
+
+    @model_validator(mode="after")
+    def _guarantee_within_limit(self) -> ModelQuota:
+        if self.limit is not None and self.guaranteed > self.limit:
+            raise ValueError(
+                f"guaranteed: {self.guaranteed} is above the limit ({self.limit}); "
+                "a queue cannot be guaranteed more than it may hold"
+            )
+        return self
+
+    @property
+    def borrowing(self) -> int | None:
+        """How many GPUs above the guarantee the queue may borrow (None: no limit)."""
+        return None if self.limit is None else self.limit - self.guaranteed
+
+
+OPEN_QUOTA = ModelQuota()
+
+
+class QueueSpec(_Model):
+    """The body of `PUT /v1/queues/{name}`."""
+
+    tenant: Annotated[str, Field(min_length=1, max_length=63)]
+    cohort: Annotated[str, Field(min_length=1, max_length=63)] = "default"
+    weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
+    priority_class: str | None = Field(None, alias="priorityClass")
+    quotas: dict[str, ModelQuota] = Field(default_factory=dict)
+
+    def quota(self, model: str) -> ModelQuota | None:
+        """The quota of `model` (or the `"*"` entry); None: the queue may not use it."""
+        found = self.quotas.get(model)
+        return found if found is not None else self.quotas.get(ANY_MODEL)
+
+
+class Queue(QueueSpec):
+    name: Annotated[str, Field(min_length=1, max_length=63)]
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        return jobs.ObjectMeta._dns_label(value)
+
+
+def open_queue(name: str) -> Queue:
+    """A queue nobody declared: no guarantee, no limit, weight 1, cohort `default`."""
+    return Queue(name=name, tenant="*", quotas={ANY_MODEL: OPEN_QUOTA})
+
+
+class PriorityClass(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=63)]
+    value: int
+    preempts: bool = Field(True, description="may preempt lower-priority jobs")
+    min_run_seconds: Annotated[float | None, Field(ge=0, alias="minRunSeconds")] = Field(
+        None, description="jobs of this class are never preempted earlier (default: policy)"
+    )
+
+
+class Cohort(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=63)]
+    capacity: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict,
+        description="GPUs per model the cohort may use; unset: every GPU of the fleet",
+    )
+
+
+class Policy(_Model):
+    model_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        alias="modelWeights",
+        description="what one GPU of a model counts for in fair share (unlisted: 1)",
+    )
+    max_preemptions_per_cycle: Annotated[int, Field(ge=0, alias="maxPreemptionsPerCycle")] = 8
+    min_run_seconds: Annotated[float, Field(ge=0, alias="minRunSeconds")] = 0.0
+    reserve_after_seconds: Annotated[float | None, Field(ge=0, alias="reserveAfterSeconds")] = (
+        Field(300.0, description="a job waiting this long gets a reservation; null: never")
+    )
+    max_reservations: Annotated[int, Field(ge=0, alias="maxReservations")] = Field(
+        1, description="jobs holding a reservation at once (oldest waiting first)"
+    )
+    default_priority_class: str | None = Field(None, alias="defaultPriorityClass")
+
+    def weight_of(self, model: str) -> float:
+        return self.model_weights.get(model, self.model_weights.get(ANY_MODEL, 1.0))
+
+
+class QueuesConfig(_Model):
+    """`config/queues.yaml`: the whole tenancy configuration of a broker."""
+
+    policy: Policy = Field(default_factory=Policy)
+    priority_classes: list[PriorityClass] = Field(default_factory=list, alias="priorityClasses")
+    cohorts: list[Cohort] = Field(default_factory=list)
+    queues: list[Queue] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> QueuesConfig:
+        for kind, names in (
+            ("priorityClasses", [c.name for c in self.priority_classes]),
+            ("cohorts", [c.name for c in self.cohorts]),
+            ("queues", [q.name for q in self.queues]),
+        ):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"{kind}: declared more than once: {', '.join(twice)}")
+        known = {c.name for c in self.priority_classes}
+        default = self.policy.default_priority_class
+        if default is not None and default not in known:
+            raise ValueError(f"policy.defaultPriorityClass: no priority class {default!r}")
+        for index, queue in enumerate(self.queues):
+            if queue.priority_class is not None and queue.priority_class not in known:
+                raise ValueError(
+                    f"queues[{index}].priorityClass: no priority class {queue.priority_class!r}"
+                )
+        return self
+
+    def queue(self, name: str) -> Queue | None:
+        for queue in self.queues:
+            if queue.name == name:
+                return queue
+        return None
+
+    def priority_class(self, name: str | None) -> PriorityClass | None:
+        for item in self.priority_classes:
+            if item.name == name:
+                return item
+        return None
+
+    def cohort(self, name: str) -> Cohort | None:
+        for item in self.cohorts:
+            if item.name == name:
+                return item
+        return None
+
+    def with_queue(self, queue: Queue) -> QueuesConfig:
+        """A copy with `queue` added or replaced (validated again)."""
+        queues = [q for q in self.queues if q.name != queue.name] + [queue]
+        data = self.model_dump(by_alias=True)
+        data["queues"] = [q.model_dump(by_alias=True) for q in sorted(queues, key=_by_name)]
+        return QueuesConfig.model_validate(data)
+
+    def warnings(self, fleet_gpus: Mapping[str, int]) -> list[str]:
+        """What can work but will disappoint: cohorts guaranteeing more GPUs than they hold."""
+        out = []
+        cohorts = sorted({q.cohort for q in self.queues})
+        for name in cohorts:
+            declared = self.cohort(name)
+            guaranteed: dict[str, int] = {}
+            for queue in self.queues:
+                if queue.cohort != name:
+                    continue
+                for model, quota in queue.quotas.items():
+                    if model != ANY_MODEL and quota.guaranteed:
+                        guaranteed[model] = guaranteed.get(model, 0) + quota.guaranteed
+            for model, total in sorted(guaranteed.items()):
+                if declared is not None and model in declared.capacity:
+                    capacity, what = declared.capacity[model], "its declared capacity of"
+                else:
+                    capacity, what = fleet_gpus.get(model, 0), "the fleet's"
+                if total > capacity:
+                    out.append(
+                        f"cohort {name}: its queues are guaranteed {total} {model} GPUs, "
+                        f"more than {what} {capacity}; reclaiming cannot honour every guarantee"
+                    )
+        return out
+
+
+def _by_name(queue: Queue) -> str:
+    return queue.name
+
+
+class ReasonCode(StrEnum):
+    """Why a job is not placed on a cluster (`GET /v1/jobs/{id}/why`)."""
+
+    QUOTA = "Quota"
+    BORROWING_LIMIT = "BorrowingLimit"
+    NO_IDLE_QUOTA = "NoIdleQuota"
+    FAIR_SHARE = "FairShare"
+    PRIORITY = "Priority"
+    GPU_MODEL = "GPUModel"
+    TOPOLOGY = "Topology"
+    CAPACITY = "Capacity"
+    CLUSTER_UNHEALTHY = "ClusterUnhealthy"
+    REJECTED = "Rejected"
+    NO_CLUSTERS = "NoClusters"
+    WAITING_FOR_RESERVATION = "WaitingForReservation"
+    WAITING_FOR_PREEMPTION = "WaitingForPreemption"
+    MIN_RUN_TIME = "MinRunTime"
+    PREEMPTION_BUDGET = "PreemptionBudget"
+
+
+class WhyReason(_Model):
+    cluster: str = Field(description="a cluster, or `fleet` for what holds on every cluster")
+    code: ReasonCode
+    message: str
+
+
+class WhyCluster(_Model):
+    cluster: str
+    codes: list[ReasonCode]
+    reasons: list[str] = Field(description="plain words, in the order of `codes`")
+
+
+class WhyAnswer(_Model):
+    """The answer of `GET /v1/jobs/{id}/why`."""
+
+    id: str
+    state: str
+    placed: bool
+    queue: str
+    priority: int | None = None
+    clusters: list[WhyCluster] = Field(default_factory=list)
+    reasons: list[WhyReason] = Field(default_factory=list)
+    message: str
+
+
+class ModelUsage(_Model):
+    model: str
+    in_use: int = Field(alias="inUse")
+    guaranteed: int
+    limit: int | None = None
+    fair_share: float = Field(alias="fairShare")
+
+
+class QueueStatus(_Model):
+    pending_jobs: int = Field(0, alias="pendingJobs")
+    running_jobs: int = Field(0, alias="runningJobs")
+    dominant_share: float = Field(0.0, alias="dominantShare")
+    gpus: list[ModelUsage] = Field(default_factory=list)
+    preemptions: int = 0
+
+
+class QueueView(_Model):
+    """One queue as `GET /v1/queues[/{name}]` shows it: its spec, usage and warnings."""
+
+    name: str
+    spec: QueueSpec
+    declared: bool = Field(True, description="false: not in the configuration (open queue)")
+    status: QueueStatus = Field(default_factory=QueueStatus)
+    warnings: list[str] = Field(default_factory=list)
+
+
+class QueueList(_Model):
+    items: list[QueueView]
+    warnings: list[str] = Field(default_factory=list)

@@ -1,0 +1,161 @@
+"""Each JSON log line carries the trace, job and cluster it was logged for."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from gpufed import logs
+
+TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
+SPAN_ID = 0x00F067AA0BA902B7
+
+
+@pytest.fixture
+def lines() -> Iterator[tuple[logging.Logger, io.StringIO]]:
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logs.JsonFormatter(service="gpufed-test"))
+    logger = logging.getLogger("gpufed.test_logs")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield logger, out
+    finally:
+        logger.removeHandler(handler)
+
+
+def read_lines(out: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def in_span() -> contextlib.AbstractContextManager[object]:
+    context = trace.SpanContext(
+        TRACE_ID, SPAN_ID, is_remote=True, trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)
+    )
+    return trace.use_span(trace.NonRecordingSpan(context))
+
+
+@pytest.mark.parametrize(
+    ("span", "bound", "extra", "expected"),
+    [
+        pytest.param(False, {}, {}, {}, id="no span, nothing bound: no context fields"),
+        pytest.param(
+            True,
+            {},
+            {},
+            {"trace_id": "0af7651916cd43dd8448eb211c80319c", "span_id": "00f067aa0ba902b7"},
+            id="inside a span: its trace and span ids",
+        ),
+        pytest.param(
+            False,
+            {"job_id": "j-1", "cluster": "h100"},
+            {},
+            {"job_id": "j-1", "cluster": "h100"},
+            id="bound through the CONTEXT contextvar",
+        ),
+        pytest.param(
+            False,
+            {},
+            {"job_id": "j-2", "cluster": "a100"},
+            {"job_id": "j-2", "cluster": "a100"},
+            id="given to one call with extra=",
+        ),
+        pytest.param(
+            True,
+            {"job_id": "j-1", "cluster": "h100"},
+            {"job_id": "j-2"},
+            {
+                "trace_id": "0af7651916cd43dd8448eb211c80319c",
+                "span_id": "00f067aa0ba902b7",
+                "job_id": "j-2",
+                "cluster": "h100",
+            },
+            id="extra= wins over bound fields, which add to the span's ids",
+        ),
+        pytest.param(
+            True,
+            {"trace_id": "4bf92f3577b34da6a3ce929d0e0e4736"},
+            {},
+            {"trace_id": "4bf92f3577b34da6a3ce929d0e0e4736", "span_id": "00f067aa0ba902b7"},
+            id="a job's own trace id bound over the current span's",
+        ),
+    ],
+)
+def test_a_line_carries_the_span_and_the_fields_it_was_logged_with(
+    lines: tuple[logging.Logger, io.StringIO],
+    span: bool,
+    bound: dict[str, str],
+    extra: dict[str, str],
+    expected: dict[str, str],
+) -> None:
+    logger, out = lines
+    with in_span() if span else contextlib.nullcontext(), logs.bind(**bound):
+        logger.info("offer %s sent", "o-1", extra=extra)
+
+    [line] = read_lines(out)
+    context = {k: v for k, v in line.items() if k in {"trace_id", "span_id", "job_id", "cluster"}}
+    assert context == expected
+    assert line["message"] == "offer o-1 sent"
+    assert line["service"] == "gpufed-test"
+    assert line["level"] == "info"
+
+
+def test_a_recording_span_of_the_sdk_gives_its_ids(
+    lines: tuple[logging.Logger, io.StringIO],
+) -> None:
+    logger, out = lines
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("job.dispatch") as span:
+        logger.info("dispatching")
+    logger.info("after the span")
+
+    inside, after = read_lines(out)
+    assert inside["trace_id"] == format(span.get_span_context().trace_id, "032x")
+    assert inside["span_id"] == format(span.get_span_context().span_id, "016x")
+    assert "trace_id" not in after
+
+
+async def test_bound_fields_follow_tasks_started_inside_and_end_with_the_block(
+    lines: tuple[logging.Logger, io.StringIO],
+) -> None:
+    logger, out = lines
+
+    async def report() -> None:
+        await asyncio.sleep(0)
+        logger.info("from a task")
+
+    with logs.bind(cluster="inference", cycle=7):
+        task = asyncio.create_task(report())
+    await task
+    logger.info("outside")
+
+    from_task, outside = read_lines(out)
+    assert (from_task["cluster"], from_task["cycle"]) == ("inference", "7")
+    assert "cluster" not in outside and "cycle" not in outside
+
+
+def test_an_exception_is_logged_with_its_context(
+    lines: tuple[logging.Logger, io.StringIO],
+) -> None:
+    logger, out = lines
+    with logs.bind(job_id="j-9"):
+        try:
+            raise RuntimeError("store down")
+        except RuntimeError:
+            logger.exception("commit failed")
+
+    [line] = read_lines(out)
+    assert line["job_id"] == "j-9"
+    assert line["level"] == "error"
+    assert "RuntimeError: store down" in line["exception"]
