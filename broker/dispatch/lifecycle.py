@@ -46,6 +46,11 @@ class Preempting:
     handed: bool = False  # reported released to one planning cycle
 
 
+def _priority_key(record: status.JobRecord) -> quotas.PriorityKey:
+    spec = record.job.spec
+    return (spec.queue, spec.priority, spec.priority_class)
+
+
 class Lifecycle:
     def __init__(
         self,
@@ -77,6 +82,7 @@ class Lifecycle:
         self._held: dict[str, tuple[str, dict[str, int]]] = {}
         self._usage: dict[str, dict[str, int]] = {}
         self._holders: Counter[str] = Counter()
+        self._priorities: Counter[quotas.PriorityKey] = Counter()
         for record in jobs:
             if record.status.state in HOLDING:
                 self._hold(record)
@@ -88,6 +94,19 @@ class Lifecycle:
         queued_at = record.status.events[-1].time if record.status.events else record.created
         record.record(state, reason, msg)
         now = record.status.events[-1].time
+        logger.info(
+            "job %s: %s -> %s (%s)",
+            record.id,
+            before.value,
+            state.value,
+            reason,
+            extra={
+                "job_id": record.id,
+                "cluster": record.status.cluster or "",
+                "trace_id": record.trace_id or "",
+                "state": state.value,
+            },
+        )
         if state == JobState.DISPATCHED:
             self.spans.dispatched(record, queued_at=queued_at, now=now)
         elif state.terminal:
@@ -137,6 +156,7 @@ class Lifecycle:
         queue = record.job.spec.queue
         self._held[record.id] = (queue, gpus)
         self._holders[queue] += 1
+        self._priorities[_priority_key(record)] += 1
         held = self._usage.setdefault(queue, {})
         for model, count in gpus.items():
             held[model] = held.get(model, 0) + count
@@ -147,13 +167,16 @@ class Lifecycle:
             return
         queue, gpus = found
         self._holders[queue] -= 1
+        record = self.jobs.get(job_id)
+        if record is not None:
+            self._priorities[_priority_key(record)] -= 1
         held = self._usage.get(queue, {})
         for model, count in gpus.items():
             held[model] = held.get(model, 0) - count
 
     def usage(self) -> quotas.Usage:
         """GPUs held per queue and model (Dispatched and Running jobs), without a walk."""
-        return quotas.Usage(self._usage, self._holders)
+        return quotas.Usage(self._usage, self._holders, self._priorities)
 
     def resync_usage(self) -> None:
         """Recount the usage from the jobs themselves (models inferred from fresh summaries;
@@ -163,6 +186,7 @@ class Lifecycle:
         fresh = quotas.Usage.of(views)
         self._usage = {q: dict(g) for q, g in fresh.gpus.items()}
         self._holders = Counter(fresh.jobs)
+        self._priorities = Counter(fresh.priorities or {})
 
     def _requeue(self, record: status.JobRecord, reason: str, msg: str) -> None:
         record.status.cluster = None

@@ -31,6 +31,12 @@ from member_agent.session import limits, table
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("member_agent.session")
 
+
+def _trace_id(traceparent: str | None) -> str:
+    parts = (traceparent or "").split("-")
+    return parts[1] if len(parts) == 4 else ""
+
+
 Reply = Callable[[messages.Message], None]
 
 # seconds; the agent's placement target is p99 <= 10 ms
@@ -98,7 +104,12 @@ class JobHandler:
         self, offer: messages.Offer, *, session_epoch: int, reply: Reply
     ) -> str:
         def reject(result: str, reasons: list[str]) -> str:
-            logger.info("offer %s rejected: %s", offer.job_id, "; ".join(reasons))
+            logger.info(
+                "offer %s rejected: %s",
+                offer.job_id,
+                "; ".join(reasons),
+                extra={"job_id": offer.job_id, "trace_id": _trace_id(offer.traceparent)},
+            )
             reply(
                 messages.Rejected(
                     job_id=offer.job_id,
