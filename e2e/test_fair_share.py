@@ -268,6 +268,15 @@ async def test_weighted_fair_share_then_reclaim_of_a_guarantee(
             code, out = await gpufed(fleet, "admin", "queues")
             print(f"gpufed queues:\n{out}")
             assert code == 0 and all(t in out for t in WEIGHTS)
+
+            # a guarantee the fleet cannot honour is accepted, with a warning
+            spec = tmp_path / "team-d.yaml"
+            spec.write_text(
+                yaml.safe_dump({"tenant": "team-d", "quotas": {H100: {"guaranteed": 48}}})
+            )
+            code, out = await gpufed(fleet, "admin", "queues", "team-d", "--apply", str(spec))
+            print(f"gpufed queues team-d --apply:\n{out}")
+            assert code == 0 and "warning: cohort default" in out and "104" in out
     finally:
         stop.set()
         await asyncio.gather(*feeders, return_exceptions=True)

@@ -18,7 +18,7 @@ from broker.api import jobs as jobs_api
 from broker.api import messages, status
 from broker.api.status import JobState
 from broker.dispatch import fleet as fleet_
-from broker.scheduler import fitting, occupancy, planning, quotas, snapshot
+from broker.scheduler import fitting, holdings, occupancy, planning, quotas, snapshot
 from broker.state import errors, records
 from broker.telemetry import jobspans, metrics
 
@@ -44,11 +44,6 @@ class Preempting:
     confirmed: bool = False  # the agent reported the job gone
     summary_at: object | None = None  # the cluster's summary when it did
     handed: bool = False  # reported released to one planning cycle
-
-
-def _priority_key(record: status.JobRecord) -> quotas.PriorityKey:
-    spec = record.job.spec
-    return (spec.queue, spec.priority, spec.priority_class)
 
 
 class Lifecycle:
@@ -79,10 +74,7 @@ class Lifecycle:
         self._views: dict[str, tuple[tuple[object, ...], snapshot.RunningJob]] = {}
         self.preempt_timeout = 2 * cancel_grace_seconds + 30.0
         # GPUs held per queue and model, kept on every transition (see `usage`)
-        self._held: dict[str, tuple[str, dict[str, int]]] = {}
-        self._usage: dict[str, dict[str, int]] = {}
-        self._holders: Counter[str] = Counter()
-        self._priorities: Counter[quotas.PriorityKey] = Counter()
+        self.holdings = holdings.Holdings()
         for record in jobs:
             if record.status.state in HOLDING:
                 self._hold(record)
@@ -143,7 +135,7 @@ class Lifecycle:
             entry.summary_at = cluster.summary if cluster is not None else None
 
     def _hold(self, record: status.JobRecord) -> None:
-        if record.id in self._held:
+        if record.id in self.holdings:
             return
         gpus = self._models_of.get(record.id)
         if gpus is None:
@@ -153,40 +145,21 @@ class Lifecycle:
                 jobs_api.gang_request(record.id, record.job),
                 [m.model for m in summary.models] if summary else [],
             )
-        queue = record.job.spec.queue
-        self._held[record.id] = (queue, gpus)
-        self._holders[queue] += 1
-        self._priorities[_priority_key(record)] += 1
-        held = self._usage.setdefault(queue, {})
-        for model, count in gpus.items():
-            held[model] = held.get(model, 0) + count
+        spec = record.job.spec
+        key = (spec.queue, spec.priority, spec.priority_class)
+        self.holdings.hold(record.id, spec.queue, gpus, key)
 
     def _unhold(self, job_id: str) -> None:
-        found = self._held.pop(job_id, None)
-        if found is None:
-            return
-        queue, gpus = found
-        self._holders[queue] -= 1
-        record = self.jobs.get(job_id)
-        if record is not None:
-            self._priorities[_priority_key(record)] -= 1
-        held = self._usage.get(queue, {})
-        for model, count in gpus.items():
-            held[model] = held.get(model, 0) - count
+        self.holdings.release(job_id)
 
     def usage(self) -> quotas.Usage:
         """GPUs held per queue and model (Dispatched and Running jobs), without a walk."""
-        return quotas.Usage(self._usage, self._holders, self._priorities)
+        return self.holdings.usage()
 
     def resync_usage(self) -> None:
         """Recount the usage from the jobs themselves (models inferred from fresh summaries;
         store conflicts that put records back): the scheduler calls it every few seconds."""
-        views = self.running_jobs()
-        self._held = {v.job_id: (v.queue, dict(v.gpus)) for v in views}
-        fresh = quotas.Usage.of(views)
-        self._usage = {q: dict(g) for q, g in fresh.gpus.items()}
-        self._holders = Counter(fresh.jobs)
-        self._priorities = Counter(fresh.priorities or {})
+        self.holdings.reset(self.running_jobs())
 
     def _requeue(self, record: status.JobRecord, reason: str, msg: str) -> None:
         record.status.cluster = None
@@ -306,7 +279,7 @@ class Lifecycle:
                 and cluster.summary is not entry.summary_at
             )
             entry.handed = released
-            held = self._held.get(victim)
+            held = self.holdings.of(victim)
             out.append(
                 snapshot.Releasing(
                     victim,

@@ -412,7 +412,7 @@ class _Cycle:
         )
         clusters = [c for c in room if not self._blocked(c, job.job_id)[0]]
         if self.search.budget <= 0:
-            if preemptor.reclaim_models or preemptor.preempts_lower:
+            if self.search.may_act(preemptor):
                 out.append(
                     Reason(
                         FLEET,

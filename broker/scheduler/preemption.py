@@ -10,9 +10,11 @@ Victims are whole gangs, on one cluster, on a model the job may use, running for
 their class's minimum run time and not already being preempted. Per cluster, candidates are
 taken in order of least lost work — lowest priority, then shortest run time — until the job
 fits a scratch copy of the cluster with the victims' GPUs given back; then every victim the
-fit does not need is dropped again (last taken first). The cluster whose victims cost least
-wins (highest victim priority, then GPU-seconds lost, then how many). A choice needing more
-victims than the cycle's budget has left is not made.
+fit does not need is dropped again (last taken first). Clusters are visited with the most free
+GPUs of the job's models first (the fewest victims); among the first four that offer a
+choice, the one whose victims cost least wins (highest victim priority, then GPU-seconds
+lost, then how many) — four, not all, to bound the search on a large fleet. A choice needing
+more victims than the cycle's budget has left is not made.
 
 Giving GPUs back from a summary-only view is an approximation: the broker knows each running
 pod's node and GPUs but not the nodes' free counts. It estimates a node's free GPUs as the
@@ -37,6 +39,8 @@ from broker.scheduler import fitting, quotas, snapshot
 
 RECLAIM = "Reclaim"
 PRIORITY = "Priority"
+# clusters with a valid choice compared before the cheapest is taken (bounds the search)
+MAX_CLUSTERS_COMPARED = 4
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,9 @@ class Search:
         return self._ordered[cluster]
 
     def lowest_priority(self) -> int | None:
+        held = self.ledger.held
+        if not self._lowest and held is not None and held.priorities is not None:
+            self._lowest.append(held.lowest_priority(self.tenancy))
         if not self._lowest:
             tenancy = self.tenancy
             self._lowest.append(
@@ -310,6 +317,18 @@ def _choose_on(
     return Choice(cluster.name, tuple(chosen)), too_young
 
 
+def _closest_first(
+    fleet: snapshot.FleetSnapshot, clusters: Sequence[str], models: frozenset[str]
+) -> list[snapshot.ClusterCapacity]:
+    """Healthy clusters, most free GPUs of the models first (the fewest victims), then name."""
+    found = [fleet.clusters[n] for n in clusters if n in fleet.clusters]
+    healthy = [c for c in found if c.healthy]
+    return sorted(
+        healthy,
+        key=lambda c: (-sum(m.free_gpus for n, m in c.models.items() if n in models), c.name),
+    )
+
+
 def choose_victims(
     search: Search,
     fleet: snapshot.FleetSnapshot,
@@ -325,14 +344,17 @@ def choose_victims(
         return None
     best: Choice | None = None
     spared = 0
-    for name in clusters:
-        cluster = fleet.clusters.get(name)
-        if cluster is None or not cluster.healthy:
-            continue
+    found = 0
+    for cluster in _closest_first(fleet, clusters, preemptor.models):
         choice, too_young = _choose_on(search, cluster, preemptor)
         spared += too_young
-        if choice is not None and (best is None or choice.cost < best.cost):
+        if choice is None:
+            continue
+        found += 1
+        if best is None or choice.cost < best.cost:
             best = choice
+        if found >= MAX_CLUSTERS_COMPARED:
+            break
     if best is None:
         if spared:
             return Refusal(

@@ -29,6 +29,8 @@ from broker.api import queues as api
 from broker.api.queues import ReasonCode
 from broker.scheduler import snapshot
 
+PriorityKey = tuple[str, int, str | None]
+
 LEGACY = api.QueuesConfig(
     policy=api.Policy(max_preemptions_per_cycle=0, reserve_after_seconds=None)
 )
@@ -146,17 +148,29 @@ class Usage:
 
     gpus: Mapping[str, Mapping[str, int]]
     jobs: Mapping[str, int]
+    # (queue, spec priority, spec class) -> jobs: their lowest effective priority, without a walk
+    priorities: Mapping[PriorityKey, int] | None = None
 
     @classmethod
     def of(cls, running: Iterable[snapshot.RunningJob]) -> Usage:
         gpus: dict[str, dict[str, int]] = {}
         jobs: dict[str, int] = {}
+        priorities: dict[PriorityKey, int] = {}
         for job in running:
             held = gpus.setdefault(job.queue, {})
             for model, count in job.gpus.items():
                 held[model] = held.get(model, 0) + count
             jobs[job.queue] = jobs.get(job.queue, 0) + 1
-        return cls(gpus, jobs)
+            key = (job.queue, job.priority, job.priority_class)
+            priorities[key] = priorities.get(key, 0) + 1
+        return cls(gpus, jobs, priorities)
+
+    def lowest_priority(self, tenancy: Tenancy) -> int | None:
+        if self.priorities is None:
+            return None
+        return min(
+            (tenancy.priority_of(*k) for k, n in self.priorities.items() if n > 0), default=None
+        )
 
 
 @dataclass
@@ -169,6 +183,7 @@ class Ledger:
     cohort_usage: dict[str, dict[str, int]] = field(default_factory=dict)
     job_counts: dict[str, int] = field(default_factory=dict)  # queue -> jobs holding GPUs
     declared: dict[str, frozenset[str]] = field(default_factory=dict)  # cohort -> capped models
+    held: Usage | None = None  # what the ledger started from
 
     @classmethod
     def build(
@@ -192,7 +207,7 @@ class Ledger:
                 cap.update(declared.capacity)
                 capped[name] = frozenset(declared.capacity)
             capacity[name] = cap
-        ledger = cls(tenancy=tenancy, capacity=capacity, declared=capped)
+        ledger = cls(tenancy=tenancy, capacity=capacity, declared=capped, held=held)
         for queue, gpus in held.gpus.items():
             ledger.charge(queue, gpus)
         ledger.job_counts = dict(held.jobs)

@@ -383,6 +383,16 @@ async def test_reclaim_preempts_a_borrower_which_goes_back_to_the_queue(
     assert queues["b-q"]["status"]["preemptions"] == 1
     metrics = await (await api.get("/metrics")).text()
     assert 'gpufed_preemptions_total{queue="b-q",reason="Reclaim"} 1.0' in metrics
+
+    async def gauges() -> str | None:
+        text = await (await api.get("/metrics")).text()
+        return (
+            text if f'gpufed_queue_gpus_in_use{{model="{H100}",queue="a-q"}} 8.0' in text else None
+        )
+
+    text = await eventually(api, gauges)
+    assert f'gpufed_queue_gpus_guaranteed{{model="{H100}",queue="a-q"}} 8.0' in text
+    assert f'gpufed_queue_gpus_fair_share{{model="{H100}",queue="b-q"}} 8.0' in text
     lifecycle = api.app[broker_jobs.LIFECYCLE]
     kept = lifecycle.usage()  # kept on transitions: the same as a recount from the jobs
     assert {q: dict(g) for q, g in kept.gpus.items() if any(g.values())} == {

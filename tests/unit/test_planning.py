@@ -200,3 +200,22 @@ def test_sharing_pods_pack_onto_one_gpu() -> None:
     plan = planning.plan_cycle(fleet(cluster), jobs_)
     # 400 + 400 fit one GPU of 1000 milli; the third does not
     assert [a.job_id for a in plan.assignments] == ["s0", "s1"]
+
+
+def test_without_queues_nothing_is_preempted_or_reserved() -> None:
+    """No queues file: the broker schedules as before tenancy (open queues)."""
+    cluster = make_summary("a", make_model_summary(H100, nodes_by_free=hist(f0=1)))
+    low = snapshot.RunningJob(
+        job_id="low",
+        queue="default",
+        priority=0,
+        cluster="a",
+        gpus={H100: 8},
+        pods=(snapshot.PodSlot("a-0", 8),),
+        started=T0,
+    )
+    urgent = pending(make_job(gpus=8).priority(100), "urgent")
+    plan = planning.plan_cycle(fleet(cluster), [urgent], running=[low], now=T0 + timedelta(days=1))
+    assert plan.preemptions == [] and plan.reservations == {}
+    [miss] = plan.unplaceable
+    assert [r.code.value for r in miss.details] == ["Capacity"]

@@ -138,6 +138,12 @@ def test_priority_preemption(victim_queue: str, b_guarantee: int, preempted: boo
     assert [(p.job_id, p.reason) for p in plan.preemptions] == (
         [("low", "Priority")] if preempted else []
     )
+    if preempted:
+        assert any("preempting 1 job(s) there for its higher priority: low" in r
+                   for r in reasons(plan, "urgent"))  # fmt: skip
+        assert "make room for priority 100 over 0" in plan.preemptions[0].message
+    else:
+        assert "WaitingForPreemption" not in codes(plan, "urgent")["c1"]
 
 
 def test_priority_class_decides_priority_and_may_forbid_preemption() -> None:
@@ -166,6 +172,7 @@ def test_gang_is_preempted_as_a_whole() -> None:
     queues = config(queue("a", quotas={H100: (8, 16)}), queue("b", quotas={H100: (0, 16)}))
     plan = fleet.plan([pending(make_job(gpus=8, queue="a"), "a-1")], queues=queues, now=at(60))
     assert sorted(p.job_id for p in plan.preemptions) == ["g", "x"]
+    assert any("preempting 2 job(s) there to reclaim" in r for r in reasons(plan, "a-1"))
     fleet.apply(plan, [], now_s=60)
     assert fleet.clusters["c1"].free == {"c1-n0": 8, "c1-n1": 4}, "both pods of g are gone"
     again = fleet.plan([pending(make_job(gpus=8, queue="a"), "a-1")], queues=queues, now=at(61))
