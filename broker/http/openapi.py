@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
-from broker.api import inventory, jobs, status
+from broker.api import inventory, jobs, queues, status
 
 PROBLEM = {"$ref": "#/components/schemas/Problem"}
 
@@ -27,6 +27,10 @@ def build_spec() -> dict[str, Any]:
             (status.JobList, "serialization"),
             (status.SubmitResponse, "serialization"),
             (inventory.ClusterView, "serialization"),
+            (queues.QueueSpec, "validation"),
+            (queues.QueueList, "serialization"),
+            (queues.QueueView, "serialization"),
+            (queues.WhyAnswer, "serialization"),
         ],
         by_alias=True,
         ref_template="#/components/schemas/{model}",
@@ -147,6 +151,49 @@ def build_spec() -> dict[str, Any]:
                     },
                 },
             },
+            "/v1/queues": {
+                "get": {
+                    "summary": "Queues: quotas, usage, fair share (admin sees all)",
+                    "responses": {
+                        "200": {
+                            "description": "queues",
+                            "content": {"application/json": {"schema": ref("QueueList")}},
+                        },
+                        **auth_errors,
+                    },
+                },
+            },
+            "/v1/queues/{name}": {
+                "parameters": [
+                    {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "get": {
+                    "summary": "One queue",
+                    "responses": {
+                        "200": {
+                            "description": "the queue",
+                            "content": {"application/json": {"schema": ref("QueueView")}},
+                        },
+                        "404": _problem("no such queue"),
+                        **auth_errors,
+                    },
+                },
+                "put": {
+                    "summary": "Create or replace a queue (admin token)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": ref("QueueSpec")}},
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "stored; warnings listed",
+                            "content": {"application/json": {"schema": ref("QueueView")}},
+                        },
+                        "422": _problem("invalid queue: the field is named"),
+                        **auth_errors,
+                    },
+                },
+            },
             "/v1/clusters": {
                 "get": {
                     "summary": "Member clusters: health and GPUs by model",
@@ -158,6 +205,9 @@ def build_spec() -> dict[str, Any]:
                     "summary": "Agent WebSocket session (agent token)",
                     "responses": {"101": {"description": "upgraded"}},
                 }
+            },
+            "/openapi.json": {
+                "get": {"security": [], "responses": {"200": {"description": "this document"}}}
             },
             "/healthz": {"get": {"security": [], "responses": {"200": {"description": "alive"}}}},
             "/readyz": {

@@ -195,3 +195,16 @@ async def test_openapi_health_and_metrics(api: TestClient[Any, Any]) -> None:
     await submit(api, make_job("m", gpus=1).document())
     text = await (await api.get("/metrics")).text()
     assert 'gpufed_jobs_submitted_total{queue="default"} 1.0' in text
+
+
+async def test_openapi_describes_every_route(api: TestClient[Any, Any]) -> None:
+    spec = await (await api.get("/openapi.json")).json()
+    for route in api.app.router.routes():
+        info = route.resource.get_info() if route.resource is not None else {}
+        path = info.get("path") or info.get("formatter")
+        if route.method == "HEAD" or path is None:
+            continue
+        assert path in spec["paths"], f"{path} missing from /openapi.json"
+        assert route.method.lower() in spec["paths"][path], f"{route.method} {path} missing"
+    for name, schema in spec["components"]["schemas"].items():
+        assert "type" in schema or "enum" in schema or "anyOf" in schema, name
