@@ -10,12 +10,14 @@ The gaps of kmock 0.8 (see DEPENDENCIES.md) closed here, in a subclass:
   than every object as ADDED, and answers 410 Gone (an ERROR event) when `compact()` has
   dropped that version;
 - `break_watches()` ends every open watch stream, as a proxy or an API server restart would;
-- `fail(...)` makes the n-th matching request fail before it changes anything.
+- `fail(...)` makes the n-th matching request fail before it changes anything;
+- `v1/resourcequotas` is declared from the start (the backend lists them in every allowed
+  namespace, and a kind nobody declared is 404 on kmock, never on a real API server).
 
 Label and field selectors stay ignored (the backend uses none), and `/version/` stays 404 (the
 backend never asks for it). The helpers (`add_node`, `add_pod`, `set_pod_phase`,
-`set_node_ready`, ...) go over HTTP through the same handler, so they cause the same watch
-events the API server would.
+`set_node_ready`, `set_quota`, ...) go over HTTP through the same handler, so they cause the
+same watch events the API server would.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import datetime
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import attrs
 import kmock
+import yaml
 from kubernetes_asyncio import client
 
 from broker.api import status
@@ -40,6 +44,7 @@ GPU = "nvidia.com/gpu"
 H100 = "NVIDIA-H100-80GB-HBM3"
 _BREAK = object()
 PODS = kmock.resource("v1/pods")
+QUOTAS = "v1/resourcequotas"
 
 
 @dataclass
@@ -86,6 +91,7 @@ class Emulator(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._buses = _Recorders(self)  # type: ignore[assignment]
+        self.resources[QUOTAS] = kmock.ResourceInfo(kind="ResourceQuota", namespaced=True)
 
     # -- the adapted server ------------------------------------------------------------------
 
@@ -267,6 +273,37 @@ class Emulator(kmock.KubernetesEmulator):
     async def delete_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return await self._send("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}")
 
+    async def set_quota(
+        self,
+        namespace: str,
+        name: str,
+        hard: Mapping[str, str],
+        *,
+        used: Mapping[str, str] | None = None,
+        scopes: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Create a ResourceQuota, or change its `hard` and `status.used` (kmock has no quota
+        controller: `used` is what the test says)."""
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "ResourceQuota",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"hard": dict(hard), **({"scopes": scopes} if scopes else {})},
+            "status": {"hard": dict(hard), "used": dict(used or {})},
+        }
+        path = f"/api/v1/namespaces/{namespace}/resourcequotas"
+        if any(
+            resource.plural == "resourcequotas" and ns == namespace and n == name and not o.deleted
+            for (resource, ns, n), o in self.objects.items()
+        ):
+            return await self._send(
+                "PATCH", f"{path}/{name}", {k: body[k] for k in ("spec", "status")}
+            )
+        return await self._send("POST", path, body)
+
+    async def delete_quota(self, namespace: str, name: str) -> dict[str, Any]:
+        return await self._send("DELETE", f"/api/v1/namespaces/{namespace}/resourcequotas/{name}")
+
     async def set_pod_phase(
         self,
         namespace: str,
@@ -426,6 +463,31 @@ def pod_request(name: str, node: str, gpus: list[int], **kwargs: Any) -> base.Po
         annotations={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
         **kwargs,
     )
+
+
+@contextlib.asynccontextmanager
+async def with_kubeconfig(directory: Path, name: str) -> AsyncIterator[tuple[Emulator, Path]]:
+    """An emulator on a loopback port, and a kubeconfig for it (context `name`) in `directory`:
+    for agent processes (`gpufed agent --backend kubernetes --kubeconfig ...`)."""
+    async with Emulator() as emulator, kmock.Server(emulator) as server:
+        emulator.resources["v1/nodes"] = kmock.ResourceInfo(kind="Node", namespaced=False)
+        emulator.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True)
+        kubeconfig = directory / f"{name}.kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": name,
+                    "clusters": [
+                        {"name": name, "cluster": {"server": str(server.url).rstrip("/")}}
+                    ],
+                    "users": [{"name": name, "user": {}}],
+                    "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
+                }
+            )
+        )
+        yield emulator, kubeconfig
 
 
 @contextlib.asynccontextmanager

@@ -32,6 +32,8 @@ class AgentJob(BaseModel):
     epoch: int
     state: status.JobState
     pods: list[status.PodStatus] = Field(default_factory=list)
+    # why it reached its final state (NodeLost, OOMKilled, ...); None while it runs
+    reason: str | None = None
 
 
 class Hello(_Msg):

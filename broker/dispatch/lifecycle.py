@@ -525,7 +525,11 @@ class Lifecycle:
                     await self.jobs.save(record)
                     continue
                 await self._apply_update(
-                    record, job.state, "Reconciled", "state reported on reconnect", job.pods
+                    record,
+                    job.state,
+                    job.reason or "Reconciled",
+                    "state reported on reconnect",
+                    job.pods,
                 )
             lost = [
                 r

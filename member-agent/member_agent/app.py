@@ -2,7 +2,9 @@
 
 `run_agent(settings)` builds the cluster backend (simulated from a nodes file, or Kubernetes),
 the job handler, the summary reporter and the broker session, feeds the backend's events to the
-handler, and runs until `stop` is set or SIGTERM arrives, then closes everything.
+handler, and runs until `stop` is set or SIGTERM arrives, then closes everything. Before the
+first hello the handler adopts the jobs whose pods the backend found (an agent restarted while
+its pods ran), so the broker neither loses nor runs them twice.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ async def run_agent(
             policy=settings.policy,
         )
         stack.push_async_callback(handler.close)
+        handler.adopt(cluster.held_jobs())
         connector = connecting.Connector(
             settings.connect_settings(), handler=handler, reporter=reporter, router=router
         )

@@ -103,9 +103,28 @@ async def broker() -> AsyncIterator[tuple[FakeBroker, TestServer]]:
 
 
 class Agent:
-    def __init__(self, backend: simulated.SimulatedBackend, token_file: Path) -> None:
+    """The agent process (run_agent) on a simulated cluster that outlives it."""
+
+    def __init__(
+        self, settings: app.AgentSettings, backend: simulated.SimulatedBackend, token_file: Path
+    ) -> None:
+        self.settings = settings
         self.backend = backend
         self.token_file = token_file
+        self.stop_event = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.stop_event = asyncio.Event()
+        self.task = asyncio.create_task(
+            app.run_agent(self.settings, stop=self.stop_event, backend=self.backend)
+        )
+
+    async def stop(self) -> None:
+        self.stop_event.set()
+        if self.task is not None:
+            async with asyncio.timeout(5):
+                await self.task
 
 
 @pytest.fixture
@@ -124,12 +143,10 @@ async def agent(tmp_path: Path, broker: tuple[FakeBroker, TestServer]) -> AsyncI
         failure_grace_seconds=0,
     )
     backend = simulated.SimulatedBackend("small", simulated.load_pools(nodes), start_delay=0.05)
-    stop = asyncio.Event()
-    task = asyncio.create_task(app.run_agent(settings, stop=stop, backend=backend))
-    yield Agent(backend, token_file)
-    stop.set()
-    async with asyncio.timeout(5):
-        await task
+    running = Agent(settings, backend, token_file)
+    running.start()
+    yield running
+    await running.stop()
     await backend.close()
 
 
@@ -275,6 +292,30 @@ async def test_a_job_that_ends_while_disconnected_is_in_the_next_hello(
     fake.token = TOKEN
     hello = await fake.wait_for_hellos(2)
     assert [(j.job_id, j.state) for j in hello.jobs] == [("short", status.JobState.SUCCEEDED)]
+
+
+async def test_a_restarted_agent_says_hello_with_the_jobs_its_pods_still_run(
+    broker: tuple[FakeBroker, TestServer], agent: Agent
+) -> None:
+    fake, _ = broker
+    await fake.wait_for_hellos(1)
+    await fake.send(offer(fake, "long", gpus=8, replicas=2, model=builders.H100))
+    await fake.expect(messages.Accepted)
+    await fake.expect(messages.JobUpdate, lambda u: u.state == status.JobState.RUNNING)
+    epoch = fake.epoch
+    await agent.stop()
+    agent.start()  # a new agent, an empty job table: the cluster's pods still run
+    hello = await fake.wait_for_hellos(2)
+    assert [(j.job_id, j.epoch, j.state) for j in hello.jobs] == [
+        ("long", epoch, status.JobState.RUNNING)
+    ]
+    assert sorted(p.name for p in hello.jobs[0].pods) == ["long-worker-0", "long-worker-1"]
+    assert agent.backend.creates == 2
+    # the broker moved it elsewhere meanwhile: it cancels the stale copy, the pods go
+    await fake.send(messages.Cancel(job_id="long", epoch=fake.epoch, reason="Stale"))
+    cancelled = await fake.expect(messages.JobUpdate, lambda u: u.job_id == "long")
+    assert (cancelled.state, cancelled.reason) == (status.JobState.CANCELLED, "Stale")
+    assert agent.backend.pods() == []
 
 
 async def test_a_refused_token_is_retried_slowly_until_it_is_fixed(

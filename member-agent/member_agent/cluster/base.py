@@ -17,7 +17,6 @@ from typing import Any, Protocol
 from broker.api import status
 from member_agent.inventory import model
 
-
 EPOCH_ANNOTATION = "gpufed.io/epoch"
 MIN_MEMBER_ANNOTATION = "gpufed.io/min-member"
 GANG_SIZE_ANNOTATION = "gpufed.io/gang-size"

@@ -1,11 +1,16 @@
 """The ClusterBackend of a real Kubernetes cluster, through kubernetes-asyncio.
 
-`start` lists Nodes and the Pods of all namespaces, then watches both in the background
+`start` lists Nodes, the Pods of all namespaces and the ResourceQuotas of the namespaces it may
+create pods in (all namespaces when unrestricted), then watches them in the background
 (`watching.ListWatch`: resume from the last resourceVersion, relist on 410 Gone, reconnect with
 exponential backoff and jitter). `kubernetes_state.ClusterState` turns what they report into
 the GPU inventory and the events the agent reads; `kubernetes_objects` reads nodes (GPU Feature
 Discovery labels, allocatable GPUs and MIG devices, taints, readiness; label keys are
-configurable, defaults documented there) and builds the pods.
+configurable, defaults documented there) and builds the pods; `kubernetes_quotas` reads the GPU
+quotas (`gpu_quotas`), which the agent checks before it creates anything.
+
+Restart: gpufed's pods found by the first list are its jobs (`held_jobs`), rebuilt from their
+labels and annotations (see `binding`), which the agent adopts before its first hello.
 
 Binding: `spec.nodeName`, not a `kubernetes.io/hostname` node selector. The agent has already
 chosen nodes and GPUs for the whole gang at once against its live inventory; `nodeName` hands
@@ -21,8 +26,9 @@ plugins, its preemption) at the cost of a scheduling round per pod and a gang th
 only in part.
 
 Pods gpufed creates carry the labels `gpufed.io/job`, `gpufed.io/gang`, `gpufed.io/queue`,
-`gpufed.io/task`, the W3C `traceparent` annotation, and `gpufed.io/gpus` (`0,1,2`): the GPU
-indices placement chose, for bookkeeping; the device plugin picks the devices itself.
+`gpufed.io/task`, the W3C `traceparent` annotation, `gpufed.io/gpus` (`0,1,2`): the GPU
+indices placement chose, for bookkeeping (the device plugin picks the devices itself), and
+`gpufed.io/epoch`, `gpufed.io/min-member`, `gpufed.io/gang-size` for a restarted agent.
 
 Events: a PodEvent when one of gpufed's pods changes phase (Pending is not reported; Unknown is
 reported as Failed/NodeLost), with the pod's `status.reason` (Evicted, OutOfnvidia.com/gpu), a
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -56,6 +63,7 @@ from broker.api import status
 from member_agent.cluster import base, errors, watching
 from member_agent.cluster import kubernetes_errors as k8s_errors
 from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster import kubernetes_quotas as quotas
 from member_agent.cluster import kubernetes_state as state
 from member_agent.inventory import model
 
@@ -144,6 +152,7 @@ class KubernetesBackend:
         self._request_timeout = request_timeout_seconds
         self._queue: asyncio.Queue[base.BackendEvent | None] = asyncio.Queue()
         self._state = state.ClusterState(cluster, self._keys, self._queue.put_nowait)
+        self._quotas = quotas.QuotaBook()
         self._watches: list[watching.ListWatch] = []
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -201,8 +210,8 @@ class KubernetesBackend:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """List nodes, then pods (errors raise: a wrong config or RBAC fails fast), then
-        watch both in the background."""
+        """List nodes, pods and ResourceQuotas (errors raise: a wrong config or RBAC fails
+        fast), then watch them in the background."""
         await self._connect()
         core = self._core()
         self._watches = [
@@ -220,6 +229,7 @@ class KubernetesBackend:
                 backoff=self._backoff,
                 timeout_seconds=self._watch_timeout,
             ),
+            *self._quota_watches(core),
         ]
         for watch in self._watches:
             await watch.relist()
@@ -227,11 +237,38 @@ class KubernetesBackend:
             asyncio.create_task(watch.run(), name=f"watch-{watch.kind}") for watch in self._watches
         ]
         logger.info(
-            "cluster %s: %d GPU nodes, %d pods held",
+            "cluster %s: %d GPU nodes, %d pods held, %d gpufed jobs found",
             self.cluster,
             len(self._state.inventory.nodes),
             len(self._state.inventory.pods),
+            len(self._state.held_jobs()),
         )
+
+    def _quota_watches(self, core: client.CoreV1Api) -> list[watching.ListWatch]:
+        """One ResourceQuota watch per namespace pods may go to (the chart's Roles allow no
+        more); one over all namespaces when any namespace may be used."""
+        calls: list[tuple[str, watching.ListCall, str | None]]
+        if self._namespaces is None:
+            calls = [("resourcequotas", core.list_resource_quota_for_all_namespaces, None)]
+        else:
+            calls = [
+                (
+                    f"resourcequotas in {namespace}",
+                    functools.partial(core.list_namespaced_resource_quota, namespace),
+                    namespace,
+                )
+                for namespace in sorted(self._namespaces)
+            ]
+        return [
+            watching.ListWatch(
+                kind,
+                call,
+                quotas.QuotaFeed(self._quotas, namespace),
+                backoff=self._backoff,
+                timeout_seconds=self._watch_timeout,
+            )
+            for kind, call, namespace in calls
+        ]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -251,7 +288,8 @@ class KubernetesBackend:
 
     @property
     def watches(self) -> list[watching.ListWatch]:
-        """The list+watch loops (nodes, pods): their resourceVersion and counters."""
+        """The list+watch loops (nodes, pods, then ResourceQuotas): their resourceVersion and
+        counters."""
         return list(self._watches)
 
     # -- reading -----------------------------------------------------------------------------
@@ -264,6 +302,12 @@ class KubernetesBackend:
 
     def events(self) -> AsyncIterator[base.BackendEvent]:
         return _EventStream(self._queue, self._state)
+
+    def held_jobs(self) -> dict[str, base.HeldJob]:
+        return self._state.held_jobs()
+
+    def gpu_quotas(self, namespace: str) -> list[base.GPUQuota]:
+        return self._quotas.gpu_quotas(namespace, in_use=self._state.gpus_requested(namespace))
 
     # -- writing -----------------------------------------------------------------------------
 

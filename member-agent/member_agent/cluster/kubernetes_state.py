@@ -9,6 +9,10 @@ other pods the number of GPUs they request, on indices taken from the top (the d
 not gpufed, picks a foreign pod's devices; only the count is real). Pods gpufed created are held
 from the moment the create succeeds, before any watch reports them, and the watch's report
 then replaces that entry instead of adding to it.
+
+It also counts the GPUs every namespace's live pods request (for ResourceQuotas, see
+`kubernetes_quotas`) and groups gpufed's pods by job (`held_jobs`: what a restarted agent
+adopts).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class ClusterState:
         self._by_node: dict[str, set[str]] = defaultdict(set)  # keys of holding pods
         self._by_job: dict[str, set[str]] = defaultdict(set)
         self._reported: dict[str, objects.PodRecord] = {}  # gpufed's pods: last phase sent
+        # GPUs requested by non-terminal pods (bound or not), by namespace then pod key
+        self._gpu_use: dict[str, dict[str, int]] = defaultdict(dict)
         self.change_pending = False
 
     # -- nodes -------------------------------------------------------------------------------
@@ -107,6 +113,9 @@ class ClusterState:
         }
         self._pods = pods
         gone = [rec for key, rec in self._reported.items() if key not in pods]
+        self._gpu_use.clear()
+        for rec in self._records():
+            self._count(rec)
         self._rebuild()
         for rec in gone:
             if rec.key not in self._created:
@@ -123,6 +132,7 @@ class ClusterState:
         old = self._pods.get(key) or (created[0] if created else None)
         if kind == "DELETED":
             self._pods.pop(key, None)
+            self._uncount(old or rec)
             self._drop(old or rec)
             if rec.ours:
                 self._report_deleted(old or rec)
@@ -130,6 +140,7 @@ class ClusterState:
                 self._changed(f"pod {key} deleted")
             return
         self._pods[key] = rec
+        self._count(rec)
         if _holding(old) != _holding(rec):
             if old is not None:
                 self._untrack(old)
@@ -147,6 +158,7 @@ class ClusterState:
         if rec.key in self._pods:
             return  # the watch was faster than the create's response
         self._created[rec.key] = (rec, at)
+        self._count(rec)
         self._track(rec)
         self._place(rec)
         self._refresh_mig(rec.node)
@@ -160,6 +172,7 @@ class ClusterState:
                 continue
             self._created.pop(key, None)
             self._pods.pop(key, None)
+            self._uncount(rec)
             self._drop(rec)
             if rec.ours:
                 self._report_deleted(rec)
@@ -208,7 +221,40 @@ class ClusterState:
             )
         return out
 
+    def held_jobs(self) -> dict[str, base.HeldJob]:
+        """gpufed's jobs with pods known now, each rebuilt from its pods' labels and
+        annotations."""
+        out = {}
+        for job_id, keys in self._by_job.items():
+            records = [rec for rec in map(self.record, sorted(keys)) if rec is not None]
+            if not records:
+                continue
+            first = records[0]
+            out[job_id] = base.held_job(
+                job_id,
+                first.namespace,
+                first.job_meta,
+                self.pods_of(job_id),
+                gpus=sum(rec.gpus for rec in records),
+            )
+        return out
+
+    def gpus_requested(self, namespace: str) -> int:
+        """GPUs the namespace's non-terminal pods request (what a GPU ResourceQuota counts)."""
+        return sum(self._gpu_use.get(namespace, {}).values())
+
     # -- bookkeeping -------------------------------------------------------------------------
+
+    def _count(self, rec: objects.PodRecord) -> None:
+        if rec.gpus > 0 and rec.phase not in _TERMINAL:
+            self._gpu_use[rec.namespace][rec.key] = rec.gpus
+        else:
+            self._uncount(rec)
+
+    def _uncount(self, rec: objects.PodRecord) -> None:
+        used = self._gpu_use.get(rec.namespace)
+        if used is not None:
+            used.pop(rec.key, None)
 
     def _records(self) -> Iterable[objects.PodRecord]:
         yield from self._pods.values()

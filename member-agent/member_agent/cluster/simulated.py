@@ -6,6 +6,11 @@
 Failed if `gpufed.io/sim-outcome` says `Failed:<reason>`. Timers are asyncio `call_later`
 handles, never polling loops. Fault injection for tests and chaos runs: `fail_creates_after`
 and `set_node_ready`.
+
+The backend outlives an agent given it (`app.run_agent(..., backend=...)`): an agent started
+again on the same backend finds the pods it holds (`held_jobs`), as on a real cluster.
+Simulated clusters have no ResourceQuotas (`gpu_quotas` is empty): the agent's limits file
+stands in for them.
 """
 
 from __future__ import annotations
@@ -327,6 +332,25 @@ class SimulatedBackend:
 
     def events(self) -> AsyncIterator[base.BackendEvent]:
         return self._stream()
+
+    def held_jobs(self) -> dict[str, base.HeldJob]:
+        out = {}
+        for job_id, pods in self._by_job.items():
+            if not pods:
+                continue
+            requests = [pod.request for pod in pods.values()]
+            out[job_id] = base.held_job(
+                job_id,
+                requests[0].namespace,
+                {**_template_annotations(requests[0].template), **requests[0].annotations},
+                (pod.status() for pod in pods.values()),
+                gpus=sum(len(r.gpus) for r in requests),
+            )
+        return out
+
+    def gpu_quotas(self, namespace: str) -> list[base.GPUQuota]:
+        del namespace
+        return []
 
     # -- fault injection -------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """What the agent does with offers, cancels and pod events; the replies and job updates.
 
 `JobHandler` is driven by the session (`connecting.Connector`) and by the backend's event
-stream; it owns the job table. Offers and cancels are handled one at a time under `lock`, so two
-offers never book the same GPUs: each offer is checked (epoch, held already, local limits),
+stream; it owns the job table, which starts with the jobs found in the cluster (`adopt`, see
+`adopting`). Offers and cancels are handled one at a time under `lock`, so two offers never book
+the same GPUs: each offer is checked (epoch, held already, the limits file and the namespace's
+ResourceQuotas, see `limits.check_gpus`),
 placed with `placement.gang.place_gang` on the live inventory and bound all-or-nothing with
 `binding.create_gang`. Pod events move jobs through Running, Succeeded and Failed; a failed gang
 has its remaining pods deleted. No socket here: messages leave through `send` and `reply`.
@@ -15,7 +17,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
 from opentelemetry import propagate, trace
@@ -26,7 +28,7 @@ from member_agent.binding import binding
 from member_agent.cluster import base
 from member_agent.inventory import model
 from member_agent.placement import gang, indexing
-from member_agent.session import limits, table
+from member_agent.session import adopting, limits, table
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("member_agent.session")
@@ -138,12 +140,15 @@ class JobHandler:
         except jobs.ShapeError as exc:
             return reject("invalid", [str(exc)])
         namespace = offer.job.metadata.namespace
-        if self.limits.gpu_limit(namespace) is not None:
-            over = self.limits.check(
-                namespace, in_use=self.table.gpus_in_use(namespace), asked=request.gpus
-            )
-            if over is not None:
-                return reject("limit", [over])
+        over = limits.check_gpus(
+            self.limits,
+            namespace,
+            in_use=self.table.gpus_in_use(namespace),
+            asked=request.gpus,
+            quotas=self.backend.gpu_quotas(namespace),
+        )
+        if over is not None:  # the file or a ResourceQuota: one `limit` result for both
+            return reject("limit", [over.reason])
         context = propagate.extract({"traceparent": offer.traceparent or ""})
         with tracer.start_as_current_span(
             "agent.place",
@@ -158,7 +163,7 @@ class JobHandler:
         if isinstance(placement, gang.Unplaceable):
             return reject("unplaceable", sorted(placement.reasons))
         requests = binding.build_requests(
-            offer.job_id, offer.job, placement, traceparent=offer.traceparent
+            offer.job_id, offer.job, placement, traceparent=offer.traceparent, epoch=offer.epoch
         )
         record = table.JobRecord(
             job_id=offer.job_id,
@@ -336,7 +341,18 @@ class JobHandler:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # -- hello -----------------------------------------------------------------------------
+    # -- adoption and hello ----------------------------------------------------------------
+
+    def adopt(self, held: Mapping[str, base.HeldJob]) -> int:
+        """Take the jobs found in the cluster at start into the table (before the first
+        hello); a gang that failed meanwhile has its remaining pods deleted."""
+        adopted = adopting.adopt_jobs(self.table, held, now=self.clock())
+        for record in adopted:
+            if record.state == status.JobState.FAILED:
+                self._spawn(self._delete_live(record))
+        if adopted:
+            self.on_change()
+        return len(adopted)
 
     def hello_jobs(self) -> tuple[list[messages.AgentJob], Callable[[], None]]:
         """The jobs for `hello`, and what to call once it went out (the terminal ones among

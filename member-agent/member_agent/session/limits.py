@@ -1,18 +1,26 @@
 """The agent's local limits: GPUs per namespace, checked on every offer before placement.
 
-They mirror a Kubernetes ResourceQuota on `requests.nvidia.com/gpu` (a shared-GPU pod counts
-one GPU). The broker's quotas stay the source of truth; these protect the cluster from a broker
-that is wrong. Read from a YAML file (`config/agent-limits.example.yaml`).
+Two sources, and the stricter wins (`check_gpus`): the agent's limits file
+(`config/agent-limits.example.yaml`, counted against the jobs the agent holds) and the
+cluster's own Kubernetes ResourceQuotas on `requests.nvidia.com/gpu` / `limits.nvidia.com/gpu`
+(`base.GPUQuota`, counted against every live pod of the namespace; a shared-GPU pod counts one
+GPU). The broker's quotas stay the source of truth; these protect the cluster from a broker
+that is wrong, and turn what the API server would refuse pod by pod into one clear rejection
+before anything is created.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
+
+from member_agent.cluster import base
 
 
 class LimitsFileError(ValueError):
@@ -37,6 +45,41 @@ class AgentLimits(BaseModel):
             f"namespace {namespace}: GPU limit {limit} on this cluster, {in_use} in use, "
             f"the job asks for {asked}"
         )
+
+
+@dataclass(frozen=True)
+class Over:
+    """An offer that goes over a limit: which source, the room it leaves, and why."""
+
+    source: Literal["limit", "quota"]
+    room: int
+    reason: str
+
+
+def check_gpus(
+    agent_limits: AgentLimits,
+    namespace: str,
+    *,
+    in_use: int,
+    asked: int,
+    quotas: Sequence[base.GPUQuota] = (),
+) -> Over | None:
+    """None when `asked` more GPUs fit both the limits file (`in_use`: GPUs of the jobs the
+    agent holds in the namespace) and every quota; else the strictest limit that is exceeded
+    (the one leaving the least room)."""
+    over: list[Over] = []
+    limit = agent_limits.gpu_limit(namespace)
+    reason = agent_limits.check(namespace, in_use=in_use, asked=asked)
+    if limit is not None and reason is not None:
+        over.append(Over("limit", max(limit - in_use, 0), reason))
+    for quota in quotas:
+        if asked > quota.room:
+            reason = (
+                f"namespace {namespace}: ResourceQuota {quota.name} allows {quota.hard} "
+                f"{quota.resource}, {quota.used} used, {quota.room} left, the job asks for {asked}"
+            )
+            over.append(Over("quota", quota.room, reason))
+    return min(over, key=lambda o: (o.room, o.source != "quota")) if over else None
 
 
 def load_limits(path: Path | str | None) -> AgentLimits:

@@ -116,7 +116,11 @@ class JobRecord:
 
     def agent_job(self) -> messages.AgentJob:
         return messages.AgentJob(
-            job_id=self.job_id, epoch=self.epoch, state=self.state, pods=self.pod_statuses()
+            job_id=self.job_id,
+            epoch=self.epoch,
+            state=self.state,
+            pods=self.pod_statuses(),
+            reason=self.reason if self.state.terminal else None,
         )
 
     def update(

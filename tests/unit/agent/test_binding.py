@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,14 @@ from tests.unit.agent import builders
 
 
 async def prepare(
-    tmp_path: Path, job: jobs.GPUJob
+    tmp_path: Path, job: jobs.GPUJob, *, epoch: int | None = 7
 ) -> tuple[simulated.SimulatedBackend, list[base.PodRequest]]:
     backend = builders.small_backend(tmp_path)
     placement = gang.place_gang(backend.inventory(), jobs.gang_request("j1", job))
     assert isinstance(placement, gang.GangPlacement)
-    requests = binding.build_requests("j1", job, placement, traceparent=builders.TRACEPARENT)
+    requests = binding.build_requests(
+        "j1", job, placement, traceparent=builders.TRACEPARENT, epoch=epoch
+    )
     return backend, requests
 
 
@@ -42,9 +45,43 @@ async def test_the_pods_carry_gpufeds_labels_and_the_trace(tmp_path: Path) -> No
     assert first.annotations == {
         "gpufed.io/sim-duration": "1",
         "traceparent": builders.TRACEPARENT,
+        "gpufed.io/epoch": "7",
+        "gpufed.io/min-member": "2",
+        "gpufed.io/gang-size": "2",
     }
     assert first.template["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
     assert sorted(p.name for p in backend.pods_of("j1")) == ["j1-worker-0", "j1-worker-1"]
+    await backend.close()
+
+
+@pytest.mark.parametrize(
+    ("job", "epoch", "expected"),
+    [
+        pytest.param(
+            builders.make_job(gpus=1, replicas=3, min_member=2),
+            3,
+            base.HeldJob("j1", "default", 3, 2, 3, 3, ()),
+            id="minMember below the gang size",
+        ),
+        pytest.param(
+            builders.make_job(gpus=2, replicas=2, namespace="team-a"),
+            None,
+            base.HeldJob("j1", "team-a", 0, 2, 2, 4, ()),
+            id="no epoch given",
+        ),
+    ],
+)
+async def test_a_backend_rebuilds_the_job_from_its_pods(
+    tmp_path: Path, job: jobs.GPUJob, epoch: int | None, expected: base.HeldJob
+) -> None:
+    backend, requests = await prepare(tmp_path, job, epoch=epoch)
+    await binding.create_gang(backend, requests)
+    held = backend.held_jobs()
+    assert list(held) == ["j1"]
+    found = held["j1"]
+    assert found.traceparent == builders.TRACEPARENT
+    assert [p.name for p in found.pods] == sorted(r.name for r in requests)
+    assert dataclasses.replace(found, pods=(), traceparent=None) == expected
     await backend.close()
 
 

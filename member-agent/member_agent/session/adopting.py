@@ -1,0 +1,73 @@
+"""Adopting the jobs a restarted agent finds in its cluster, so that none of them runs twice.
+
+An agent that restarts has an empty job table, but its pods may still run. At start (after
+`backend.start()`, before the first hello) `app.run_agent` hands `backend.held_jobs()` to
+`handling.JobHandler.adopt`, which takes each job into the table through `record_of`: the pods
+as the cluster reports them, the job state they imply (the same rules as for a live job:
+`Running` once `min_member` pods run or ran, `Succeeded` when all succeeded, `Failed` when one
+failed), and `Dispatched` while too few run yet. A gang that lost pods while the agent was away
+(fewer pods than its `gpufed.io/gang-size`) failed with `PodDeleted`, unless every pod left
+succeeded (the missing ones were cleaned up after they finished).
+
+The hello then lists them and the broker reconciles: it adopts the jobs it still has on this
+cluster and cancels those it moved elsewhere meanwhile, whose pods the agent then deletes
+(fencing). Pure: no I/O here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+
+from broker.api import status
+from member_agent.cluster import base
+from member_agent.session import table
+
+logger = logging.getLogger(__name__)
+
+POD_DELETED = "PodDeleted"
+
+
+def record_of(held: base.HeldJob, *, now: float) -> table.JobRecord:
+    """The job table's record of a job found in the cluster, in the state its pods imply."""
+    record = table.JobRecord(
+        job_id=held.job_id,
+        epoch=held.epoch,
+        namespace=held.namespace,
+        gpus=held.gpus,
+        min_member=held.min_member,
+        pods={
+            pod.name: status.PodStatus(name=pod.name, task=pod.task, node=pod.node, gpus=pod.gpus)
+            for pod in held.pods
+        },
+        traceparent=held.traceparent,
+        binding=False,
+    )
+    for pod in held.pods:
+        record.set_phase(record.pods[pod.name], pod.phase, reason=pod.reason)
+    missing = held.gang_size - len(held.pods)
+    if missing > 0 and record.failure is None and record.succeeded < len(record.pods):
+        record.failure = POD_DELETED
+        record.failure_message = (
+            f"{missing} of the gang's {held.gang_size} pods disappeared while the agent was away"
+        )
+    record.advance(now=now)
+    return record
+
+
+def adopt_jobs(
+    jobs: table.JobTable, held: Mapping[str, base.HeldJob], *, now: float
+) -> list[table.JobRecord]:
+    """Add the held jobs the table does not know yet; returns the records added."""
+    adopted = [record_of(job, now=now) for job_id, job in held.items() if not jobs.get(job_id)]
+    for record in adopted:
+        jobs.add(record)
+    if adopted:
+        states = Counter(record.state.value for record in adopted)
+        logger.info(
+            "adopted %d jobs found in the cluster: %s",
+            len(adopted),
+            ", ".join(f"{count} {state}" for state, count in sorted(states.items())),
+        )
+    return adopted
