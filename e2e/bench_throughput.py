@@ -31,20 +31,62 @@ CLUSTERS = ["bench-a", "bench-b", "bench-c"]
 
 
 def write_cluster(path: Path, name: str, nodes: int) -> None:
-    path.write_text(yaml.safe_dump({"cluster": name, "pools": [{
-        "name": "gpu", "count": nodes, "gpu_product": "NVIDIA-H100-80GB-HBM3", "gpus_per_node": 8,
-        "gpu_memory_mib": 81559, "cpu": 220, "memory": "2000Gi", "nvlink_island": 8, "racks": 8,
-    }]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "cluster": name,
+                "pools": [
+                    {
+                        "name": "gpu",
+                        "count": nodes,
+                        "gpu_product": "NVIDIA-H100-80GB-HBM3",
+                        "gpus_per_node": 8,
+                        "gpu_memory_mib": 81559,
+                        "cpu": 220,
+                        "memory": "2000Gi",
+                        "nvlink_island": 8,
+                        "racks": 8,
+                    }
+                ],
+            }
+        )
+    )
 
 
 def job_doc(n: int, pods: int) -> str:
-    return json.dumps({
-        "apiVersion": "gpufed.io/v1", "kind": "GPUJob", "metadata": {"name": f"bench-{n}"},
-        "spec": {"queue": "bench", "tasks": [{"name": "w", "replicas": pods, "template": {
-            "metadata": {"annotations": {"gpufed.io/sim-duration": "3600"}},
-            "spec": {"containers": [{"name": "c", "resources": {"limits": {
-                "nvidia.com/gpu": 1, "cpu": "1", "memory": "1Gi"}}}]}}}]},
-    })
+    return json.dumps(
+        {
+            "apiVersion": "gpufed.io/v1",
+            "kind": "GPUJob",
+            "metadata": {"name": f"bench-{n}"},
+            "spec": {
+                "queue": "bench",
+                "tasks": [
+                    {
+                        "name": "w",
+                        "replicas": pods,
+                        "template": {
+                            "metadata": {"annotations": {"gpufed.io/sim-duration": "3600"}},
+                            "spec": {
+                                "containers": [
+                                    {
+                                        "name": "c",
+                                        "resources": {
+                                            "limits": {
+                                                "nvidia.com/gpu": 1,
+                                                "cpu": "1",
+                                                "memory": "1Gi",
+                                            }
+                                        },
+                                    }
+                                ]
+                            },
+                        },
+                    }
+                ],
+            },
+        }
+    )
 
 
 def pct(values: list[float], q: float) -> float:
@@ -65,8 +107,13 @@ async def accepted_offers(fleet: processes.Fleet) -> int:
         text = await resp.text()
     for family in text_string_to_metric_families(text):
         if family.name == "gpufed_placements":
-            return int(sum(s.value for s in family.samples
-                           if s.name.endswith("_total") and s.labels.get("result") == "accepted"))
+            return int(
+                sum(
+                    s.value
+                    for s in family.samples
+                    if s.name.endswith("_total") and s.labels.get("result") == "accepted"
+                )
+            )
     return 0
 
 
@@ -75,6 +122,7 @@ async def burst(fleet: processes.Fleet, jobs: int, pods: int) -> None:
     for n in range(jobs):
         queue.put_nowait(n)
     async with fleet.client("bench") as api:
+
         async def worker() -> None:
             while not queue.empty():
                 await api.submit(job_doc(queue.get_nowait(), pods))
@@ -91,9 +139,11 @@ async def burst(fleet: processes.Fleet, jobs: int, pods: int) -> None:
                 break
             await asyncio.sleep(0.05)
         elapsed = time.perf_counter() - started
-    print(f"burst: {jobs} jobs x {pods} pods submitted in {submitted:.2f}s "
-          f"({jobs / submitted:.0f} jobs/s); all {jobs * pods} pods placed in {elapsed:.2f}s "
-          f"= {jobs * pods / elapsed:.0f} pods/s")
+    print(
+        f"burst: {jobs} jobs x {pods} pods submitted in {submitted:.2f}s "
+        f"({jobs / submitted:.0f} jobs/s); all {jobs * pods} pods placed in {elapsed:.2f}s "
+        f"= {jobs * pods / elapsed:.0f} pods/s"
+    )
 
 
 async def paced(fleet: processes.Fleet, rate: float, seconds: float) -> None:
@@ -115,9 +165,11 @@ async def paced(fleet: processes.Fleet, rate: float, seconds: float) -> None:
         queued, dispatched = _time(job, "Queued"), _time(job, "Dispatched")
         if queued and dispatched:
             lat.append((dispatched - queued).total_seconds() * 1000)
-    print(f"paced: {total} jobs at {achieved:.0f}/s (asked {rate:.0f}/s); "
-          f"submit->dispatched ms p50 {pct(lat, 50):.1f} p90 {pct(lat, 90):.1f} "
-          f"p99 {pct(lat, 99):.1f} max {max(lat, default=0):.1f} ({len(lat)} dispatched)")
+    print(
+        f"paced: {total} jobs at {achieved:.0f}/s (asked {rate:.0f}/s); "
+        f"submit->dispatched ms p50 {pct(lat, 50):.1f} p90 {pct(lat, 90):.1f} "
+        f"p99 {pct(lat, 99):.1f} max {max(lat, default=0):.1f} ({len(lat)} dispatched)"
+    )
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -131,8 +183,10 @@ async def main(args: argparse.Namespace) -> None:
             write_cluster(workdir / f"{name}.yaml", name, args.nodes)
             await fleet.start_agent(name, workdir / f"{name}.yaml")
         await fleet.wait_clusters_ready(CLUSTERS, timeout=120)
-        print(f"store={args.store}, 3 clusters x {args.nodes} nodes x 8 GPUs, 2 cores shared by "
-              f"client, broker, agents{' and etcd' if server else ''}")
+        print(
+            f"store={args.store}, 3 clusters x {args.nodes} nodes x 8 GPUs, 2 cores shared by "
+            f"client, broker, agents{' and etcd' if server else ''}"
+        )
         await burst(fleet, args.jobs, args.pods)
         await paced(fleet, args.rate, args.seconds)
     finally:
@@ -142,8 +196,9 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--store", choices=["etcd", "sqlite"], default="etcd")
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--pods", type=int, default=4)

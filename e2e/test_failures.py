@@ -19,8 +19,9 @@ pytestmark = pytest.mark.e2e
 H100 = "NVIDIA-H100-80GB-HBM3"
 
 
-async def wait_for(api: Any, job_id: str, states: set[str], *, timeout: float = 30.0
-                   ) -> dict[str, Any]:
+async def wait_for(
+    api: Any, job_id: str, states: set[str], *, timeout: float = 30.0
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     job: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -39,11 +40,15 @@ async def test_broker_restart_loses_no_job_and_running_work_survives(
     await fleet.start_agent("h100", processes.config_dir() / "clusters" / "h100.yaml")
     await fleet.wait_clusters_ready(["h100"])
     async with fleet.client("team-a") as api:
-        running_id = (await api.submit(json.dumps(
-            make_job("survivor", gpus=8).model(H100).gang(2).duration(3).document())))["id"]
+        running_id = (
+            await api.submit(
+                json.dumps(make_job("survivor", gpus=8).model(H100).gang(2).duration(3).document())
+            )
+        )["id"]
         await wait_for(api, running_id, {"Running"})
-        queued_id = (await api.submit(json.dumps(
-            make_job("waiter", gpus=8).model(H100).gang(64).document())))["id"]
+        queued_id = (
+            await api.submit(json.dumps(make_job("waiter", gpus=8).model(H100).gang(64).document()))
+        )["id"]
 
     assert fleet.broker is not None
     await fleet.broker.stop(sig=signal.SIGKILL)
@@ -58,7 +63,7 @@ async def test_broker_restart_loses_no_job_and_running_work_survives(
         assert len(done["status"]["pods"]) == 2
         # the queued job is still there, still queued (it cannot fit)
         assert (await api.get(queued_id))["status"]["state"] == "Queued"
-        fresh = (await api.submit(json.dumps(make_job("after", gpus=1).duration(0.2).document())))
+        fresh = await api.submit(json.dumps(make_job("after", gpus=1).duration(0.2).document()))
         assert (await wait_for(api, fresh["id"], {"Succeeded"}))["status"]["state"] == "Succeeded"
 
 
@@ -71,8 +76,11 @@ async def test_lost_cluster_jobs_move_and_the_stale_copy_is_fenced(
     await fleet.start_agent("east", nodes)
     await fleet.wait_clusters_ready(["east"])
     async with fleet.client("team-a") as api:
-        job_id = (await api.submit(json.dumps(
-            make_job("mover", gpus=8).model(H100).gang(2).duration(60).document())))["id"]
+        job_id = (
+            await api.submit(
+                json.dumps(make_job("mover", gpus=8).model(H100).gang(2).duration(60).document())
+            )
+        )["id"]
         first = await wait_for(api, job_id, {"Running"})
         assert first["status"]["cluster"] == "east"
 

@@ -79,8 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--limits", help="per-namespace GPU limits YAML")
     agent.add_argument("--kubeconfig", help="kubernetes backend: kubeconfig (default: in-cluster)")
     agent.add_argument("--context", help="kubernetes backend: kubeconfig context")
-    agent.add_argument("--namespace", action="append", dest="namespaces",
-                       help="kubernetes backend: a namespace pods may be created in (repeat)")
+    agent.add_argument(
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        help="kubernetes backend: a namespace pods may be created in (repeat)",
+    )
     agent.add_argument("--metrics-port", type=int, default=0)
     agent.add_argument("--log-level", default="INFO")
 
@@ -312,6 +316,7 @@ def _run_broker(args: argparse.Namespace) -> int:
     # before any Application is created: the instrumentor patches the class
     AioHttpServerInstrumentor().instrument()
     from aiohttp import web
+
     settings = app.BrokerSettings(
         store=args.store,
         tokens_file=Path(args.tokens),
