@@ -36,6 +36,8 @@ check: lint typecheck test
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m e2e.bench_scheduling
+	$(BIN)/python -m e2e.bench_store
+	$(BIN)/python -m e2e.bench_throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -83,24 +83,45 @@ def _pods_by_size(request: jobs.GangRequest) -> list[jobs.PodShape]:
     return sorted(shapes, key=lambda s: (-s.gpus, -s.gpu_milli))
 
 
+@dataclass
+class _Gang:
+    """What fitting one gang needs, computed once per (gang, cluster) and reused per rack."""
+
+    pods: list[jobs.PodShape]
+    eligible: dict[jobs.PodShape, list[snapshot.ModelCapacity]]
+    nvlink: bool
+
+    @classmethod
+    def of(
+        cls,
+        cluster: snapshot.ClusterCapacity,
+        request: jobs.GangRequest,
+        allowed: frozenset[str] | None,
+    ) -> _Gang:
+        pods = _pods_by_size(request)
+        eligible = {shape: _eligible_models(cluster, shape, allowed) for shape in set(pods)}
+        return cls(pods, eligible, request.topology.nvlink == jobs.TopologyMode.REQUIRED)
+
+
 def _fit_pods(
     cluster: snapshot.ClusterCapacity,
-    request: jobs.GangRequest,
+    gang: _Gang,
     *,
     rack: str | None,
     allowed: frozenset[str] | None = None,
 ) -> tuple[list[Take], NoFit] | tuple[list[Take], None]:
     """Try every pod of the gang on scratch histograms; (takes, None) or (partial, why not)."""
     scratch = {
-        name: (list(m.racks[rack]) if rack is not None else list(m.nodes_by_free))
-        for name, m in cluster.models.items()
+        m.model: (list(m.racks[rack]) if rack is not None else list(m.nodes_by_free))
+        for models in gang.eligible.values()
+        for m in models
         if rack is None or rack in m.racks
     }
     shared = {name: m.shared_free_milli for name, m in cluster.models.items()}
-    nvlink = request.topology.nvlink == jobs.TopologyMode.REQUIRED
+    nvlink = gang.nvlink
     takes: list[Take] = []
-    for shape in _pods_by_size(request):
-        models = [m for m in _eligible_models(cluster, shape, allowed) if m.model in scratch]
+    for shape in gang.pods:
+        models = [m for m in gang.eligible[shape] if m.model in scratch]
         if not models:
             if allowed is not None and _eligible_models(cluster, shape):
                 return takes, NoFit(
@@ -147,7 +168,7 @@ def _fit_pods(
                 placed = True
                 break
         if not placed:
-            need = sum(1 for s in _pods_by_size(request) if s.gpus == shape.gpus)
+            need = sum(1 for s in gang.pods if s.gpus == shape.gpus)
             where = f" in rack {rack}" if rack else ""
             text = (
                 f"needs {need} node(s) with {shape.gpus} free GPU(s) of "
@@ -166,28 +187,33 @@ def fit_gang(
     """Whether the whole gang fits `cluster` now (on `models` only, if given), tightest way."""
     if not cluster.healthy:
         return NoFit(cluster.name, "cluster unhealthy", ReasonCode.CLUSTER_UNHEALTHY)
-    rack_mode = request.topology.rack
-    if rack_mode != jobs.TopologyMode.NONE and request.pods > 1:
-        racks = sorted({r for m in cluster.models.values() for r in m.racks})
-        best: Fit | None = None
-        for rack in racks:
-            takes, miss = _fit_pods(cluster, request, rack=rack, allowed=models)
-            if miss is None:
-                fit = Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
-                if best is None or fit.leftover < best.leftover:
-                    best = fit
-        if best is not None:
-            return best
-        if rack_mode == jobs.TopologyMode.REQUIRED:
-            return NoFit(
-                cluster.name,
-                "topology: no single rack has room for the whole gang",
-                ReasonCode.TOPOLOGY,
-            )
-    takes, miss = _fit_pods(cluster, request, rack=None, allowed=models)
+    gang = _Gang.of(cluster, request, models)
+    takes, miss = _fit_pods(cluster, gang, rack=None, allowed=models)
     if miss is not None:
-        return miss
-    return Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
+        return miss  # if the whole cluster cannot hold it, no rack of it can
+    anywhere = Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
+    rack_mode = request.topology.rack
+    if rack_mode == jobs.TopologyMode.NONE or request.pods <= 1:
+        return anywhere
+    racks = sorted({r for ms in gang.eligible.values() for m in ms for r in m.racks})
+    best: Fit | None = None
+    for rack in racks:
+        takes, miss = _fit_pods(cluster, gang, rack=rack, allowed=models)
+        if miss is None:
+            fit = Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
+            if best is None or fit.leftover < best.leftover:
+                best = fit
+                if fit.leftover == 0:
+                    break
+    if best is not None:
+        return best
+    if rack_mode == jobs.TopologyMode.REQUIRED:
+        return NoFit(
+            cluster.name,
+            "topology: no single rack has room for the whole gang",
+            ReasonCode.TOPOLOGY,
+        )
+    return anywhere
 
 
 def assume(cluster: snapshot.ClusterCapacity, fit: Fit) -> None:
