@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from broker.api import jobs
 from broker.api import inventory as api
+from broker.api import jobs
 from broker.scheduler import choosing
 from gpufed import traces
 from member_agent.inventory import model, summary
@@ -88,7 +88,7 @@ class Federation:
             self.members.append(Member(name, inventory, index, make_scorer()))
         self.by_name = {member.name: member for member in self.members}
         self.frag = sum(
-            workload.node_fragmentation(node.model, node.gpu_free, node.cpu_free)
+            workload.node_fragmentation(node.model, node.gpu_free, node.cpu_free, node.memory_free)
             for member in self.members
             for node in member.inventory
         )
@@ -133,7 +133,9 @@ class Federation:
 
     def apply(self, member: Member, placed: gang.PlacedPod) -> None:
         node = member.inventory.nodes[placed.placement.node]
-        before = self.workload.node_fragmentation(node.model, node.gpu_free, node.cpu_free)
+        before = self.workload.node_fragmentation(
+            node.model, node.gpu_free, node.cpu_free, node.memory_free
+        )
         member.inventory.apply(
             placed.placement, cpu_milli=placed.shape.cpu_milli, memory_mib=placed.shape.memory_mib
         )
@@ -141,14 +143,19 @@ class Federation:
 
     def release(self, member: Member, pod_name: str, node_name: str) -> None:
         node = member.inventory.nodes[node_name]
-        before = self.workload.node_fragmentation(node.model, node.gpu_free, node.cpu_free)
+        before = self.workload.node_fragmentation(
+            node.model, node.gpu_free, node.cpu_free, node.memory_free
+        )
         member.inventory.release(pod_name)
         self._changed(member, node, before)
 
     def _changed(self, member: Member, node: model.Node, before: float) -> None:
         member.index.refresh(node)
         self.frag += (
-            self.workload.node_fragmentation(node.model, node.gpu_free, node.cpu_free) - before
+            self.workload.node_fragmentation(
+                node.model, node.gpu_free, node.cpu_free, node.memory_free
+            )
+            - before
         )
         if member.summary is not None:
             member.summary = summary.summarise(member.inventory, workload=self.workload)

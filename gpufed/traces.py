@@ -155,7 +155,9 @@ def arrange(
     )
 
 
-def split_clusters(nodes: Sequence[TraceNode], *, clusters: int, seed: int) -> list[list[TraceNode]]:
+def split_clusters(
+    nodes: Sequence[TraceNode], *, clusters: int, seed: int
+) -> list[list[TraceNode]]:
     """A seeded random split of the nodes into `clusters` member clusters of near-equal size.
 
     Nodes are sorted by name, shuffled with `random.Random(seed)` and dealt round-robin, so

@@ -284,6 +284,8 @@ class GangRequest(BaseModel):
     min_member: int
     topology: Topology = Topology()
     priority: int = 0
+    # the broker's dispatch count: pods of a job run again get names of their own
+    attempt: int = 1
 
     @property
     def pods(self) -> int:
@@ -298,11 +300,11 @@ class GangRequest(BaseModel):
         out = []
         for task, replicas, shape in self.tasks:
             for i in range(replicas):
-                out.append((f"{self.job_id}-{task}-{i}", task, shape))
+                out.append((pod_name(self.job_id, task, i, attempt=self.attempt), task, shape))
         return out
 
 
-def gang_request(job_id: str, job: GPUJob) -> GangRequest:
+def gang_request(job_id: str, job: GPUJob, *, attempt: int = 1) -> GangRequest:
     tasks = tuple((t.name, t.replicas, shape_of(t)) for t in job.spec.tasks)
     total = sum(r for _, r, _ in tasks)
     return GangRequest(
@@ -311,4 +313,28 @@ def gang_request(job_id: str, job: GPUJob) -> GangRequest:
         min_member=job.spec.gang.min_member or total,
         topology=job.spec.topology,
         priority=job.spec.priority,
+        attempt=attempt,
     )
+
+
+_ATTEMPT_SUFFIX = re.compile(r"-a([1-9][0-9]*)$")
+
+
+def pod_name(job_id: str, task: str, index: int, *, attempt: int = 1) -> str:
+    """The name of a job's pod: `{job}-{task}-{index}` on the first attempt, with `-a{attempt}`
+    after it from the second on, so that the pods an earlier attempt left behind (a failed pod
+    stays for its logs) never clash with the new ones.
+
+    The attempt goes last because a first attempt's name always ends in digits: with it in
+    front (`{job}-a2-{task}-{index}`) a task named `a2-x` would take the name of task `x`'s
+    pod on attempt 2. Job ids (at most 59 characters) and task names (DNS labels of at most
+    63) keep the name a valid DNS subdomain far below 253 characters.
+    """
+    name = f"{job_id}-{task}-{index}"
+    return name if attempt <= 1 else f"{name}-a{attempt}"
+
+
+def attempt_of_pod(name: str) -> int:
+    """The attempt a pod named by `pod_name` belongs to."""
+    found = _ATTEMPT_SUFFIX.search(name)
+    return int(found.group(1)) if found else 1

@@ -3,11 +3,18 @@
 Every message is versioned (`v`) and may carry the W3C trace context (`traceparent`), so a
 job's trace follows it across processes. The agent always starts with `hello`; the broker
 answers `welcome` with the session epoch that fences every offer.
+
+A job the broker runs again (a retry after an infrastructure failure, a preemption, a lost
+cluster, a rejection) is offered with the next `attempt`, and every message about the job says
+which attempt it is about: an agent that still holds an earlier attempt starts the new one
+instead of taking the offer for a re-send, and the broker ignores what is said about an
+attempt it has moved past. An `attempt` of 1 is left out on the wire (`encode`), so brokers and
+agents from before attempts existed, which forbid unknown fields, still read first attempts.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -34,6 +41,7 @@ class AgentJob(BaseModel):
     pods: list[status.PodStatus] = Field(default_factory=list)
     # why it reached its final state (NodeLost, OOMKilled, ...); None while it runs
     reason: str | None = None
+    attempt: Annotated[int, Field(ge=1)] = 1
 
 
 class Hello(_Msg):
@@ -63,6 +71,8 @@ class Offer(_Msg):
     epoch: int
     tenant: str
     job: jobs.GPUJob
+    # the broker's dispatch count of the job: 2 and up when it runs again
+    attempt: Annotated[int, Field(ge=1)] = 1
 
 
 class Accepted(_Msg):
@@ -70,6 +80,7 @@ class Accepted(_Msg):
     job_id: str
     epoch: int
     pods: list[status.PodPlacement]
+    attempt: Annotated[int, Field(ge=1)] = 1
 
 
 class Rejected(_Msg):
@@ -77,6 +88,7 @@ class Rejected(_Msg):
     job_id: str
     epoch: int
     reasons: list[str]
+    attempt: Annotated[int, Field(ge=1)] = 1
 
 
 class JobUpdate(_Msg):
@@ -89,6 +101,7 @@ class JobUpdate(_Msg):
     reason: str = ""
     message: str = ""
     pods: list[status.PodStatus] = Field(default_factory=list)
+    attempt: Annotated[int, Field(ge=1)] = 1
 
 
 class Cancel(_Msg):
@@ -97,6 +110,8 @@ class Cancel(_Msg):
     epoch: int
     reason: str = "Cancelled"
     grace_seconds: float = 30.0
+    # the attempt to stop: an agent holding a later one keeps it
+    attempt: Annotated[int, Field(ge=1)] = 1
 
 
 class Heartbeat(_Msg):
@@ -117,4 +132,16 @@ def decode(text: str | bytes) -> Message:
 
 
 def encode(message: _Msg) -> str:
-    return message.model_dump_json(by_alias=True, exclude_none=True)
+    return message.model_dump_json(
+        by_alias=True, exclude_none=True, exclude=_first_attempts(message)
+    )
+
+
+def _first_attempts(message: _Msg) -> dict[str, Any] | set[str] | None:
+    """The `attempt` fields at 1, to leave out of the frame (see the module docstring)."""
+    if isinstance(message, Hello):
+        firsts = {i: {"attempt"} for i, job in enumerate(message.jobs) if job.attempt == 1}
+        return {"jobs": firsts} if firsts else None
+    if getattr(message, "attempt", None) == 1:
+        return {"attempt"}
+    return None

@@ -3,6 +3,10 @@
 All changes to job records go through `Lifecycle`, under one lock, and are written to the store
 (compare-and-swap) before anything is sent to an agent. Called by the HTTP handlers (submit,
 cancel), the scheduling cycle (dispatch) and the agent sessions (accepted, rejected, status).
+
+Each dispatch is a new attempt (`status.attempts`, sent in the offer). What an agent says about
+an earlier attempt of a job (the job came back to the same cluster) is stale: it changes
+nothing, and a copy still running is cancelled, that attempt only.
 """
 
 from __future__ import annotations
@@ -187,10 +191,16 @@ class Lifecycle:
             record.status.cancel_requested = True
             record.record(state, "CancelRequested", "waiting for the agent to delete the pods")
             await self.jobs.save(record)
-            await self._send_cancel(record.status.cluster, record.id, record.status.epoch, reason)
+            await self._send_cancel(
+                record.status.cluster,
+                record.id,
+                record.status.epoch,
+                reason,
+                attempt=_attempt(record),
+            )
 
     async def _send_cancel(
-        self, cluster_name: str | None, job_id: str, epoch: int, reason: str
+        self, cluster_name: str | None, job_id: str, epoch: int, reason: str, *, attempt: int
     ) -> None:
         if cluster_name is None:
             return
@@ -198,7 +208,11 @@ class Lifecycle:
         if cluster is None or cluster.link is None:
             return
         message = messages.Cancel(
-            job_id=job_id, epoch=epoch, reason=reason, grace_seconds=self.cancel_grace
+            job_id=job_id,
+            epoch=epoch,
+            reason=reason,
+            grace_seconds=self.cancel_grace,
+            attempt=attempt,
         )
         try:
             await cluster.link.send(message)
@@ -332,7 +346,11 @@ class Lifecycle:
                 self.preemptions[queue] += 1
                 self.meters.preemptions.labels(queue=queue, reason=item.reason).inc()
                 await self._send_cancel(
-                    record.status.cluster, record.id, record.status.epoch, PREEMPTED
+                    record.status.cluster,
+                    record.id,
+                    record.status.epoch,
+                    PREEMPTED,
+                    attempt=_attempt(record),
                 )
         return len(chosen)
 
@@ -390,6 +408,7 @@ class Lifecycle:
                 tenant=record.tenant,
                 job=record.job,
                 traceparent=self.spans.offer_traceparent(record),
+                attempt=_attempt(record),
             )
             try:
                 await link.send(offer)
@@ -409,12 +428,19 @@ class Lifecycle:
     async def accepted(self, cluster: fleet_.Cluster, message: messages.Accepted) -> None:
         async with self.lock:
             record = self._owned(cluster.name, message.job_id)
+            if record is not None and _stale(record, message.attempt):
+                await self._send_cancel(
+                    cluster.name, record.id, message.epoch, "Stale", attempt=message.attempt
+                )
+                return
             flight = cluster.inflight.get(message.job_id)
             if flight is not None:
                 flight.accepted = True
             self.spans.answered(message.job_id, accepted=True)
             if record is None:
-                await self._send_cancel(cluster.name, message.job_id, message.epoch, "Stale")
+                await self._send_cancel(
+                    cluster.name, message.job_id, message.epoch, "Stale", attempt=message.attempt
+                )
                 return
             self.meters.placements.labels(result="accepted").inc()
             record.status.pods = [
@@ -423,13 +449,17 @@ class Lifecycle:
             ]
             self._save_soon(record)
             if record.status.cancel_requested:
-                await self._send_cancel(cluster.name, record.id, message.epoch, "Cancelled")
+                await self._send_cancel(
+                    cluster.name, record.id, message.epoch, "Cancelled", attempt=message.attempt
+                )
 
     async def rejected(self, cluster: fleet_.Cluster, message: messages.Rejected) -> None:
         async with self.lock:
+            record = self._owned(cluster.name, message.job_id)
+            if record is not None and _stale(record, message.attempt):
+                return
             cluster.inflight.pop(message.job_id, None)
             self.spans.answered(message.job_id, accepted=False, reasons=message.reasons)
-            record = self._owned(cluster.name, message.job_id)
             if record is None or record.status.state != JobState.DISPATCHED:
                 return
             self.meters.placements.labels(result="rejected").inc()
@@ -445,9 +475,15 @@ class Lifecycle:
     async def job_update(self, cluster: fleet_.Cluster, message: messages.JobUpdate) -> None:
         async with self.lock:
             record = self._owned(cluster.name, message.job_id)
-            if record is None:
+            if record is None or _stale(record, message.attempt):
                 if not message.state.terminal:
-                    await self._send_cancel(cluster.name, message.job_id, message.epoch, "Stale")
+                    await self._send_cancel(
+                        cluster.name,
+                        message.job_id,
+                        message.epoch,
+                        "Stale",
+                        attempt=message.attempt,
+                    )
                 return
             await self._apply_update(
                 record, message.state, message.reason, message.message, message.pods
@@ -511,14 +547,19 @@ class Lifecycle:
             held = {job.job_id: job for job in hello.jobs}
             for job in hello.jobs:
                 record = self._owned(cluster.name, job.job_id)
-                if record is None:
+                if record is None or _stale(record, job.attempt):
+                    held.pop(job.job_id, None)  # not the attempt the broker runs there
                     if not job.state.terminal:
-                        await self._send_cancel(cluster.name, job.job_id, job.epoch, "Stale")
+                        await self._send_cancel(
+                            cluster.name, job.job_id, job.epoch, "Stale", attempt=job.attempt
+                        )
                     continue
                 record.status.epoch = cluster.epoch
                 if record.status.cancel_requested and not job.state.terminal:
                     await self.jobs.save(record)
-                    await self._send_cancel(cluster.name, job.job_id, cluster.epoch, "Cancelled")
+                    await self._send_cancel(
+                        cluster.name, job.job_id, cluster.epoch, "Cancelled", attempt=job.attempt
+                    )
                     continue
                 if job.state in (JobState.QUEUED, JobState.DISPATCHED):
                     record.status.pods = list(job.pods) or record.status.pods
@@ -566,3 +607,13 @@ class Lifecycle:
             if moved:
                 await self.jobs.save_many(moved)
             return len(moved)
+
+
+def _attempt(record: status.JobRecord) -> int:
+    """The attempt of the job's latest dispatch, as the agent is told it."""
+    return max(record.status.attempts, 1)
+
+
+def _stale(record: status.JobRecord, attempt: int) -> bool:
+    """A message about an attempt before the job's latest dispatch: it changes nothing."""
+    return attempt < record.status.attempts

@@ -7,8 +7,9 @@ a pod goes.
 
 Each pod carries what an agent restarted later needs to rebuild the job from its pods alone
 (`base.held_job` reads it back): the labels `gpufed.io/job` and `gpufed.io/task`, and the
-annotations `gpufed.io/epoch` (the offer's), `gpufed.io/min-member`, `gpufed.io/gang-size`
-and the W3C `traceparent`.
+annotations `gpufed.io/epoch` (the offer's), `gpufed.io/attempt` (the offer's attempt: the
+pods of a job run again are its latest attempt's, and their names say so too, see
+`jobs.pod_name`), `gpufed.io/min-member`, `gpufed.io/gang-size` and the W3C `traceparent`.
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ def build_requests(
     *,
     traceparent: str | None = None,
     epoch: int | None = None,
+    attempt: int = 1,
 ) -> list[base.PodRequest]:
     """One PodRequest per placed pod: gpufed's labels, the trace context and what a restarted
-    agent needs (epoch, minMember, gang size) on top of the task's own template metadata."""
+    agent needs (epoch, attempt, minMember, gang size) on top of the task's own template
+    metadata."""
     total = sum(task.replicas for task in job.spec.tasks)
     gang_meta = {
         base.MIN_MEMBER_ANNOTATION: str(job.spec.gang.min_member or total),
         base.GANG_SIZE_ANNOTATION: str(total),
+        base.ATTEMPT_ANNOTATION: str(attempt),
     }
     if epoch is not None:
         gang_meta[base.EPOCH_ANNOTATION] = str(epoch)

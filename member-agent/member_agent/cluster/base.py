@@ -5,7 +5,8 @@ Implementations: `simulated.SimulatedBackend` (YAML node pools, pods that run fo
 
 Every pod gpufed creates carries, besides its labels, the annotations a restarted agent needs
 to rebuild the job from its pods (`held_job` reads them back): the epoch of the offer that
-created it, the gang's `minMember` and its size. `held_jobs()` lists what a backend found.
+created it, the job's attempt, the gang's `minMember` and its size. `held_jobs()` lists what a
+backend found.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from broker.api import status
 from member_agent.inventory import model
 
 EPOCH_ANNOTATION = "gpufed.io/epoch"
+ATTEMPT_ANNOTATION = "gpufed.io/attempt"
 MIN_MEMBER_ANNOTATION = "gpufed.io/min-member"
 GANG_SIZE_ANNOTATION = "gpufed.io/gang-size"
 TRACEPARENT_ANNOTATION = "traceparent"
@@ -74,6 +76,7 @@ class HeldJob:
     gpus: int  # GPUs its pods request (a shared-GPU pod counts one)
     pods: tuple[status.PodStatus, ...]
     traceparent: str | None = None
+    attempt: int = 1  # of the pod whose annotations were read (1: not recorded)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ def held_job(
         gpus=gpus,
         pods=found,
         traceparent=annotations.get(TRACEPARENT_ANNOTATION) or None,
+        attempt=_whole(annotations.get(ATTEMPT_ANNOTATION)) or 1,
     )
 
 

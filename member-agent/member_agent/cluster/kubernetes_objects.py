@@ -58,6 +58,7 @@ _JOB_META = (
     base.MIN_MEMBER_ANNOTATION,
     base.GANG_SIZE_ANNOTATION,
     base.TRACEPARENT_ANNOTATION,
+    base.ATTEMPT_ANNOTATION,
 )
 _LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9_.-]")
 # reasons a pod is being torn down, from its DisruptionTarget condition

@@ -3,7 +3,10 @@
 `load_pools(path)` reads node pools (GPU model, GPUs per node, NVLink islands and domains, racks);
 `SimulatedBackend` builds the nodes and runs pods: Pending on create, Running after
 `start_delay`, then Succeeded after the seconds of their `gpufed.io/sim-duration` annotation, or
-Failed if `gpufed.io/sim-outcome` says `Failed:<reason>`. Timers are asyncio `call_later`
+Failed if `gpufed.io/sim-outcome` says `Failed:<reason>`. `Failed:<reason>@<attempts>` (a
+comma-separated list, matched against the pod's `gpufed.io/attempt`, 1 when absent) fails only
+those attempts of the job and lets the others succeed: with `Failed:NodeLost@1` the first
+attempt fails with NodeLost and the broker's retry succeeds. Timers are asyncio `call_later`
 handles, never polling loops. Fault injection for tests and chaos runs: `fail_creates_after`
 and `set_node_ready`.
 
@@ -19,7 +22,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -187,9 +190,18 @@ def parse_duration(text: str) -> float:
     return value
 
 
-def parse_outcome(text: str) -> tuple[status.PodPhase, str]:
-    """`Succeeded`, `Failed` or `Failed:<reason>` (reason defaults to Error)."""
-    phase, _, reason = text.partition(":")
+def parse_outcome(text: str, *, attempt: int = 1) -> tuple[status.PodPhase, str]:
+    """`Succeeded`, `Failed` or `Failed:<reason>` (reason defaults to Error), optionally for
+    some attempts only: `Failed:NodeLost@1`, `Failed@1,2`; another attempt succeeds."""
+    outcome, at, attempts = text.partition("@")
+    if at:
+        try:
+            only = {int(part) for part in attempts.split(",")}
+        except ValueError:
+            raise ValueError(f"not a list of attempts: {attempts!r}") from None
+        if attempt not in only:
+            return status.PodPhase.SUCCEEDED, ""
+    phase, _, reason = outcome.partition(":")
     if phase.strip() == "Failed":
         return status.PodPhase.FAILED, reason.strip() or "Error"
     return status.PodPhase.SUCCEEDED, ""
@@ -287,7 +299,15 @@ class SimulatedBackend:
             raise errors.PermanentBackendError(
                 f"{request.name}: annotation {jobs.SIM_DURATION_ANNOTATION}: {exc}"
             ) from exc
-        outcome = parse_outcome(annotations.get(jobs.SIM_OUTCOME_ANNOTATION, "Succeeded"))
+        try:
+            outcome = parse_outcome(
+                annotations.get(jobs.SIM_OUTCOME_ANNOTATION, "Succeeded"),
+                attempt=_attempt_of(annotations),
+            )
+        except ValueError as exc:
+            raise errors.PermanentBackendError(
+                f"{request.name}: annotation {jobs.SIM_OUTCOME_ANNOTATION}: {exc}"
+            ) from exc
         placement = status.PodPlacement(
             name=request.name, task=request.task, node=request.node, gpus=list(request.gpus)
         )
@@ -339,10 +359,11 @@ class SimulatedBackend:
             if not pods:
                 continue
             requests = [pod.request for pod in pods.values()]
+            metas = [{**_template_annotations(r.template), **r.annotations} for r in requests]
             out[job_id] = base.held_job(
                 job_id,
                 requests[0].namespace,
-                {**_template_annotations(requests[0].template), **requests[0].annotations},
+                max(metas, key=_attempt_of),  # the latest attempt's
                 (pod.status() for pod in pods.values()),
                 gpus=sum(len(r.gpus) for r in requests),
             )
@@ -424,6 +445,11 @@ class SimulatedBackend:
 
 def _done(pod: SimPod) -> bool:
     return pod.phase in (status.PodPhase.SUCCEEDED, status.PodPhase.FAILED)
+
+
+def _attempt_of(annotations: Mapping[str, str]) -> int:
+    raw = annotations.get(base.ATTEMPT_ANNOTATION, "")
+    return int(raw) if raw.isdigit() else 1
 
 
 def _template_annotations(template: dict[str, Any]) -> dict[str, str]:

@@ -33,7 +33,9 @@ def summarise(
             totals = per_model[node.model] = _Totals()
         totals.add(node)
         if node.available and node.gpu_count:
-            frag += expected.node_fragmentation(node.model, node.gpu_free, node.cpu_free)
+            frag += expected.node_fragmentation(
+                node.model, node.gpu_free, node.cpu_free, node.memory_free
+            )
     return api.ClusterSummary(
         cluster=inventory.cluster,
         seq=seq,

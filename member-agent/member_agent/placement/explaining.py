@@ -74,7 +74,9 @@ def _explain_one(
             )
     shape = demand.describe()
     if demand.gpus and max((entry.gpu_count for entry in nodes), default=0) < demand.gpus:
-        return f"gpus: no node has {demand.gpus} GPUs (largest has {max(e.gpu_count for e in nodes)})"
+        return (
+            f"gpus: no node has {demand.gpus} GPUs (largest has {max(e.gpu_count for e in nodes)})"
+        )
     if demand.nvlink and max((entry.island for entry in nodes), default=1) < demand.gpus:
         return f"nvlink: no node has an NVLink island of {demand.gpus} GPUs"
     with_gpus = [entry for entry in nodes if filtering.fits_gpus(entry, demand)]

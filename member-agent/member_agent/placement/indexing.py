@@ -7,11 +7,14 @@ fresh one per call. Pure data: no I/O, no clock.
 Nodes are kept in buckets keyed by (GPU model, whole free GPUs, largest partial free GPU in
 tenths), so a request for 8 whole GPUs only visits nodes with 8 free, and a sharing pod of
 300 milli skips every node whose GPUs are all taken. Each node has a rank: the tie-break
-order of the policies (lowest rank wins among equal scores); by default the inventory order.
+order of the policies (lowest rank wins among equal scores). By default it is a stable
+pseudo-random order (a hash of the node name): measured on the Alibaba trace, breaking FGD's
+ties in a random order leaves far fewer GPUs idle than list order or any order by node shape.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from member_agent.inventory import model
@@ -116,7 +119,7 @@ class FreeIndex:
         """Index every node; `order` (names in tie-break order, or name -> rank) sets the ranks."""
         ranks: Mapping[str, int]
         if order is None:
-            ranks = {name: i for i, name in enumerate(inventory.nodes)}
+            ranks = {name: stable_rank(name) for name in inventory.nodes}
         elif isinstance(order, Mapping):
             ranks = order
         else:
@@ -142,7 +145,7 @@ class FreeIndex:
         """Re-read one node after the inventory changed it (apply, release, health)."""
         old = self.entries.get(node.name)
         if old is None:
-            entry = Entry(node, len(self.entries))
+            entry = Entry(node, stable_rank(node.name))
             self.models[entry.model] = self.models.get(entry.model, 0) + 1
         else:
             self._remove(old)
@@ -173,3 +176,8 @@ class FreeIndex:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def stable_rank(name: str) -> int:
+    """A node's default tie-break rank: the same on every run, unrelated to its name's order."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")

@@ -24,7 +24,6 @@ class Scorer:
 
     name = "firstfit"
     randomised = False
-    tolerance = 0.0  # scores within this of the best tie (the rank decides)
 
     def score(self, entry: indexing.Entry, demand: filtering.Demand) -> float:
         return 0.0
@@ -65,9 +64,10 @@ class BestFit(Scorer):
     name = "bestfit"
 
     def score(self, entry: indexing.Entry, demand: filtering.Demand) -> float:
-        left = 0.5 * (entry.cpu_free - demand.cpu_milli) / MAX_SPEC_CPU + 0.5 * (
-            sum(entry.gpu_free) - demand.gpu_total
-        ) / MAX_SPEC_GPU
+        left = (
+            0.5 * (entry.cpu_free - demand.cpu_milli) / MAX_SPEC_CPU
+            + 0.5 * (sum(entry.gpu_free) - demand.gpu_total) / MAX_SPEC_GPU
+        )
         return float(int((1.0 - left) * 100))
 
     def share_gpu(self, entry: indexing.Entry, demand: filtering.Demand) -> int:
@@ -126,9 +126,10 @@ class Random(Scorer):
 class FGD(Scorer):
     """Fragmentation Gradient Descent: the node (and GPU) whose fragmentation grows least.
 
-    `truncate=True` is the paper's score, int(100 × sigmoid(ΔF / 1000)), so that many nodes
-    tie and the rank decides; `truncate=False` compares ΔF itself. With `pack > 0`, nodes that
-    tie on ΔF (to within `pack_epsilon` milli) prefer the one left with fewer free GPU milli.
+    `truncate=True` is the paper's score, int(100 × sigmoid(ΔF / 1000)): many nodes tie and
+    the rank decides, which acts as a first fit in rank order among them. `truncate=False`
+    compares ΔF itself. With `prefer_used`, nodes that tie on the score prefer one that
+    already runs GPU work over an untouched one (then the rank), keeping whole nodes whole.
     """
 
     def __init__(
@@ -137,12 +138,12 @@ class FGD(Scorer):
         *,
         name: str = "fgd",
         truncate: bool = True,
-        pack: float = 0.0,
+        prefer_used: bool = False,
     ) -> None:
         self.name = name
         self.workload = workload
         self.truncate = truncate
-        self.pack = pack
+        self.prefer_used = prefer_used
         self._memo: dict[tuple[object, ...], tuple[float, tuple[int, ...]]] = {}
 
     def _value(self, delta: float) -> float:
@@ -156,13 +157,15 @@ class FGD(Scorer):
         workload = self.workload
         before_class = workload.cpu_class(entry.cpu_free)
         after_class = workload.cpu_class(entry.cpu_free - demand.cpu_milli)
-        key = (entry.model, entry.free_sorted, before_class, after_class, demand.gpus,
-               demand.gpu_milli)  # fmt: skip
+        mem_before = workload.memory_class(entry.mem_free)
+        mem_after = workload.memory_class(entry.mem_free - demand.memory_mib)
+        key = (entry.model, entry.free_sorted, before_class, after_class, mem_before, mem_after,
+               demand.gpus, demand.gpu_milli)  # fmt: skip
         hit = self._memo.get(key)
         if hit is not None:
             return hit
         free = entry.free_sorted
-        before = workload.fragmentation(entry.model, free, before_class)
+        before = workload.fragmentation(entry.model, free, before_class, mem_before)
         if demand.gpus and demand.gpu_milli < GPU_MILLI:
             best = -math.inf
             values: tuple[int, ...] = ()
@@ -175,7 +178,8 @@ class FGD(Scorer):
                 after[position] = milli - demand.gpu_milli
                 after.sort(reverse=True)
                 value = self._value(
-                    before - workload.fragmentation(entry.model, tuple(after), after_class)
+                    before
+                    - workload.fragmentation(entry.model, tuple(after), after_class, mem_after)
                 )
                 if value > best:
                     best, values = value, (milli,)
@@ -185,16 +189,17 @@ class FGD(Scorer):
         else:
             taken = demand.gpus
             after_free = free[taken:] + (0,) * taken if taken else free
-            after_value = workload.fragmentation(entry.model, after_free, after_class)
+            after_value = workload.fragmentation(entry.model, after_free, after_class, mem_after)
             result = (self._value(before - after_value), ())
         self._memo[key] = result
         return result
 
     def score(self, entry: indexing.Entry, demand: filtering.Demand) -> float:
         value = self._evaluate(entry, demand)[0]
-        if self.pack:
-            left = (sum(entry.free_sorted) - demand.gpu_total) / MAX_SPEC_GPU
-            return value - self.pack * left
+        if self.prefer_used:
+            # scores are whole numbers: doubling keeps their order, +1 breaks their ties
+            untouched = entry.whole == entry.gpu_count
+            return 2.0 * value + (0.0 if untouched else 1.0)
         return value
 
     def share_gpu(self, entry: indexing.Entry, demand: filtering.Demand) -> int:

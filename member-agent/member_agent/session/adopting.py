@@ -9,6 +9,12 @@ failed), and `Dispatched` while too few run yet. A gang that lost pods while the
 (fewer pods than its `gpufed.io/gang-size`) failed with `PodDeleted`, unless every pod left
 succeeded (the missing ones were cleaned up after they finished).
 
+A job the broker ran again on this cluster may have pods of several attempts (a failed pod
+stays for its logs). Each pod's attempt is in its name (`jobs.pod_name`, `-a{n}` from the
+second attempt on; the `gpufed.io/attempt` annotation says the same, 1 when absent, for pods
+named otherwise): the job is adopted at its latest attempt, and the handler deletes the pods of
+the earlier ones (`earlier_pods`).
+
 The hello then lists them and the broker reconciles: it adopts the jobs it still has on this
 cluster and cancels those it moved elsewhere meanwhile, whose pods the agent then deletes
 (fencing). Pure: no I/O here.
@@ -20,7 +26,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 
-from broker.api import status
+from broker.api import jobs, status
 from member_agent.cluster import base
 from member_agent.session import table
 
@@ -29,24 +35,48 @@ logger = logging.getLogger(__name__)
 POD_DELETED = "PodDeleted"
 
 
+def split_attempts(
+    held: base.HeldJob,
+) -> tuple[int, list[status.PodStatus], list[status.PodStatus]]:
+    """The job's latest attempt, its pods, and the pods of earlier attempts."""
+    by_attempt: dict[int, list[status.PodStatus]] = {}
+    for pod in held.pods:
+        by_attempt.setdefault(jobs.attempt_of_pod(pod.name), []).append(pod)
+    if len(by_attempt) <= 1:  # one attempt: the annotation may know it when the names do not
+        latest = max([*by_attempt, held.attempt])
+        return latest, list(held.pods), []
+    latest = max(by_attempt)
+    earlier = [pod for attempt, pods in by_attempt.items() if attempt != latest for pod in pods]
+    return latest, by_attempt[latest], earlier
+
+
+def earlier_pods(held: base.HeldJob) -> list[status.PodStatus]:
+    """The pods of a found job's earlier attempts still in the cluster: to delete."""
+    return [pod for pod in split_attempts(held)[2] if pod.phase != status.PodPhase.DELETED]
+
+
 def record_of(held: base.HeldJob, *, now: float) -> table.JobRecord:
-    """The job table's record of a job found in the cluster, in the state its pods imply."""
+    """The job table's record of a job found in the cluster, at its latest attempt, in the
+    state that attempt's pods imply."""
+    attempt, pods, earlier = split_attempts(held)
     record = table.JobRecord(
         job_id=held.job_id,
         epoch=held.epoch,
         namespace=held.namespace,
-        gpus=held.gpus,
+        # a shared-GPU pod holds one slot and counts one GPU, as in `held.gpus`
+        gpus=sum(len(pod.gpus) for pod in pods) if earlier else held.gpus,
         min_member=held.min_member,
         pods={
             pod.name: status.PodStatus(name=pod.name, task=pod.task, node=pod.node, gpus=pod.gpus)
-            for pod in held.pods
+            for pod in pods
         },
         traceparent=held.traceparent,
+        attempt=attempt,
         binding=False,
     )
-    for pod in held.pods:
+    for pod in pods:
         record.set_phase(record.pods[pod.name], pod.phase, reason=pod.reason)
-    missing = held.gang_size - len(held.pods)
+    missing = held.gang_size - len(pods)
     if missing > 0 and record.failure is None and record.succeeded < len(record.pods):
         record.failure = POD_DELETED
         record.failure_message = (

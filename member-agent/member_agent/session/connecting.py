@@ -367,6 +367,9 @@ class Connector:
                 if isinstance(item, messages.Offer):
                     link.send(
                         messages.Rejected(
-                            job_id=item.job_id, epoch=item.epoch, reasons=[f"agent error: {exc}"]
+                            job_id=item.job_id,
+                            epoch=item.epoch,
+                            reasons=[f"agent error: {exc}"],
+                            attempt=item.attempt,
                         )
                     )

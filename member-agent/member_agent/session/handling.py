@@ -8,6 +8,12 @@ ResourceQuotas, see `limits.check_gpus`),
 placed with `placement.gang.place_gang` on the live inventory and bound all-or-nothing with
 `binding.create_gang`. Pod events move jobs through Running, Succeeded and Failed; a failed gang
 has its remaining pods deleted. No socket here: messages leave through `send` and `reply`.
+
+Attempts: an offer of the attempt the table holds is a re-send, answered with the same pods
+(and the final state, if reached); one of a later attempt (the broker runs the job again: a
+retry, a preemption, a lost cluster) deletes the earlier attempt's live pods, drops its record
+and is placed as new, its pods named for the attempt (`jobs.pod_name`); one of an earlier
+attempt is rejected. A cancel stops only the attempt it names (or an earlier one).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol
 
 from opentelemetry import propagate, trace
@@ -118,6 +124,7 @@ class JobHandler:
                     epoch=offer.epoch,
                     reasons=reasons,
                     traceparent=offer.traceparent,
+                    attempt=offer.attempt,
                 )
             )
             return result
@@ -129,14 +136,22 @@ class JobHandler:
         if offer.epoch != session_epoch:
             return reject("stale", [f"stale epoch {offer.epoch}: this session is {session_epoch}"])
         held = self.table.get(offer.job_id)
-        if held is not None:
+        if held is not None and held.attempt > offer.attempt:
+            return reject(
+                "stale",
+                [f"stale attempt {offer.attempt}: this cluster holds attempt {held.attempt}"],
+            )
+        if held is not None and held.attempt == offer.attempt:
             held.epoch = offer.epoch
             reply(self._accepted(held))
             if held.state != status.JobState.DISPATCHED:
                 self._send_update(held, held.state, held.reason)
             return "resent"
+        earlier = self.table.supersede(offer.job_id, offer.attempt)
+        if earlier is not None:
+            await self._retire(earlier, attempt=offer.attempt)
         try:
-            request = jobs.gang_request(offer.job_id, offer.job)
+            request = jobs.gang_request(offer.job_id, offer.job, attempt=offer.attempt)
         except jobs.ShapeError as exc:
             return reject("invalid", [str(exc)])
         namespace = offer.job.metadata.namespace
@@ -163,7 +178,12 @@ class JobHandler:
         if isinstance(placement, gang.Unplaceable):
             return reject("unplaceable", sorted(placement.reasons))
         requests = binding.build_requests(
-            offer.job_id, offer.job, placement, traceparent=offer.traceparent, epoch=offer.epoch
+            offer.job_id,
+            offer.job,
+            placement,
+            traceparent=offer.traceparent,
+            epoch=offer.epoch,
+            attempt=offer.attempt,
         )
         record = table.JobRecord(
             job_id=offer.job_id,
@@ -172,6 +192,7 @@ class JobHandler:
             gpus=request.gpus,
             min_member=request.min_member,
             traceparent=offer.traceparent,
+            attempt=offer.attempt,
             pods={
                 r.name: status.PodStatus(name=r.name, task=r.task, node=r.node, gpus=list(r.gpus))
                 for r in requests
@@ -209,7 +230,24 @@ class JobHandler:
             epoch=record.epoch,
             pods=record.placements(),
             traceparent=record.traceparent,
+            attempt=record.attempt,
         )
+
+    async def _retire(self, record: table.JobRecord, *, attempt: int) -> None:
+        """An earlier attempt of a job the broker runs again: its live pods go, with the
+        failure grace (its failed ones stay for their logs, under names of their own)."""
+        live = record.live_pods()
+        logger.info(
+            "job %s: attempt %d replaces attempt %d (%s), deleting %d live pods",
+            record.job_id,
+            attempt,
+            record.attempt,
+            record.state.value,
+            len(live),
+            extra={"job_id": record.job_id, "trace_id": _trace_id(record.traceparent)},
+        )
+        self._stale_nodes.update(p.node for p in live)
+        await self._delete_live(record)
 
     def _fresh_index(self, inventory: model.Inventory) -> indexing.FreeIndex:
         """The placement index, with the nodes changed since the last offer read again."""
@@ -227,7 +265,12 @@ class JobHandler:
     async def handle_cancel(self, cancel: messages.Cancel) -> None:
         async with self.lock:
             record = self.table.get(cancel.job_id)
-            if record is None:
+            earlier = self.table.supersede(cancel.job_id, cancel.attempt)
+            if earlier is not None:  # the broker has moved past it: it goes too
+                await self._retire(earlier, attempt=cancel.attempt)
+                record = None
+            if record is None or record.attempt > cancel.attempt:
+                # nothing of that attempt here (a later one keeps running): it is stopped
                 self.send(
                     messages.JobUpdate(
                         job_id=cancel.job_id,
@@ -235,6 +278,7 @@ class JobHandler:
                         state=status.JobState.CANCELLED,
                         reason=cancel.reason,
                         traceparent=cancel.traceparent,
+                        attempt=cancel.attempt,
                     )
                 )
                 return
@@ -290,17 +334,21 @@ class JobHandler:
             self._spawn(self._delete_live(record))
 
     async def _delete_live(self, record: table.JobRecord) -> None:
-        live = record.live_pods()
-        if not live:
+        await self._delete_pods(record.job_id, record.namespace, record.live_pods())
+
+    async def _delete_pods(
+        self, job_id: str, namespace: str, pods: Sequence[status.PodStatus]
+    ) -> None:
+        if not pods:
             return
         try:
             await binding.delete_pods(
                 self.backend,
-                ((record.namespace, p.name) for p in live),
+                ((namespace, p.name) for p in pods),
                 grace_seconds=self.failure_grace_seconds,
             )
         except Exception:
-            logger.exception("deleting the pods of failed job %s", record.job_id)
+            logger.exception("deleting %d pods of job %s", len(pods), job_id)
         self.on_change()
 
     def _send_update(self, record: table.JobRecord, state: status.JobState, reason: str) -> None:
@@ -345,9 +393,13 @@ class JobHandler:
 
     def adopt(self, held: Mapping[str, base.HeldJob]) -> int:
         """Take the jobs found in the cluster at start into the table (before the first
-        hello); a gang that failed meanwhile has its remaining pods deleted."""
+        hello), each at its latest attempt; a gang that failed meanwhile has its remaining pods
+        deleted, and so have the pods of earlier attempts."""
         adopted = adopting.adopt_jobs(self.table, held, now=self.clock())
         for record in adopted:
+            earlier = adopting.earlier_pods(held[record.job_id])
+            if earlier:
+                self._spawn(self._delete_pods(record.job_id, record.namespace, earlier))
             if record.state == status.JobState.FAILED:
                 self._spawn(self._delete_live(record))
         if adopted:

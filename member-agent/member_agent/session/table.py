@@ -10,6 +10,10 @@ their final state went out on a live session (then `keep_reported` seconds more,
 offer stays idempotent) or, unreported, `keep_unreported` seconds. `hello` lists them until
 sent, and `relist_reported` seconds after: a message written just before a session dropped
 may never have arrived, and the protocol has no acknowledgement.
+
+The table holds one record per job, of the job's latest attempt (`JobRecord.attempt`, the
+broker's dispatch count): an offer of a later attempt replaces the record (`supersede`), one of
+the same attempt is a re-send, and every update and hello entry says which attempt it is about.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class JobRecord:
     min_member: int
     pods: dict[str, status.PodStatus]
     traceparent: str | None = None
+    attempt: int = 1
     state: status.JobState = status.JobState.DISPATCHED
     reason: str = ""
     # pods still being created: pod events update phases, the job state waits
@@ -121,6 +126,7 @@ class JobRecord:
             state=self.state,
             pods=self.pod_statuses(),
             reason=self.reason if self.state.terminal else None,
+            attempt=self.attempt,
         )
 
     def update(
@@ -135,6 +141,7 @@ class JobRecord:
             message=self.failure_message if state == status.JobState.FAILED else "",
             pods=self.pod_statuses(),
             traceparent=self.traceparent,
+            attempt=self.attempt,
         )
 
 
@@ -159,6 +166,16 @@ class JobTable:
 
     def remove(self, job_id: str) -> None:
         self.records.pop(job_id, None)
+
+    def supersede(self, job_id: str, attempt: int) -> JobRecord | None:
+        """Make room for `attempt` of a job: the record of an earlier attempt is dropped (its
+        final state was reported, or no longer matters: the broker has moved on) and returned,
+        so its live pods can be deleted. None when the table holds no earlier attempt."""
+        held = self.records.get(job_id)
+        if held is None or held.attempt >= attempt:
+            return None
+        del self.records[job_id]
+        return held
 
     def gpus_in_use(self, namespace: str) -> int:
         return sum(

@@ -92,7 +92,14 @@ def make_job(
     )
 
 
-def make_offer(job_id: str, job: jobs.GPUJob, *, epoch: int = 1) -> messages.Offer:
+def make_offer(
+    job_id: str, job: jobs.GPUJob, *, epoch: int = 1, attempt: int = 1
+) -> messages.Offer:
     return messages.Offer(
-        job_id=job_id, epoch=epoch, tenant="team", job=job, traceparent=TRACEPARENT
+        job_id=job_id,
+        epoch=epoch,
+        tenant="team",
+        job=job,
+        traceparent=TRACEPARENT,
+        attempt=attempt,
     )

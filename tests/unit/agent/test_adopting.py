@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -118,9 +119,9 @@ class Restart:
     ) -> None:
         self.sent.append(message)
 
-    async def offer(self, job_id: str, **job: object) -> None:
+    async def offer(self, job_id: str, *, attempt: int = 1, **job: Any) -> None:
         reply: list[messages.Message] = []
-        offer = builders.make_offer(job_id, builders.make_job(**job), epoch=3)  # type: ignore[arg-type]
+        offer = builders.make_offer(job_id, builders.make_job(**job), epoch=3, attempt=attempt)
         await self.before.handle_offer(offer, session_epoch=3, reply=reply.append)
         assert isinstance(reply[0], messages.Accepted)
 
@@ -201,3 +202,76 @@ async def test_a_cancel_for_an_adopted_job_deletes_its_pods(restart: Restart) ->
     assert restart.updates("j1") == [("Cancelled", "Stale")]
     assert restart.backend.pods() == []
     assert all(n.whole_free == n.gpu_count for n in restart.backend.inventory())
+
+
+def pods_named(*entries: tuple[str, Phase]) -> tuple[status.PodStatus, ...]:
+    return tuple(
+        status.PodStatus(
+            name=name, task="worker", node="n0", gpus=[status.GPUSlot(index=i)], phase=phase
+        )
+        for i, (name, phase) in enumerate(entries)
+    )
+
+
+@pytest.mark.parametrize(
+    ("pods", "annotated", "expected"),
+    [
+        pytest.param(
+            pods_named(("j1-worker-0", R), ("j1-worker-1", R)),
+            1,
+            (1, "Running", ["j1-worker-0", "j1-worker-1"], []),
+            id="pods of an agent from before attempts",
+        ),
+        pytest.param(
+            pods_named(("j1-worker-0", F), ("j1-worker-0-a2", R), ("j1-worker-1-a2", R)),
+            2,
+            (2, "Running", ["j1-worker-0-a2", "j1-worker-1-a2"], ["j1-worker-0"]),
+            id="a failed first attempt left a pod for its logs",
+        ),
+        pytest.param(
+            pods_named(("j1-worker-0-a2", R), ("j1-worker-0-a3", P), ("j1-worker-1-a3", S)),
+            2,  # the annotation of the pod the backend read first
+            (3, "Dispatched", ["j1-worker-0-a3", "j1-worker-1-a3"], ["j1-worker-0-a2"]),
+            id="the agent stopped before the earlier attempt was deleted",
+        ),
+        pytest.param(
+            pods_named(("j1-worker-0", S)),
+            4,
+            (4, "Succeeded", ["j1-worker-0"], []),
+            id="pods named otherwise: the annotation says the attempt",
+        ),
+    ],
+)
+def test_a_found_job_is_adopted_at_its_latest_attempt(
+    pods: tuple[status.PodStatus, ...],
+    annotated: int,
+    expected: tuple[int, str, list[str], list[str]],
+) -> None:
+    found = base.HeldJob("j1", "team-a", 5, 2, 2, len(pods), pods, attempt=annotated)
+    record = adopting.record_of(found, now=1.0)
+    earlier = adopting.earlier_pods(found)
+    assert (record.attempt, record.state.value, sorted(record.pods), [p.name for p in earlier]) == (
+        expected
+    )
+    assert record.gpus == len(record.pods)  # one GPU a pod: the earlier attempts' do not count
+    assert record.agent_job().attempt == expected[0]
+
+
+async def test_a_restarted_agent_deletes_the_pods_of_earlier_attempts(restart: Restart) -> None:
+    await restart.offer("j1", gpus=8, replicas=2, outcome="Failed:NodeLost@1")
+    await restart.pump(restart.before, lambda: state_of(restart.before, "j1") == "Failed")
+    await restart.before.close()
+    await restart.offer("j1", gpus=8, replicas=2, attempt=2)
+    await restart.pump(restart.before, lambda: state_of(restart.before, "j1") == "Running")
+    assert any(p.phase == Phase.FAILED for p in restart.backend.pods_of("j1"))
+
+    after = restart.restart()
+    jobs, _ = after.hello_jobs()
+    assert [(j.job_id, j.attempt, j.state.value, sorted(p.name for p in j.pods)) for j in jobs] == [
+        ("j1", 2, "Running", ["j1-worker-0-a2", "j1-worker-1-a2"])
+    ]
+    await after.close()  # the clean-up of the earlier attempt's pods
+    assert sorted(p.name for p in restart.backend.pods_of("j1")) == [
+        "j1-worker-0-a2",
+        "j1-worker-1-a2",
+    ]

@@ -15,25 +15,32 @@ from tests.unit.agent import builders
 
 
 async def prepare(
-    tmp_path: Path, job: jobs.GPUJob, *, epoch: int | None = 7
+    tmp_path: Path, job: jobs.GPUJob, *, epoch: int | None = 7, attempt: int = 1
 ) -> tuple[simulated.SimulatedBackend, list[base.PodRequest]]:
     backend = builders.small_backend(tmp_path)
-    placement = gang.place_gang(backend.inventory(), jobs.gang_request("j1", job))
+    request = jobs.gang_request("j1", job, attempt=attempt)
+    placement = gang.place_gang(backend.inventory(), request)
     assert isinstance(placement, gang.GangPlacement)
     requests = binding.build_requests(
-        "j1", job, placement, traceparent=builders.TRACEPARENT, epoch=epoch
+        "j1", job, placement, traceparent=builders.TRACEPARENT, epoch=epoch, attempt=attempt
     )
     return backend, requests
 
 
-async def test_the_pods_carry_gpufeds_labels_and_the_trace(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("attempt", "names"),
+    [
+        pytest.param(1, ["j1-worker-0", "j1-worker-1"], id="first attempt"),
+        pytest.param(3, ["j1-worker-0-a3", "j1-worker-1-a3"], id="third attempt"),
+    ],
+)
+async def test_the_pods_carry_gpufeds_labels_and_the_trace(
+    tmp_path: Path, attempt: int, names: list[str]
+) -> None:
     job = builders.make_job(gpus=4, replicas=2, namespace="team-a", duration=1)
-    backend, requests = await prepare(tmp_path, job)
+    backend, requests = await prepare(tmp_path, job, attempt=attempt)
     await binding.create_gang(backend, requests)
-    assert [(r.namespace, r.name) for r in requests] == [
-        ("team-a", "j1-worker-0"),
-        ("team-a", "j1-worker-1"),
-    ]
+    assert [(r.namespace, r.name) for r in requests] == [("team-a", name) for name in names]
     first = requests[0]
     assert first.labels == {
         "app": "train",
@@ -48,9 +55,11 @@ async def test_the_pods_carry_gpufeds_labels_and_the_trace(tmp_path: Path) -> No
         "gpufed.io/epoch": "7",
         "gpufed.io/min-member": "2",
         "gpufed.io/gang-size": "2",
+        "gpufed.io/attempt": str(attempt),
     }
     assert first.template["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
-    assert sorted(p.name for p in backend.pods_of("j1")) == ["j1-worker-0", "j1-worker-1"]
+    assert sorted(p.name for p in backend.pods_of("j1")) == names
+    assert backend.held_jobs()["j1"].attempt == attempt
     await backend.close()
 
 

@@ -3,86 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from broker.api import messages, status
-from member_agent.cluster import simulated
-from member_agent.session import handling, limits
-from tests.unit.agent import builders
-
-Sent = list[messages.Message]
-
-
-class Harness:
-    """A handler on a small simulated cluster, with every message it sends recorded."""
-
-    def __init__(self, tmp_path: Path, *, agent_limits: limits.AgentLimits | None = None) -> None:
-        self.backend: simulated.SimulatedBackend = builders.small_backend(tmp_path)
-        self.sent: Sent = []
-        self.replies: Sent = []
-        self.now = 1000.0
-        self.changes = 0
-        self.handler = handling.JobHandler(
-            self.backend,
-            send=self._send,
-            agent_limits=agent_limits,
-            on_change=self._changed,
-            clock=lambda: self.now,
-            failure_grace_seconds=0,
-        )
-        self._events = self.backend.events()
-        self.connected = True
-
-    def _send(
-        self, message: messages.Message, /, *, on_sent: Callable[[], None] | None = None
-    ) -> None:
-        if self.connected:
-            self.sent.append(message)
-            if on_sent is not None:
-                on_sent()
-
-    def _changed(self) -> None:
-        self.changes += 1
-
-    async def offer(
-        self, job_id: str, *, epoch: int = 1, session_epoch: int = 1, **job: Any
-    ) -> messages.Message:
-        offer = builders.make_offer(job_id, builders.make_job(**job), epoch=epoch)
-        await self.handler.handle_offer(
-            offer, session_epoch=session_epoch, reply=self.replies.append
-        )
-        return self.replies[-1]
-
-    async def pump(self, until: Callable[[], bool]) -> None:
-        """Feed backend events to the handler until `until()` holds."""
-        async with asyncio.timeout(5):
-            while not until():
-                self.handler.handle_event(await anext(self._events))
-
-    def updates(self, job_id: str) -> list[tuple[str, str]]:
-        return [
-            (m.state.value, m.reason)
-            for m in self.sent
-            if isinstance(m, messages.JobUpdate) and m.job_id == job_id
-        ]
-
-    async def close(self) -> None:
-        await self.handler.close()
-        await self.backend.close()
+from member_agent.session import limits
+from tests.unit.agent import builders, harnesses
 
 
 @pytest.fixture
 async def harness(tmp_path: Path):  # type: ignore[no-untyped-def]
-    h = Harness(tmp_path)
+    h = harnesses.Harness(tmp_path)
     yield h
     await h.close()
 
 
-async def test_an_offer_that_fits_is_accepted_with_its_pods(harness: Harness) -> None:
+async def test_an_offer_that_fits_is_accepted_with_its_pods(harness: harnesses.Harness) -> None:
     reply = await harness.offer("j1", gpus=8, replicas=2, model=builders.H100)
     assert isinstance(reply, messages.Accepted)
     assert sorted((p.name, len(p.gpus)) for p in reply.pods) == [
@@ -117,7 +55,9 @@ async def test_an_offer_that_fits_is_accepted_with_its_pods(harness: Harness) ->
 async def test_an_offer_that_cannot_be_run_is_rejected_having_created_nothing(
     tmp_path: Path, offer: dict[str, Any], result: str, reason: str
 ) -> None:
-    h = Harness(tmp_path, agent_limits=limits.AgentLimits(namespace_gpus={"small-team": 4}))
+    h = harnesses.Harness(
+        tmp_path, agent_limits=limits.AgentLimits(namespace_gpus={"small-team": 4})
+    )
     reply = await h.offer("j1", **offer)
     assert isinstance(reply, messages.Rejected)
     assert reply.reasons
@@ -129,7 +69,7 @@ async def test_an_offer_that_cannot_be_run_is_rejected_having_created_nothing(
 
 
 async def test_the_namespace_limit_counts_running_jobs(tmp_path: Path) -> None:
-    h = Harness(tmp_path, agent_limits=limits.AgentLimits(default_namespace_gpus=12))
+    h = harnesses.Harness(tmp_path, agent_limits=limits.AgentLimits(default_namespace_gpus=12))
     assert isinstance(await h.offer("j1", gpus=8), messages.Accepted)
     assert isinstance(await h.offer("j2", gpus=4, namespace="other"), messages.Accepted)
     reply = await h.offer("j3", gpus=8)
@@ -140,7 +80,9 @@ async def test_the_namespace_limit_counts_running_jobs(tmp_path: Path) -> None:
     await h.close()
 
 
-async def test_a_failed_create_rejects_the_offer_and_leaves_no_pod(harness: Harness) -> None:
+async def test_a_failed_create_rejects_the_offer_and_leaves_no_pod(
+    harness: harnesses.Harness,
+) -> None:
     harness.backend.fail_creates_after(1)
     reply = await harness.offer("j1", gpus=4, replicas=3)
     assert isinstance(reply, messages.Rejected)
@@ -152,7 +94,7 @@ async def test_a_failed_create_rejects_the_offer_and_leaves_no_pod(harness: Harn
     await harness.pump(lambda: harness.updates("j1") == [("Running", "PodsRunning")])
 
 
-async def test_a_resent_offer_is_answered_with_the_same_pods(harness: Harness) -> None:
+async def test_a_resent_offer_is_answered_with_the_same_pods(harness: harnesses.Harness) -> None:
     first = await harness.offer("j1", gpus=2)
     second = await harness.offer("j1", gpus=2, epoch=2, session_epoch=2)
     assert isinstance(first, messages.Accepted)
@@ -183,7 +125,7 @@ async def test_a_resent_offer_is_answered_with_the_same_pods(harness: Harness) -
     ],
 )
 async def test_pod_phases_become_job_updates(
-    harness: Harness, job: dict[str, Any], expected: list[tuple[str, str]]
+    harness: harnesses.Harness, job: dict[str, Any], expected: list[tuple[str, str]]
 ) -> None:
     await harness.offer("j1", **job)
     await harness.pump(lambda: len(harness.updates("j1")) == len(expected))
@@ -193,7 +135,7 @@ async def test_pod_phases_become_job_updates(
     assert update.epoch == 1 and update.traceparent == builders.TRACEPARENT
 
 
-async def test_a_failed_gang_deletes_its_other_pods(harness: Harness) -> None:
+async def test_a_failed_gang_deletes_its_other_pods(harness: harnesses.Harness) -> None:
     await harness.offer("j1", gpus=2, replicas=2)
     await harness.pump(lambda: harness.updates("j1") == [("Running", "PodsRunning")])
     harness.backend.set_node_ready(next(p.node for p in harness.backend.pods_of("j1")), False)
@@ -207,7 +149,9 @@ async def test_a_failed_gang_deletes_its_other_pods(harness: Harness) -> None:
     assert all(n.whole_free == n.gpu_count for n in harness.backend.inventory() if n.ready)
 
 
-async def test_a_pod_deleted_behind_the_agents_back_fails_the_job(harness: Harness) -> None:
+async def test_a_pod_deleted_behind_the_agents_back_fails_the_job(
+    harness: harnesses.Harness,
+) -> None:
     await harness.offer("j1", gpus=1, replicas=2)
     await harness.pump(lambda: harness.updates("j1") == [("Running", "PodsRunning")])
     await harness.backend.delete_pod("default", "j1-worker-1", grace_seconds=0)
@@ -217,7 +161,7 @@ async def test_a_pod_deleted_behind_the_agents_back_fails_the_job(harness: Harne
     assert harness.backend.pods_of("j1") == []
 
 
-async def test_cancel_deletes_the_pods_and_says_cancelled(harness: Harness) -> None:
+async def test_cancel_deletes_the_pods_and_says_cancelled(harness: harnesses.Harness) -> None:
     await harness.offer("j1", gpus=4, replicas=2)
     await harness.handler.handle_cancel(
         messages.Cancel(job_id="j1", epoch=1, reason="UserCancelled", grace_seconds=5)
@@ -232,12 +176,14 @@ async def test_cancel_deletes_the_pods_and_says_cancelled(harness: Harness) -> N
     assert harness.updates("j1") == [("Cancelled", "UserCancelled")]
 
 
-async def test_cancel_of_an_unknown_job_still_says_cancelled(harness: Harness) -> None:
+async def test_cancel_of_an_unknown_job_still_says_cancelled(harness: harnesses.Harness) -> None:
     await harness.handler.handle_cancel(messages.Cancel(job_id="nope", epoch=3, reason="Gone"))
     assert harness.updates("nope") == [("Cancelled", "Gone")]
 
 
-async def test_hello_lists_held_jobs_and_unreported_finished_ones(harness: Harness) -> None:
+async def test_hello_lists_held_jobs_and_unreported_finished_ones(
+    harness: harnesses.Harness,
+) -> None:
     await harness.offer("running", gpus=1)
     await harness.offer("done", gpus=1, duration=0.01)
     harness.connected = False  # the final state of "done" is not delivered
@@ -261,7 +207,9 @@ async def test_hello_lists_held_jobs_and_unreported_finished_ones(harness: Harne
     assert harness.handler.table.get("running") is not None
 
 
-async def test_unreported_finished_jobs_are_forgotten_after_ten_minutes(harness: Harness) -> None:
+async def test_unreported_finished_jobs_are_forgotten_after_ten_minutes(
+    harness: harnesses.Harness,
+) -> None:
     harness.connected = False
     await harness.offer("done", gpus=1, duration=0.01)
     await harness.pump(lambda: harness.handler.table.get("done").state.terminal)  # type: ignore[union-attr]
@@ -271,7 +219,7 @@ async def test_unreported_finished_jobs_are_forgotten_after_ten_minutes(harness:
     assert harness.handler.hello_jobs()[0] == []
 
 
-async def test_offers_are_handled_one_at_a_time(harness: Harness) -> None:
+async def test_offers_are_handled_one_at_a_time(harness: harnesses.Harness) -> None:
     # 20 offers of 1 GPU at once: exactly the 20 GPUs of the cluster, none booked twice
     await asyncio.gather(*(harness.offer(f"j{i}", gpus=1) for i in range(20)))
     assert all(isinstance(r, messages.Accepted) for r in harness.replies)

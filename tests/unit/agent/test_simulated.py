@@ -137,6 +137,21 @@ async def phases(backend: simulated.SimulatedBackend, count: int) -> list[tuple[
             [("p", "Pending", ""), ("p", "Running", ""), ("p", "Failed", "Error")],
             id="fails at start without a duration",
         ),
+        pytest.param(
+            {"sim-duration": "0.02", "sim-outcome": "Failed:NodeLost@1", "attempt": "1"},
+            [("p", "Pending", ""), ("p", "Running", ""), ("p", "Failed", "NodeLost")],
+            id="fails on the attempt it names",
+        ),
+        pytest.param(
+            {"sim-duration": "0.02", "sim-outcome": "Failed:NodeLost@1"},
+            [("p", "Pending", ""), ("p", "Running", ""), ("p", "Failed", "NodeLost")],
+            id="a pod without attempt is a first attempt",
+        ),
+        pytest.param(
+            {"sim-duration": "0.02", "sim-outcome": "Failed:NodeLost@1,3", "attempt": "2"},
+            [("p", "Pending", ""), ("p", "Running", ""), ("p", "Succeeded", "")],
+            id="succeeds on another attempt",
+        ),
     ],
 )
 async def test_a_pod_runs_and_ends(
@@ -179,6 +194,12 @@ async def test_a_pod_without_duration_runs_until_deleted(tmp_path: Path) -> None
             request("a", gpus=1), request("a", "h100-001", gpus=1), "exists", id="same name"
         ),
         pytest.param(request("a", gpus=1), request("b", "gone", gpus=1), "not found", id="no node"),
+        pytest.param(
+            request("a", gpus=1),
+            request("b", gpus=1, annotations={"sim-outcome": "Failed@first"}),
+            "not a list of attempts",
+            id="outcome for attempts that are no numbers",
+        ),
     ],
 )
 async def test_a_create_that_cannot_be_done_raises(
