@@ -33,10 +33,11 @@ def test_summary_counts_nodes_by_free_gpus() -> None:
 
 
 def _summary(name: str, by_free: dict[int, int], *, frag: int = 0, shared: int = 0,
-             model_name: str = "H100") -> api.ClusterSummary:  # fmt: skip
+             model_name: str = "H100", busy_nodes: int = 0) -> api.ClusterSummary:  # fmt: skip
     histogram = [0] * 9
     for free, count in by_free.items():
         histogram[free] = count
+    histogram[0] += busy_nodes
     return api.ClusterSummary(
         cluster=name,
         fragmentation_milli=frag,
@@ -44,7 +45,8 @@ def _summary(name: str, by_free: dict[int, int], *, frag: int = 0, shared: int =
             api.ModelSummary(
                 model=model_name,
                 gpus_per_node=8,
-                nodes=sum(by_free.values()),
+                nodes=sum(by_free.values()) + busy_nodes,
+                total_gpus=8 * (sum(by_free.values()) + busy_nodes),
                 free_gpus=sum(k * v for k, v in by_free.items()),
                 nodes_by_free=histogram,
                 shared_free_milli=shared,
@@ -83,10 +85,10 @@ def _summary(name: str, by_free: dict[int, int], *, frag: int = 0, shared: int =
             id="a sharing pod goes where a partly used GPU has room",
         ),
         pytest.param(
-            [_summary("fragmented", {1: 4}, frag=3000), _summary("clean", {1: 4}, frag=500)],
+            [_summary("quiet", {1: 4}), _summary("busy", {1: 4}, busy_nodes=6)],
             b.gang(b.shape(1)),
-            ("clean", "fragmented"),
-            id="equal fit: the less fragmented cluster first",
+            ("busy", "quiet"),
+            id="equal fit: the busier cluster first (clusters are packed)",
         ),
     ],
 )
