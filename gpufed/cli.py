@@ -111,12 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--jobs", type=int, default=72)
     demo.add_argument("--keep", action="store_true", help="keep the work directory")
 
-    try:
-        from gpufed import simulating
-    except ImportError:  # pragma: no cover - the simulator ships with the package
-        simulating = None  # type: ignore[assignment]
-    if simulating is not None:
-        simulating.add_parser(sub)
+    from gpufed import simulating
+
+    simulating.add_parser(sub)
     return parser
 
 
