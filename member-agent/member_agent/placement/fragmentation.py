@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 GPU_MILLI = 1000
+MEMO_LIMIT = 500_000  # canonical states remembered before the memo starts afresh
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class Workload:
                 free=free,
                 classes=(cpu_class, memory_class),
             )
+            if len(self._memo) >= MEMO_LIMIT:
+                self._memo.clear()
             self._memo[key] = cached
         return cached
 

@@ -108,7 +108,7 @@ def _place_in_group(
                 ranking = rankings[pod.demand] = _Ranking(free_index, pod.demand, scorer, names)
             entry = ranking.choose(scratch)
         else:
-            entry = choose_node(free_index, pod.demand, scorer, job_id=request.job_id,
+            entry = choose_node(free_index, pod.demand, scorer, job_id=pod.name,
                                 scratch=scratch, names=names)  # fmt: skip
         if entry is None:
             missing += 1

@@ -17,6 +17,7 @@ from member_agent.placement import filtering, fragmentation, indexing
 GPU_MILLI = indexing.GPU_MILLI
 MAX_SPEC_CPU = 128_000  # BestFit's normalisation (FGD artefact: largest node, milli-CPU)
 MAX_SPEC_GPU = 8_000  # BestFit's normalisation (8 GPUs, milli)
+MEMO_LIMIT = 500_000
 
 
 class Scorer:
@@ -191,6 +192,8 @@ class FGD(Scorer):
             after_free = free[taken:] + (0,) * taken if taken else free
             after_value = workload.fragmentation(entry.model, after_free, after_class, mem_after)
             result = (self._value(before - after_value), ())
+        if len(self._memo) >= MEMO_LIMIT:  # a long-lived agent: forget, do not grow forever
+            self._memo.clear()
         self._memo[key] = result
         return result
 
