@@ -2,7 +2,7 @@
 
 1. agent: `place_gang` of a 64-GPU gang (8 pods × 8 GPUs) on a 5,000-node cluster, with the
    agent's kept index and with an index built per call;
-2. broker: `choose_cluster` for one job over 20 clusters × 1,000 nodes × 8 GPUs (summaries);
+2. broker: `planning.plan_cycle` for one job over 20 clusters × 1,000 nodes × 8 GPUs (summaries);
 3. `gpufed simulate`: wall time of one protocol-A seed on the Alibaba trace (one pool, K=4).
 """
 
@@ -13,10 +13,11 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 from broker.api import jobs
-from broker.scheduler import choosing
+from broker.scheduler import planning, snapshot
 from gpufed import simulating
 from member_agent.inventory import model, summary
 from member_agent.placement import gang, indexing
@@ -90,9 +91,26 @@ def bench_broker(repeat: int) -> None:
     ]
     shape = jobs.PodShape(gpus=8)
     request = jobs.GangRequest(job_id="bench", tasks=(("worker", 8, shape),), min_member=8)
-    assert choosing.choose_cluster(summaries, request).cluster is not None
-    figures = _timed(lambda: choosing.choose_cluster(summaries, request), repeat=repeat)
-    print("broker choose_cluster, 8×8 GPUs, 20 clusters × 1,000 nodes × 8 GPUs:")
+    job = snapshot.PendingJob(
+        job_id="bench",
+        queue="q",
+        priority=0,
+        created=datetime(2026, 1, 1, tzinfo=UTC),
+        request=request,
+    )
+
+    def decide() -> planning.CyclePlan:
+        fleet = snapshot.FleetSnapshot.build(
+            [snapshot.ClusterCapacity.from_summary(item, healthy=True) for item in summaries]
+        )
+        return planning.plan_cycle(fleet, [job])
+
+    assert decide().assignments
+    figures = _timed(decide, repeat=repeat)
+    print(
+        "broker plan_cycle for one 8×8-GPU gang (snapshot included), 20 clusters × 1,000 "
+        "nodes × 8 GPUs (more shapes: e2e.bench_scheduling):"
+    )
     print(f"  p50 {figures[0]:7.3f} ms   p99 {figures[1]:7.3f} ms")
 
 

@@ -10,7 +10,7 @@ pods at their creation times (divided by `--time-compression`), releases them at
 lifetime, queues what does not fit (FIFO) and reports queueing-delay percentiles.
 
 `--clusters K` splits the nodes into K member clusters (`traces.split_clusters`, seeded by
-`--split-seed`), and every pod first goes through the broker's `choose_cluster`.
+`--split-seed`), and every pod first goes through the broker's planner (`plan_cycle`).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Called by `gpufed.simulating` once per (policy, seed). Every trace pod becomes a one-pod
 GangRequest and goes through the SAME `placement.gang.place_gang` the agent runs; with
-several member clusters each pod first goes through `broker.scheduler.choosing.choose_cluster`
-over the clusters' `inventory.summary.summarise` summaries, then to the chosen cluster's
-place_gang (a rejection falls through to the next cluster the broker ranked, as a broker
-retries elsewhere after an agent's rejection).
+several member clusters each pod first goes through the broker's own planner
+(`broker.scheduler.planning.plan_cycle`) over the clusters' `inventory.summary.summarise`
+summaries, then to the chosen cluster's place_gang; a cluster that cannot place it is
+excluded and the broker decides again, as after an agent's rejection.
 """
 
 from __future__ import annotations
@@ -14,15 +14,17 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from broker.api import inventory as api
 from broker.api import jobs
-from broker.scheduler import choosing
+from broker.scheduler import planning, snapshot
 from gpufed import traces
 from member_agent.inventory import model, summary
 from member_agent.placement import fragmentation, gang, indexing, scoring
 
 Progress = Callable[[int, int], None]
+_EPOCH = datetime(2023, 1, 1, tzinfo=UTC)
 
 
 @dataclass
@@ -113,15 +115,16 @@ class Federation:
     def place(self, pod: traces.TracePod) -> tuple[Member, gang.PlacedPod] | None:
         """Decide and apply one pod; None when it fits nowhere."""
         request = self.request_for(pod)
-        if len(self.members) == 1:
-            ranked = [self.members[0]]
-        else:
-            choice = choosing.choose_cluster(
-                [member.summary for member in self.members if member.summary is not None],
-                request,
-            )
-            ranked = [self.by_name[name] for name in choice.ranked]
-        for member in ranked:
+        ranked = [self.members[0]] if len(self.members) == 1 else []
+        rejected: set[str] = set()
+        while True:
+            if len(self.members) > 1:
+                # the broker's own decision, over the agents' summaries (the service's code);
+                # a cluster that cannot place it is excluded, as after a rejection
+                ranked = [self.by_name[name] for name in self.choose(request, rejected)]
+            if not ranked:
+                return None
+            member = ranked[0]
             result = gang.place_gang(
                 member.inventory, request, policy=member.scorer, index=member.index
             )
@@ -129,7 +132,29 @@ class Federation:
                 placed = result.pods[0]
                 self.apply(member, placed)
                 return member, placed
-        return None
+            if len(self.members) == 1:
+                return None
+            rejected.add(member.name)
+
+    def choose(self, request: jobs.GangRequest, rejected: set[str]) -> list[str]:
+        """`planning.plan_cycle` for one job over the members' summaries: [cluster] or []."""
+        fleet = snapshot.FleetSnapshot.build(
+            [
+                snapshot.ClusterCapacity.from_summary(member.summary, healthy=True)
+                for member in self.members
+                if member.summary is not None
+            ]
+        )
+        job = snapshot.PendingJob(
+            job_id=request.job_id,
+            queue="trace",
+            priority=0,
+            created=_EPOCH,
+            request=request,
+            excluded=frozenset(rejected),
+        )
+        plan = planning.plan_cycle(fleet, [job])
+        return [a.cluster for a in plan.assignments]
 
     def apply(self, member: Member, placed: gang.PlacedPod) -> None:
         node = member.inventory.nodes[placed.placement.node]

@@ -281,7 +281,7 @@ class _Cycle:
             result = fitting.fit_gang(cluster, job.request, models=models)
             if isinstance(result, fitting.NoFit):
                 reasons.append(Reason(name, result.code, result.reason))
-            elif best is None or result.leftover < best.leftover:
+            elif best is None or self._rank(result) < self._rank(best):
                 best = result
         if best is not None:
             self._assign(job, best, admission)
@@ -292,6 +292,11 @@ class _Cycle:
         reasons += self._make_room(job, reasons, admission)
         self.plan.unplaceable.append(Unplaceable.of(job.job_id, reasons))
         return False
+
+    def _rank(self, fit: fitting.Fit) -> tuple[int, int, str]:
+        """Tightest fit first (fewest whole GPUs left idle on the nodes it breaks into), then
+        the busiest cluster (keeps the emptiest whole for big gangs), then the name."""
+        return (fit.leftover, self.fleet.clusters[fit.cluster].free_gpus, fit.cluster)
 
     def _assign(
         self, job: snapshot.PendingJob, fit: fitting.Fit, admission: quotas.Admission

@@ -72,6 +72,10 @@ class ClusterCapacity:
             summary_seq=summary.seq,
         )
 
+    @property
+    def free_gpus(self) -> int:
+        return sum(m.free_gpus for m in self.models.values())
+
     def copy(self) -> ClusterCapacity:
         return ClusterCapacity(
             name=self.name,

@@ -1,11 +1,14 @@
-"""summarise (agent) and choose_cluster (broker): what the broker sees and decides."""
+"""summarise (agent) and the broker's cluster choice over those summaries."""
 
 from __future__ import annotations
+
+from datetime import UTC, datetime
 
 import pytest
 
 from broker.api import inventory as api
-from broker.scheduler import choosing
+from broker.api import jobs
+from broker.scheduler import planning, snapshot
 from member_agent.inventory import model, summary
 from tests.unit.placement import builders as b
 
@@ -57,6 +60,18 @@ def _summary(name: str, by_free: dict[int, int], *, frag: int = 0, shared: int =
     )
 
 
+def choose(summaries: list[api.ClusterSummary], request: jobs.GangRequest) -> planning.CyclePlan:
+    """The broker's own decision for one job (`planning.plan_cycle`) over these summaries."""
+    fleet = snapshot.FleetSnapshot.build(
+        [snapshot.ClusterCapacity.from_summary(item, healthy=True) for item in summaries]
+    )
+    job = snapshot.PendingJob(
+        job_id=request.job_id, queue="q", priority=0,
+        created=datetime(2026, 1, 1, tzinfo=UTC), request=request,
+    )  # fmt: skip
+    return planning.plan_cycle(fleet, [job])
+
+
 @pytest.mark.parametrize(
     ("summaries", "request_", "ranked"),
     [
@@ -93,17 +108,17 @@ def _summary(name: str, by_free: dict[int, int], *, frag: int = 0, shared: int =
     ],
 )
 def test_choose_cluster(
-    summaries: list[api.ClusterSummary], request_: object, ranked: tuple[str, ...]
+    summaries: list[api.ClusterSummary], request_: jobs.GangRequest, ranked: tuple[str, ...]
 ) -> None:
-    choice = choosing.choose_cluster(summaries, request_)  # type: ignore[arg-type]
-    assert choice.ranked == ranked
-    assert choice.cluster == ranked[0]
+    plan = choose(summaries, request_)
+    assert [a.cluster for a in plan.assignments] == [ranked[0]]
 
 
 def test_choose_cluster_says_why_not() -> None:
-    choice = choosing.choose_cluster([_summary("small", {4: 2})], b.gang(b.shape(8)))
-    assert choice.cluster is None
-    assert choice.reasons == {"small": "no node with 8 whole GPUs free"}
+    plan = choose([_summary("small", {4: 2})], b.gang(b.shape(8)))
+    assert plan.assignments == []
+    [miss] = plan.unplaceable
+    assert miss.reasons == ("small: needs 1 node(s) with 8 free GPU(s) of H100; not enough free",)
 
 
 def test_summary_then_choice_agrees_with_inventory() -> None:
@@ -111,8 +126,6 @@ def test_summary_then_choice_agrees_with_inventory() -> None:
     full.cluster = "full"
     free = b.inventory(b.node("y"))
     free.cluster = "free"
-    choice = choosing.choose_cluster(
-        [summary.summarise(full), summary.summarise(free)], b.gang(b.shape(4))
-    )
-    assert choice.ranked == ("free",)
+    plan = choose([summary.summarise(full), summary.summarise(free)], b.gang(b.shape(4)))
+    assert [a.cluster for a in plan.assignments] == ["free"]
     assert model.GPU_MILLI == 1000
