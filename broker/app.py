@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,6 +33,7 @@ class BrokerSettings(BaseModel):
     heartbeat_seconds: float = 5.0
     lost_after_seconds: float = 60.0
     cancel_grace_seconds: float = 30.0
+    freeze_gc: bool = False  # the service sets it; tests running many apps in one process don't
     queues_file: Path | None = None  # config/queues.yaml; none: every queue is open
     cycle_interval_seconds: float = 0.005  # at most one scheduling cycle per interval
 
@@ -55,6 +57,11 @@ def create_app(settings: BrokerSettings) -> web.Application:
             backing, observe=lambda op, seconds: meters.store_latency.labels(op=op).observe(seconds)
         )
         await job_records.load()
+        # what is loaded now lives as long as the broker: keep it out of the collector's
+        # full passes, which otherwise stall scheduling cycles for milliseconds
+        if settings.freeze_gc:
+            gc.collect()
+            gc.freeze()
         await queues.load(backing)
         app[clusters.READY]["store"] = True
         fleet = fleet_.Fleet(stale_after=3 * settings.heartbeat_seconds)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -69,6 +70,8 @@ def bench_agent(repeat: int) -> None:
     shape = jobs.PodShape(gpus=8, cpu_milli=32_000, memory_mib=262_144)
     request = jobs.GangRequest(job_id="bench", tasks=(("worker", 8, shape),), min_member=8)
     index = indexing.FreeIndex.build(inv)
+    gc.collect()
+    gc.freeze()  # as the agent does after start-up (AgentSettings.freeze_gc)
     result = gang.place_gang(inv, request, index=index)
     assert isinstance(result, gang.GangPlacement), result
     kept = _timed(lambda: gang.place_gang(inv, request, index=index), repeat=repeat)
@@ -105,6 +108,8 @@ def bench_broker(repeat: int) -> None:
         )
         return planning.plan_cycle(fleet, [job])
 
+    gc.collect()
+    gc.freeze()  # as the broker does after start-up (BrokerSettings.freeze_gc)
     assert decide().assignments
     figures = _timed(decide, repeat=repeat)
     print(

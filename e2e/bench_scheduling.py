@@ -12,6 +12,7 @@ no queues and with `config/queues.yaml` (quotas, fair share). Figures only, no a
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -85,6 +86,8 @@ def pct(values: list[float], q: float) -> float:
 def run(args: argparse.Namespace, config: queues.QueuesConfig | None, label: str) -> None:
     rng = random.Random(42)
     summaries = [make_summary(f"c{i:02d}", args.nodes, rng) for i in range(args.clusters)]
+    gc.collect()
+    gc.freeze()  # as the broker does after start-up (BrokerSettings.freeze_gc)
     build_ms: list[float] = []
     decide_ms: list[float] = []
     placed = 0

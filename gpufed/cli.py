@@ -321,6 +321,7 @@ def _run_broker(args: argparse.Namespace) -> int:
         port=args.port,
         heartbeat_seconds=args.heartbeat,
         lost_after_seconds=args.lost_after,
+        freeze_gc=True,
         queues_file=Path(args.queues) if args.queues else None,
         cycle_interval_seconds=args.cycle_interval,
     )
@@ -365,6 +366,7 @@ def _run_agent(args: argparse.Namespace) -> int:
             "kubeconfig": args.kubeconfig,
             "kube_context": args.context,
             "namespaces": args.namespaces,
+            "freeze_gc": True,
         }
     )
     try:
