@@ -4,36 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from e2e.helpers import run_cli
 from gpufed import processes
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
-
-
-async def gpufed(
-    fleet: processes.Fleet, *args: str, tenant: str = "team-a", stdin: str | None = None
-) -> tuple[int, str, str]:
-    env = {**os.environ, "GPUFED_BROKER": fleet.url, "GPUFED_TOKEN": fleet.tokens[tenant]}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gpufed.cli",
-        *args,
-        env=env,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await process.communicate(stdin.encode() if stdin else None)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 async def test_cli_round_trip(fleet: processes.Fleet, tmp_path: Path) -> None:
@@ -44,24 +24,24 @@ async def test_cli_round_trip(fleet: processes.Fleet, tmp_path: Path) -> None:
 
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(make_job("cli-job", gpus=8).gang(2).document()))
-    code, out, _ = await gpufed(fleet, "submit", str(job_file), "-o", "json")
+    code, out, _ = await run_cli(fleet, "submit", str(job_file), "-o", "json")
     assert code == 0
     job_id = json.loads(out)["id"]
 
-    code, out, _ = await gpufed(fleet, "get", job_id)
+    code, out, _ = await run_cli(fleet, "get", job_id)
     assert code == 0 and job_id in out and "Queued" in out
 
-    code, out, _ = await gpufed(fleet, "list")
+    code, out, _ = await run_cli(fleet, "list")
     assert code == 0 and job_id in out and "QUEUE" in out
 
-    code, out, _ = await gpufed(fleet, "clusters")
+    code, out, _ = await run_cli(fleet, "clusters")
     assert code == 0 and "NVIDIA-H100-80GB-HBM3" in out and "Ready" in out
 
     too_big = make_job("too-big", gpus=8).gang(100).document()
-    code, out, _ = await gpufed(fleet, "submit", "-", "-o", "json", stdin=json.dumps(too_big))
+    code, out, _ = await run_cli(fleet, "submit", "-", "-o", "json", stdin=json.dumps(too_big))
     big_id = json.loads(out)["id"]
     for _ in range(100):
-        code, out, _ = await gpufed(fleet, "why", big_id, "-o", "json")
+        code, out, _ = await run_cli(fleet, "why", big_id, "-o", "json")
         if json.loads(out)["clusters"]:
             break
         await asyncio.sleep(0.1)
@@ -69,13 +49,13 @@ async def test_cli_round_trip(fleet: processes.Fleet, tmp_path: Path) -> None:
     assert answer["clusters"][0]["cluster"] == "h100"
     assert "needs 100 node(s) with 8 free GPU(s)" in answer["clusters"][0]["reasons"][0]
 
-    code, out, _ = await gpufed(fleet, "cancel", job_id)
+    code, out, _ = await run_cli(fleet, "cancel", job_id)
     assert code == 0
 
     bad = make_job("bad", gpus=1).document()
     bad["spec"]["colour"] = "blue"
-    code, _, err = await gpufed(fleet, "submit", "-", stdin=json.dumps(bad))
+    code, _, err = await run_cli(fleet, "submit", "-", stdin=json.dumps(bad))
     assert code == 1 and "spec.colour: unknown field" in err
 
-    code, _, err = await gpufed(fleet, "get", job_id, tenant="admin")
+    code, _, err = await run_cli(fleet, "get", job_id, tenant="admin")
     assert code == 0

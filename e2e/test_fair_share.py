@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
-import sys
 import time
 from pathlib import Path
 from statistics import mean
@@ -29,6 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e import helpers
 from gpufed import processes
 from tests.builders import make_job
 
@@ -123,19 +122,8 @@ async def metric(fleet: processes.Fleet, name: str) -> float:
 
 
 async def gpufed(fleet: processes.Fleet, tenant: str, *args: str) -> tuple[int, str]:
-    env = {**os.environ, "GPUFED_BROKER": fleet.url, "GPUFED_TOKEN": fleet.tokens[tenant]}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gpufed.cli",
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode()
+    code, out, err = await helpers.run_cli(fleet, *args, tenant=tenant)
+    return code, out + err
 
 
 def row(elapsed: float, used: dict[str, int]) -> str:

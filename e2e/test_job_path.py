@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from e2e.helpers import FINAL, wait_for
 from gpufed import processes
 from tests.builders import make_job
 
@@ -22,19 +23,6 @@ pytestmark = pytest.mark.e2e
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 L4 = "NVIDIA-L4"
-FINAL = {"Succeeded", "Failed", "Cancelled"}
-
-
-async def wait_state(
-    api: Any, job_id: str, states: set[str], *, timeout: float = 30.0
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job: dict[str, Any] = await api.get(job_id)
-        if job["status"]["state"] in states:
-            return job
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{job_id} not in {states} after {timeout}s: {job['status']}")
 
 
 def states_of(job: dict[str, Any]) -> list[str]:
@@ -80,8 +68,8 @@ async def test_gang_and_single_gpu_jobs_run_and_a_running_job_is_cancelled(
         for name, builder in [("gang", gang), ("single", single), ("long", long)]:
             ids[name] = (await api.submit(json.dumps(builder.document())))["id"]
 
-        running_long = await wait_state(api, ids["long"], {"Running"})
-        done = {n: await wait_state(api, ids[n], FINAL) for n in ("gang", "single")}
+        running_long = await wait_for(api, ids["long"], {"Running"})
+        done = {n: await wait_for(api, ids[n], FINAL) for n in ("gang", "single")}
 
         for name, job in done.items():
             assert states_of(job) == ["Queued", "Dispatched", "Running", "Succeeded"], name
@@ -104,7 +92,7 @@ async def test_gang_and_single_gpu_jobs_run_and_a_running_job_is_cancelled(
         free_before, total = await free_gpus(fleet, "h100")
         assert free_before == total - 4
         await api.cancel(ids["long"])
-        cancelled = await wait_state(api, ids["long"], FINAL)
+        cancelled = await wait_for(api, ids["long"], FINAL)
         assert cancelled["status"]["state"] == "Cancelled"
         assert states_of(cancelled)[:3] == ["Queued", "Dispatched", "Running"]
         deadline = time.monotonic() + 10

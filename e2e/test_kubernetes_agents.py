@@ -12,10 +12,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import kmock
 import pytest
-import yaml
 
+from e2e.helpers import wait_for
 from gpufed import processes
 from tests import kubeemulator
 from tests.builders import make_job
@@ -30,40 +29,13 @@ L4 = "NVIDIA-L4"
 async def emulated_cluster(
     tmp_path: Path, name: str, *, product: str, nodes: int, gpus: int, memory_mib: int
 ) -> AsyncIterator[tuple[kubeemulator.Emulator, Path]]:
-    async with kubeemulator.Emulator() as emulator, kmock.Server(emulator) as server:
-        emulator.resources["v1/nodes"] = kmock.ResourceInfo(kind="Node", namespaced=False)
-        emulator.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True)
+    """An emulated Kubernetes cluster of `nodes` GPU nodes, and a kubeconfig for it."""
+    async with kubeemulator.with_kubeconfig(tmp_path, name) as (emulator, kubeconfig):
         for n in range(nodes):
             await emulator.add_node(
                 f"{name}-node-{n}", gpus=gpus, product=product, memory_mib=memory_mib
             )
-        kubeconfig = tmp_path / f"{name}.kubeconfig"
-        kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "current-context": name,
-                    "clusters": [
-                        {"name": name, "cluster": {"server": str(server.url).rstrip("/")}}
-                    ],
-                    "users": [{"name": name, "user": {}}],
-                    "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
-                }
-            )
-        )
         yield emulator, kubeconfig
-
-
-async def wait_for(api: Any, job_id: str, state: str, *, timeout: float = 20.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = await api.get(job_id)
-        if job["status"]["state"] == state:
-            return job
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{job_id} not {state} after {timeout}s: {job.get('status')}")
 
 
 async def pods_of(emulator: kubeemulator.Emulator, job_id: str, count: int) -> list[dict[str, Any]]:

@@ -9,33 +9,18 @@ names of its own, and succeed, instead of being taken for a re-sent offer of the
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from typing import Any
 
 import pytest
 
+from e2e.helpers import FINAL, wait_for
 from gpufed import processes
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
 
 H100 = "NVIDIA-H100-80GB-HBM3"
-FINAL = {"Succeeded", "Failed", "Cancelled"}
-
-
-async def wait_for(
-    api: Any, job_id: str, states: set[str], *, timeout: float = 30.0
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = await api.get(job_id)
-        if job["status"]["state"] in states:
-            return job
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{job_id} not in {states} after {timeout}s: {job.get('status')}")
 
 
 def transitions(job: dict[str, Any]) -> list[tuple[str, str, str | None]]:
