@@ -139,7 +139,7 @@ def build_txn_request(txn: store.Txn) -> Any:
     )
 
 
-class EtcdStore:
+class EtcdStore(store.Shortcuts):
     """The Store on an etcd cluster; create it with `await EtcdStore.connect(endpoints)`."""
 
     def __init__(
@@ -211,12 +211,6 @@ class EtcdStore:
                 f"compare failed (key: current revision): {failed}", revisions=failed
             )
         return int(response.header.revision)
-
-    async def put(self, key: str, value: bytes) -> int:
-        return await self.commit(store.Txn(puts=[(key, value)]))
-
-    async def delete(self, key: str) -> int:
-        return await self.commit(store.Txn(deletes=[key]))
 
     def watch(self, prefix: str, *, start_revision: int) -> AsyncIterator[store.WatchEvent]:
         if start_revision < 1:

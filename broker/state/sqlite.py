@@ -81,7 +81,7 @@ def build_range_clause(prefix: str) -> tuple[str, tuple[str, ...]]:
     return "key >= ? AND key < ?", (prefix, end)
 
 
-class SqliteStore:
+class SqliteStore(store.Shortcuts):
     """The Store on one sqlite file (or `:memory:`); create it with `await SqliteStore.open()`."""
 
     def __init__(
@@ -133,12 +133,6 @@ class SqliteStore:
     async def commit(self, txn: store.Txn) -> int:
         store.check_txn(txn)
         return await self._run(self._apply_txn, txn)
-
-    async def put(self, key: str, value: bytes) -> int:
-        return await self.commit(store.Txn(puts=[(key, value)]))
-
-    async def delete(self, key: str) -> int:
-        return await self.commit(store.Txn(deletes=[key]))
 
     def watch(self, prefix: str, *, start_revision: int) -> AsyncIterator[store.WatchEvent]:
         if start_revision < 1:

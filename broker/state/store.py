@@ -53,6 +53,19 @@ class Txn:
     lease: int | None = field(default=None)  # attach the puts to this lease (DurableStore)
 
 
+class Shortcuts:
+    """`put` and `delete`, written once over a store's own `commit`."""
+
+    async def commit(self, txn: Txn) -> int:
+        raise NotImplementedError
+
+    async def put(self, key: str, value: bytes) -> int:
+        return await self.commit(Txn(puts=[(key, value)]))
+
+    async def delete(self, key: str) -> int:
+        return await self.commit(Txn(deletes=[key]))
+
+
 class Store(Protocol):
     async def get(self, key: str) -> Entry | None: ...
 

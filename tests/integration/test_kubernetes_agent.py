@@ -4,45 +4,21 @@ its jobs in the pods it created."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import ApiClient
 
 from broker.api import messages, status
-from member_agent.cluster import base, watching
+from member_agent.cluster import base
 from member_agent.cluster import kubernetes as k8s
 from member_agent.session import handling, limits
 from tests import kubeemulator
+from tests.conftest_kube import Kube, Start
 from tests.kubeemulator import GPU, H100, until
 from tests.unit.agent import builders
 
-FAST = watching.Backoff(initial=0.01, maximum=0.05)
 REQ = f"requests.{GPU}"
-Kube = tuple[kubeemulator.Emulator, ApiClient]
-Start = Callable[..., Awaitable[k8s.KubernetesBackend]]
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[Kube]:
-    async with kubeemulator.running() as running:
-        yield running
-
-
-@pytest.fixture
-async def start(kube: Kube) -> AsyncIterator[Start]:
-    started: list[k8s.KubernetesBackend] = []
-
-    async def start_backend(**kwargs: Any) -> k8s.KubernetesBackend:
-        backend = k8s.KubernetesBackend("c1", api_client=kube[1], backoff=FAST, **kwargs)
-        started.append(backend)
-        await backend.start()
-        return backend
-
-    yield start_backend
-    for backend in started:
-        await backend.close()
 
 
 def quotas_of(backend: k8s.KubernetesBackend, namespace: str) -> list[tuple[str, int, int]]:

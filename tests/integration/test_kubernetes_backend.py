@@ -4,51 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from kubernetes_asyncio.client import ApiClient
 from kubernetes_asyncio.client import exceptions as k8s_exceptions
 
 from broker.api import status
-from member_agent.cluster import base, errors, watching
+from member_agent.cluster import base, errors
 from member_agent.cluster import kubernetes as k8s
 from member_agent.cluster import kubernetes_errors as k8s_errors
 from member_agent.cluster import kubernetes_objects as objects
 from member_agent.inventory import summary
-from tests import kubeemulator
+from tests.conftest_kube import FAST, Kube, Start
 from tests.kubeemulator import GPU, H100, next_event, pod_request, until
 
-FAST = watching.Backoff(initial=0.01, maximum=0.05)
 Phase = status.PodPhase
-Kube = tuple[kubeemulator.Emulator, ApiClient]
-Start = Callable[..., Awaitable[k8s.KubernetesBackend]]
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[Kube]:
-    async with kubeemulator.running() as running:
-        yield running
-
-
-@pytest.fixture
-async def start(kube: Kube) -> AsyncIterator[Start]:
-    started: list[k8s.KubernetesBackend] = []
-
-    async def start_backend(**kwargs: Any) -> k8s.KubernetesBackend:
-        backend = k8s.KubernetesBackend("c1", api_client=kube[1], backoff=FAST, **kwargs)
-        protocol: base.ClusterBackend = backend  # mypy checks it is a ClusterBackend
-        del protocol
-        started.append(backend)
-        await backend.start()
-        return backend
-
-    yield start_backend
-    for backend in started:
-        await backend.close()
 
 
 def free(backend: k8s.KubernetesBackend, node: str) -> int:
