@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from e2e.helpers import wait_for
 from gpufed import processes
+from tests import kubeemulator
 from tests.builders import make_job
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
@@ -54,18 +56,44 @@ async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
     }
     fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
     await fleet.start_broker()
-    await fleet.start_agent("h100", processes.config_dir() / "clusters" / "h100.yaml")
-    await fleet.wait_clusters_ready(["h100"])
-    async with fleet.client("team-a") as api:
-        job_doc = make_job("traced", gpus=8).model(H100).gang(2).duration(0.5).document()
-        submitted = await api.submit(json.dumps(job_doc))
-        job_id, trace_id = submitted["id"], submitted["traceId"]
-        for _ in range(200):
-            job = await api.get(job_id)
-            if job["status"]["state"] == "Succeeded":
-                break
-            await asyncio.sleep(0.05)
-        assert job["status"]["state"] == "Succeeded"
+    # the agent runs on an emulated Kubernetes cluster, so the pods it creates can be read back
+    async with kubeemulator.with_kubeconfig(fleet.workdir, "h100") as (emulator, kubeconfig):
+        for n in range(3):
+            await emulator.add_node(f"h100-node-{n}", gpus=8, product=H100)
+        try:
+            await fleet.start_agent(
+                "h100", None, "--kubeconfig", str(kubeconfig), backend="kubernetes"
+            )
+            await fleet.wait_clusters_ready(["h100"])
+            async with fleet.client("team-a") as api:
+                job_doc = make_job("traced", gpus=8).model(H100).gang(2).document()
+                submitted = await api.submit(json.dumps(job_doc))
+                job_id, trace_id = submitted["id"], submitted["traceId"]
+                await wait_for(api, job_id, "Dispatched")
+                pods = []
+                for _ in range(200):
+                    pods = [
+                        p
+                        for p in emulator.pods()
+                        if p["metadata"]["labels"].get("gpufed.io/job") == job_id
+                    ]
+                    if len(pods) == 2:
+                        break
+                    await asyncio.sleep(0.05)
+                assert len(pods) == 2
+                for phase in ("Running", "Succeeded"):
+                    for pod in pods:
+                        meta = pod["metadata"]
+                        await emulator.set_pod_phase(meta["namespace"], meta["name"], phase)
+                    await wait_for(api, job_id, phase)
+                job = await api.get(job_id)
+        finally:
+            await fleet.stop()  # the agent's watches must end before the emulator does
+
+    # the pods carry the job's trace context: their traceparent is a span of this trace
+    for pod in pods:
+        traceparent = pod["metadata"]["annotations"]["traceparent"]
+        assert traceparent.split("-")[1] == trace_id
 
     spans = await wait_spans(receiver, trace_id, BROKER_SPANS | AGENT_SPANS)
     by_name = {s.name: s for s in spans}
@@ -78,6 +106,8 @@ async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
     for name in ("job.submit", "job.queue", "job.schedule", "job.dispatch"):
         assert by_name[name].parent_span_id == root.span_id, name
     dispatch = by_name["job.dispatch"]
+    for pod in pods:  # written by the agent from the offer: the dispatch span's context
+        assert pod["metadata"]["annotations"]["traceparent"].split("-")[2] == dispatch.span_id
     for name in AGENT_SPANS:
         assert by_name[name].parent_span_id == dispatch.span_id, name
         assert by_name[name].service == "gpufed-agent"
