@@ -61,19 +61,27 @@ class Lifecycle(reports.AgentReports):
     # ---- scheduling -------------------------------------------------------------------
 
     def pending(self) -> list[snapshot.PendingJob]:
+        """The queued jobs as the planner sees them; runs every cycle, so it only looks up."""
+        excluded: dict[str, set[str]] = {}
+        for cluster in self.fleet.clusters.values():
+            for job_id in cluster.rejected:
+                excluded.setdefault(job_id, set()).add(cluster.name)
         out = []
         for job_id in self.queued:
             record = self.jobs.get(job_id)
             if record is None or record.status.cancel_requested:
                 continue
+            request = self.requests.get(job_id)
+            if request is None:  # a job's spec never changes: parse its shapes once
+                request = self.requests[job_id] = jobs_api.gang_request(job_id, record.job)
             out.append(
                 snapshot.PendingJob(
                     job_id=job_id,
                     queue=record.job.spec.queue,
                     priority=record.job.spec.priority,
                     created=record.created,
-                    request=jobs_api.gang_request(job_id, record.job),
-                    excluded=self.fleet.excluded_for(job_id),
+                    request=request,
+                    excluded=frozenset(excluded.get(job_id, ())),
                     priority_class=record.job.spec.priority_class,
                     queued_since=record.status.events[-1].time if record.status.events else None,
                 )

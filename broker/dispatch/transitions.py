@@ -62,6 +62,7 @@ class Transitions:
         self.why: dict[str, tuple[str, ...]] = {}
         self.wakeup = asyncio.Event()
         self.spans = jobspans.JobSpans()
+        self.requests: dict[str, jobs_api.GangRequest] = {}  # queued jobs' parsed shapes
         self.flush_needed = asyncio.Event()
         # tenancy: jobs holding GPUs, victims being preempted, why-reasons with their codes
         self.active: set[str] = {r.id for r in jobs if r.status.state in HOLDING}
@@ -101,6 +102,7 @@ class Transitions:
             self.spans.dispatched(record, queued_at=queued_at, now=now)
         elif state.terminal:
             self.spans.finished(record, now=now)
+            self.requests.pop(record.id, None)
         if state == JobState.QUEUED:
             self.queued.add(record.id)
             self.wakeup.set()

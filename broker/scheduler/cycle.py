@@ -182,11 +182,15 @@ class Scheduler:
                     waiter.cancel()
             for event in wakeups:
                 event.clear()
+            started = time.perf_counter()
             try:
                 await self.run_cycle()
             except Exception:
                 logger.exception("scheduling cycle failed")
-            await asyncio.sleep(self.min_interval)
+            # a long cycle (a deep backlog) is followed by a pause as long: planning never
+            # takes more than half of the broker's time, the API and the agents get the rest
+            took = time.perf_counter() - started
+            await asyncio.sleep(max(self.min_interval, min(took, self.max_interval)))
 
 
 async def stop_task(task: asyncio.Task[None]) -> None:
