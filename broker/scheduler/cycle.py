@@ -83,6 +83,7 @@ class Scheduler:
         self.queue_gauges_every = queue_gauges_every
         self._queue_gauges_at = 0.0
         self.resync_every = 5.0
+        self.last_plan_seconds = 0.0
         self._resynced_at = time.monotonic()
 
     async def run_cycle(self) -> int:
@@ -109,6 +110,7 @@ class Scheduler:
                 now=status.utcnow(),
             )
             decided = time.perf_counter() - plan_started
+            self.last_plan_seconds = decided
             self.meters.decision_duration.observe(decided / len(pending))
             self.reservations = plan.reservations
             await self.lifecycle.preempt(plan.preemptions)
@@ -182,15 +184,15 @@ class Scheduler:
                     waiter.cancel()
             for event in wakeups:
                 event.clear()
-            started = time.perf_counter()
+            self.last_plan_seconds = 0.0
             try:
                 await self.run_cycle()
             except Exception:
                 logger.exception("scheduling cycle failed")
-            # a long cycle (a deep backlog) is followed by a pause as long: planning never
-            # takes more than half of the broker's time, the API and the agents get the rest
-            took = time.perf_counter() - started
-            await asyncio.sleep(max(self.min_interval, min(took, self.max_interval)))
+            # long planning (a deep backlog) is followed by a pause as long (at most 0.1 s):
+            # planning never takes more than half of the broker's time
+            pause = min(self.last_plan_seconds, 0.1)
+            await asyncio.sleep(max(self.min_interval, pause))
 
 
 async def stop_task(task: asyncio.Task[None]) -> None:
