@@ -6,6 +6,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from broker.api import jobs
+
 H100 = "NVIDIA-H100-80GB-HBM3"
 A100_SXM = "NVIDIA-A100-SXM4-80GB"
 A100_PCIE = "NVIDIA-A100-PCIE-40GB"
@@ -54,26 +56,7 @@ def _job(
             }
         ]
     }
-    if len(models) == 1:
-        pod_spec["nodeSelector"] = {"nvidia.com/gpu.product": models[0]}
-    elif models:
-        pod_spec["affinity"] = {
-            "nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {
-                    "nodeSelectorTerms": [
-                        {
-                            "matchExpressions": [
-                                {
-                                    "key": "nvidia.com/gpu.product",
-                                    "operator": "In",
-                                    "values": list(models),
-                                }
-                            ]
-                        }
-                    ]
-                }
-            }
-        }
+    pod_spec.update(jobs.model_selector(models))
     spec: dict[str, Any] = {
         "queue": queue,
         "priority": priority,

@@ -41,26 +41,7 @@ class JobBuilder:
 
     def model(self, *models: str) -> JobBuilder:
         spec = self._task["template"]["spec"]
-        if len(models) == 1:
-            spec["nodeSelector"] = {"nvidia.com/gpu.product": models[0]}
-        else:
-            spec["affinity"] = {
-                "nodeAffinity": {
-                    "requiredDuringSchedulingIgnoredDuringExecution": {
-                        "nodeSelectorTerms": [
-                            {
-                                "matchExpressions": [
-                                    {
-                                        "key": "nvidia.com/gpu.product",
-                                        "operator": "In",
-                                        "values": list(models),
-                                    }
-                                ]
-                            }
-                        ]
-                    }
-                }
-            }
+        spec.update(jobs.model_selector(models))
         return self
 
     def duration(self, seconds: float) -> JobBuilder:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -220,6 +221,20 @@ def _allowed_models(spec: PodSpec) -> tuple[str, ...]:
             if expr.get("key") == GPU_PRODUCT_LABEL and expr.get("operator") == "In":
                 models.update(str(v) for v in expr.get("values") or [])
     return tuple(sorted(models))
+
+
+def model_selector(models: Sequence[str]) -> dict[str, Any]:
+    """The pod spec fields that allow these GPU models (the inverse of `_allowed_models`):
+    a `nodeSelector` for one model, a required node affinity (`In`) for several."""
+    if len(models) == 1:
+        return {"nodeSelector": {GPU_PRODUCT_LABEL: models[0]}}
+    if not models:
+        return {}
+    term = {"key": GPU_PRODUCT_LABEL, "operator": "In", "values": list(models)}
+    required = {"nodeSelectorTerms": [{"matchExpressions": [term]}]}
+    return {
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
+    }
 
 
 def shape_of(task: Task, *, where: str = "task") -> PodShape:

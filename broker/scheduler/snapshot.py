@@ -8,6 +8,7 @@ earlier ones.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -40,15 +41,10 @@ class ModelCapacity:
         )
 
     def copy(self) -> ModelCapacity:
-        return ModelCapacity(
-            model=self.model,
-            gpu_memory_mib=self.gpu_memory_mib,
+        return dataclasses.replace(
+            self,
             nodes_by_free=list(self.nodes_by_free),
-            shared_free_milli=self.shared_free_milli,
-            largest_free_nvlink_block=self.largest_free_nvlink_block,
             racks={rack: list(hist) for rack, hist in self.racks.items()},
-            gpus_per_node=self.gpus_per_node,
-            total_gpus=self.total_gpus,
         )
 
     @property
