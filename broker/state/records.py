@@ -7,6 +7,7 @@ idempotency key in one transaction: the same key never makes a second job.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -22,6 +23,7 @@ JOBS = "/gpufed/jobs/"
 IDEMPOTENCY = "/gpufed/idempotency/"
 CLUSTERS = "/gpufed/clusters/"
 MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+CREATE_BATCH = MAX_TXN_OPS // 2  # a job and its idempotency key
 
 
 def _job_key(job_id: str) -> str:
@@ -31,6 +33,20 @@ def _job_key(job_id: str) -> str:
 def _idem_key(tenant: str, key: str) -> str:
     digest = hashlib.sha256(f"{tenant}\x00{key}".encode()).hexdigest()
     return f"{IDEMPOTENCY}{digest}"
+
+
+def _create_compares(record: status.JobRecord) -> list[store.Compare]:
+    compares = [store.Compare(_job_key(record.id), 0)]
+    if record.idempotency_key:
+        compares.append(store.Compare(_idem_key(record.tenant, record.idempotency_key), 0))
+    return compares
+
+
+def _create_puts(record: status.JobRecord) -> list[tuple[str, bytes]]:
+    puts = [(_job_key(record.id), _dump(record))]
+    if record.idempotency_key:
+        puts.append((_idem_key(record.tenant, record.idempotency_key), record.id.encode()))
+    return puts
 
 
 @dataclass
@@ -54,6 +70,9 @@ class JobRecords:
         self._observe = observe
         # changed in memory, written by the next flush (group commit)
         self._dirty: dict[str, status.JobRecord] = {}
+        # submits waiting for the group commit of new jobs
+        self._creating: list[tuple[status.JobRecord, asyncio.Future[status.JobRecord]]] = []
+        self._committer: asyncio.Task[None] | None = None
 
     async def _commit(self, op: str, txn: store.Txn) -> int:
         started = time.perf_counter()
@@ -87,16 +106,58 @@ class JobRecords:
         return self.get(entry.value.decode())
 
     async def create(self, record: status.JobRecord) -> status.JobRecord:
-        """Store a new job; with an idempotency key already used, return that job instead."""
-        key = _job_key(record.id)
-        puts: list[tuple[str, bytes]] = [(key, _dump(record))]
-        compares = [store.Compare(key, 0)]
-        if record.idempotency_key:
-            idem = _idem_key(record.tenant, record.idempotency_key)
-            compares.append(store.Compare(idem, 0))
-            puts.append((idem, record.id.encode()))
+        """Store a new job; with an idempotency key already used, return that job instead.
+
+        Submits that arrive together share one transaction (group commit): the first caller
+        commits for everyone waiting, each gets its own answer, and a batch that fails as a
+        whole is retried one job at a time so one conflict does not fail the others.
+        """
+        done: asyncio.Future[status.JobRecord] = asyncio.get_running_loop().create_future()
+        self._creating.append((record, done))
+        if self._committer is None or self._committer.done():
+            # a task of its own: a submitter that goes away does not strand the others
+            self._committer = asyncio.create_task(self._drain_creates())
+        return await done
+
+    async def _drain_creates(self) -> None:
+        await asyncio.sleep(0)  # let the submits of this loop turn join the batch
+        while self._creating:
+            batch = self._creating[:CREATE_BATCH]
+            del self._creating[:CREATE_BATCH]
+            await self._create_batch(batch)
+
+    async def _create_batch(
+        self, batch: list[tuple[status.JobRecord, asyncio.Future[status.JobRecord]]]
+    ) -> None:
+        if len(batch) > 1:
+            txn = store.Txn(
+                compares=[c for record, _ in batch for c in _create_compares(record)],
+                puts=[p for record, _ in batch for p in _create_puts(record)],
+            )
+            try:
+                revision = await self._commit("create", txn)
+            except (errors.StoreError, ValueError):
+                pass  # one of them conflicts (or repeats a key): one at a time below
+            else:
+                for record, done in batch:
+                    self._jobs[record.id] = Cached(record, revision)
+                    if not done.done():
+                        done.set_result(record)
+                return
+        for record, done in batch:
+            try:
+                result = await self._create_one(record)
+            except Exception as exc:  # the submitter's answer, raised in its handler
+                if not done.done():
+                    done.set_exception(exc)
+            else:
+                if not done.done():
+                    done.set_result(result)
+
+    async def _create_one(self, record: status.JobRecord) -> status.JobRecord:
+        txn = store.Txn(compares=_create_compares(record), puts=_create_puts(record))
         try:
-            revision = await self._commit("create", store.Txn(compares=compares, puts=puts))
+            revision = await self._commit("create", txn)
         except errors.ConflictError:
             if record.idempotency_key:
                 existing = await self.find_idempotent(record.tenant, record.idempotency_key)

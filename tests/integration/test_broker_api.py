@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections.abc import AsyncIterator
@@ -208,3 +209,20 @@ async def test_openapi_describes_every_route(api: TestClient[Any, Any]) -> None:
         assert route.method.lower() in spec["paths"][path], f"{route.method} {path} missing"
     for name, schema in spec["components"]["schemas"].items():
         assert "type" in schema or "enum" in schema or "anyOf" in schema, name
+
+
+async def test_concurrent_submits_share_commits_and_keep_their_answers(
+    api: TestClient[Any, Any],
+) -> None:
+    """Submits arriving together are committed together; each still gets its own job, and
+    one idempotency key used by many concurrent submits still makes exactly one job."""
+    docs = [make_job(f"many-{i}", gpus=1).document() for i in range(30)]
+    answers = await asyncio.gather(*[submit(api, doc) for doc in docs])
+    ids = {(await a.json())["id"] for a in answers}
+    assert len(ids) == 30 and all(a.status == 202 for a in answers)
+    same = make_job("same", gpus=1).document()
+    answers = await asyncio.gather(
+        *[submit(api, same, headers={"Idempotency-Key": "k-many"}) for _ in range(10)]
+    )
+    assert len({(await a.json())["id"] for a in answers}) == 1
+    assert await count_jobs(api) == 31
