@@ -48,6 +48,8 @@ async def test_cli_round_trip(fleet: processes.Fleet, tmp_path: Path) -> None:
     answer = json.loads(out)
     assert answer["clusters"][0]["cluster"] == "h100"
     assert "needs 100 node(s) with 8 free GPU(s)" in answer["clusters"][0]["reasons"][0]
+    code, out, _ = await run_cli(fleet, "get", big_id)
+    assert code == 0 and "Waiting:  h100: needs 100 node(s)" in out
 
     code, out, _ = await run_cli(fleet, "cancel", job_id)
     assert code == 0

@@ -117,7 +117,12 @@ def _submitted(record: status.JobRecord, *, replayed: bool) -> web.Response:
 async def get_job(request: web.Request) -> web.Response:
     lifecycle = request.app[LIFECYCLE]
     record = _visible(request, lifecycle.jobs.get(request.match_info["job_id"]))
-    return web.json_response(_dump(record))
+    body = _dump(record)
+    waiting = lifecycle.why.get(record.id)
+    if waiting and record.status.state == status.JobState.QUEUED:
+        # the latest cycle's reasons (kept in memory, not stored): what `gpufed get` shows
+        body["status"]["reasons"] = list(waiting)
+    return web.json_response(body)
 
 
 async def list_jobs(request: web.Request) -> web.Response:
