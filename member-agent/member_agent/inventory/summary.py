@@ -58,6 +58,7 @@ class _Totals:
         self.by_free = [0] * 9
         self.racks: dict[str, list[int]] = {}
         self.nvlink_block = 0
+        self.domains: dict[str, int] = {}  # multi-node NVLink domain -> whole free GPUs
         self.max_cpu = 0
         self.max_memory = 0
 
@@ -88,10 +89,13 @@ class _Totals:
             self.nvlink_block = max(self.nvlink_block, _nvlink_block(node))
         elif whole:
             self.nvlink_block = max(self.nvlink_block, 1)
+        if node.nvlink_domain:
+            self.domains[node.nvlink_domain] = self.domains.get(node.nvlink_domain, 0) + whole
         self.max_cpu = max(self.max_cpu, node.cpu_free)
         self.max_memory = max(self.max_memory, node.memory_free)
 
     def build(self, name: str) -> api.ModelSummary:
+        width = self.gpus_per_node + 1  # nodes_by_free[k] for k = 0..GPUs per node
         return api.ModelSummary(
             model=name,
             gpu_memory_mib=self.gpu_memory_mib,
@@ -100,10 +104,10 @@ class _Totals:
             total_gpus=self.total_gpus,
             free_gpus=self.free_gpus,
             unavailable_gpus=self.unavailable_gpus,
-            nodes_by_free=self.by_free,
+            nodes_by_free=self.by_free[:width],
             shared_free_milli=self.shared_free_milli,
-            largest_free_nvlink_block=self.nvlink_block,
-            racks=self.racks,
+            largest_free_nvlink_block=max([self.nvlink_block, *self.domains.values()]),
+            racks={rack: histogram[:width] for rack, histogram in sorted(self.racks.items())},
             max_free_cpu_milli=self.max_cpu,
             max_free_memory_mib=self.max_memory,
         )

@@ -1,4 +1,4 @@
-"""Summaries sent up: what the fallback counts, deltas against full summaries, coalescing."""
+"""Summaries sent up: what they count, deltas against full summaries, coalescing."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from broker.api import inventory, messages, status
 from member_agent.inventory import model
+from member_agent.inventory import summary as summaries
 from member_agent.session import connecting, reporting
 from tests.unit.agent import builders
 
@@ -25,12 +26,12 @@ def take(inv: model.Inventory, node: str, *indexes: int, milli: int = 1000, name
     )
 
 
-def test_the_fallback_summary_counts_free_gpus_per_model(tmp_path: Path) -> None:
+def test_the_summary_counts_free_gpus_per_model(tmp_path: Path) -> None:
     inv = builders.small_backend(tmp_path).inventory()
     take(inv, "h100-000", 0, 1, 2)  # 5 free, best NVLink island 5
     take(inv, "h100-001", 0, milli=300)  # a shared GPU: 700 milli left on it
     inv.nodes["l4-000"].ready = False
-    summary = reporting.summarise_fallback(inv)
+    summary = summaries.summarise(inv)
     h100 = summary.model(builders.H100)
     assert h100 is not None
     assert (h100.nodes, h100.total_gpus, h100.free_gpus, h100.unavailable_gpus) == (2, 16, 12, 0)
@@ -67,7 +68,7 @@ def test_the_largest_free_nvlink_block(island: int, domain_nodes: int, expected:
         )
     take(inv, "n0", 0, 4, name="a")
     take(inv, "n1", 0, 1, 2, 3, 4, 5, 6, 7, name="b")
-    summary = reporting.summarise_fallback(inv).model("m")
+    summary = summaries.summarise(inv).model("m")
     assert summary is not None
     assert summary.largest_free_nvlink_block == expected
 
@@ -75,7 +76,7 @@ def test_the_largest_free_nvlink_block(island: int, domain_nodes: int, expected:
 def summaries_reporter(tmp_path: Path) -> tuple[reporting.SummaryReporter, model.Inventory]:
     inv = builders.small_backend(tmp_path).inventory()
     reporter = reporting.SummaryReporter(
-        lambda: inv, cluster="small", interval=0.05, summarise=reporting.summarise_fallback
+        lambda: inv, cluster="small", interval=0.05, summarise=summaries.summarise
     )
     return reporter, inv
 
