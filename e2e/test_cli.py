@@ -17,10 +17,7 @@ pytestmark = pytest.mark.e2e
 
 
 async def test_cli_round_trip(fleet: processes.Fleet, tmp_path: Path) -> None:
-    fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
-    await fleet.start_broker()
-    await fleet.start_agent("h100", processes.config_dir() / "clusters" / "h100.yaml")
-    await fleet.wait_clusters_ready(["h100"])
+    await fleet.start_simulated(["h100"])
 
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(make_job("cli-job", gpus=8).gang(2).document()))

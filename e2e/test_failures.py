@@ -22,10 +22,7 @@ H100 = "NVIDIA-H100-80GB-HBM3"
 async def test_broker_restart_loses_no_job_and_running_work_survives(
     fleet: processes.Fleet,
 ) -> None:
-    fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
-    await fleet.start_broker()
-    await fleet.start_agent("h100", processes.config_dir() / "clusters" / "h100.yaml")
-    await fleet.wait_clusters_ready(["h100"])
+    await fleet.start_simulated(["h100"])
     async with fleet.client("team-a") as api:
         running_id = (
             await api.submit(

@@ -35,12 +35,7 @@ def states_of(job: dict[str, Any]) -> list[str]:
 
 async def start(fleet: processes.Fleet, store: str) -> None:
     fleet.store = store
-    fleet.write_tokens(tenants=["team-a"], clusters=["h100", "inference"])
-    await fleet.start_broker()
-    config = processes.config_dir() / "clusters"
-    await fleet.start_agent("h100", config / "h100.yaml")
-    await fleet.start_agent("inference", config / "inference.yaml")
-    await fleet.wait_clusters_ready(["h100", "inference"])
+    await fleet.start_simulated(["h100", "inference"])
 
 
 async def free_gpus(fleet: processes.Fleet, cluster: str) -> tuple[int, int]:

@@ -35,10 +35,7 @@ def transitions(job: dict[str, Any]) -> list[tuple[str, str, str | None]]:
 async def test_a_job_whose_first_attempt_loses_its_node_runs_again_on_the_same_cluster(
     fleet: processes.Fleet,
 ) -> None:
-    fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
-    await fleet.start_broker()
-    await fleet.start_agent("h100", processes.config_dir() / "clusters" / "h100.yaml")
-    await fleet.wait_clusters_ready(["h100"])
+    await fleet.start_simulated(["h100"])
     # both pods fail with NodeLost half a second into attempt 1; attempt 2 succeeds
     flaky = make_job("flaky", gpus=8).model(H100).gang(2).duration(0.5)
     flaky.outcome("Failed:NodeLost@1")

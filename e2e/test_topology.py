@@ -32,11 +32,7 @@ async def layout(cluster: str) -> dict[str, tuple[str, str, int]]:
 
 
 async def test_rack_and_nvlink_requests_are_honoured(fleet: processes.Fleet) -> None:
-    fleet.write_tokens(tenants=["team-a"], clusters=["h100", "a100"])
-    await fleet.start_broker()
-    for name in ("h100", "a100"):
-        await fleet.start_agent(name, processes.config_dir() / "clusters" / f"{name}.yaml")
-    await fleet.wait_clusters_ready(["h100", "a100"])
+    await fleet.start_simulated(["h100", "a100"])
     h100, a100 = await layout("h100"), await layout("a100")
     async with fleet.client("team-a") as api:
         # a filler takes four of the 16 nodes first: the rack-bound gang must find a rack

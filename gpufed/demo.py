@@ -75,13 +75,8 @@ class Progress:
 
 
 async def _run(fleet: processes.Fleet, count: int) -> int:
-    config = processes.config_dir()
-    fleet.write_tokens(tenants=TENANTS, clusters=CLUSTERS)
     print(f"gpufed demo: starting a broker (SQLite) and {len(CLUSTERS)} member agents ...")
-    await fleet.start_broker()
-    for cluster in CLUSTERS:
-        await fleet.start_agent(cluster, config / "clusters" / f"{cluster}.yaml")
-    await fleet.wait_clusters_ready(CLUSTERS)
+    await fleet.start_simulated(CLUSTERS, tenants=TENANTS)
     async with fleet.client("admin") as admin:
         inventory = await admin.clusters()
     print(

@@ -184,6 +184,17 @@ class Fleet:
         self.agents[cluster] = service
         return service
 
+    async def start_simulated(
+        self, clusters: list[str], *, tenants: list[str] | None = None
+    ) -> None:
+        """Tokens, a broker, and one agent per cluster on its shipped description
+        (`config/clusters/NAME.yaml`), all Ready."""
+        self.write_tokens(tenants=tenants or ["team-a"], clusters=clusters)
+        await self.start_broker()
+        for cluster in clusters:
+            await self.start_agent(cluster, config_dir() / "clusters" / f"{cluster}.yaml")
+        await self.wait_clusters_ready(clusters)
+
     async def wait_http(self, path: str, service: Service, *, timeout: float = 30.0) -> None:
         import aiohttp
 
