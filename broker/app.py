@@ -12,12 +12,10 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 from pydantic import BaseModel, ConfigDict
 
-from broker.dispatch import connecting, lifecycle
-from broker.dispatch import fleet as fleet_
-from broker.http import auth, clusters, jobs, openapi, problems
-from broker.http import queues as queues_http
-from broker.scheduler import cycle, registry
-from broker.state import opening, records
+from broker.dispatch import connecting
+from broker.http import auth, clusters, jobs, keys, openapi, problems, queues
+from broker.jobs import fleet, scheduling, service
+from broker.state import opening, records, registry
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -41,66 +39,67 @@ class BrokerSettings(BaseModel):
 def create_app(settings: BrokerSettings) -> web.Application:
     app = web.Application(client_max_size=jobs.MAX_BODY, middlewares=[problems.problems_middleware])
     app[auth.AUTHENTICATOR] = auth.Authenticator.from_file(settings.tokens_file)
-    queues = registry.QueueRegistry.from_file(settings.queues_file)
-    app[jobs.QUEUES] = queues
+    queue_registry = registry.QueueRegistry.from_file(settings.queues_file)
+    app[keys.QUEUES] = queue_registry
     meters = metrics.BrokerMetrics()
-    app[clusters.READY] = {"store": False, "scheduler": False}
+    app[keys.READY] = {"store": False, "scheduler": False}
     jobs.add_routes(app)
     clusters.add_routes(app)
     openapi.add_routes(app)
-    queues_http.add_routes(app)
+    queues.add_routes(app)
     app.router.add_get("/metrics", make_aiohttp_handler(registry=meters.registry))
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         backing = await opening.open_store(settings.store)
-        job_records = records.JobRecords(
+        job_store = records.JobStore(
             backing, observe=lambda op, seconds: meters.store_latency.labels(op=op).observe(seconds)
         )
-        await job_records.load()
+        clusters_view = fleet.Fleet(
+            stale_after=3 * settings.heartbeat_seconds,
+            cancel_grace_seconds=settings.cancel_grace_seconds,
+        )
+        book = service.Jobs(job_store, clusters_view, meters=meters)
+        await book.load()
         # what is loaded now lives as long as the broker: keep it out of the collector's
         # full passes, which otherwise stall scheduling cycles for milliseconds
         if settings.freeze_gc:
             gc.collect()
             gc.freeze()
-        await queues.load(backing)
-        app[clusters.READY]["store"] = True
-        fleet = fleet_.Fleet(stale_after=3 * settings.heartbeat_seconds)
-        life = lifecycle.Lifecycle(
-            job_records,
-            fleet,
-            meters=meters,
-            cancel_grace_seconds=settings.cancel_grace_seconds,
-        )
+        await queue_registry.load(backing)
+        app[keys.READY]["store"] = True
         sessions = connecting.Sessions(
-            life,
-            fleet,
+            book.reports,
+            clusters_view,
+            job_store=job_store,
             meters=meters,
             heartbeat_seconds=settings.heartbeat_seconds,
             lost_after_seconds=settings.lost_after_seconds,
         )
-        app[jobs.LIFECYCLE] = life
-        app[clusters.FLEET] = fleet
-        app[clusters.SESSIONS] = sessions
-        scheduler = cycle.Scheduler(
-            life,
-            fleet,
+        app[keys.JOBS] = book
+        app[keys.FLEET] = clusters_view
+        app[keys.SESSIONS] = sessions
+        scheduler = scheduling.Scheduler(
+            book.book,
+            clusters_view,
+            dispatcher=book.dispatcher,
+            accounts=book.accounts,
+            victims=book.victims,
             meters=meters,
-            queues=queues,
+            queues=queue_registry,
             min_interval=settings.cycle_interval_seconds,
         )
         tasks = [
             asyncio.create_task(scheduler.run(), name="scheduler"),
             asyncio.create_task(sessions.watch(), name="sessions-watchdog"),
-            asyncio.create_task(life.run_flusher(), name="group-commit"),
-            asyncio.create_task(queues.follow(backing), name="queues-watch"),
+            asyncio.create_task(book.run_flusher(), name="group-commit"),
+            asyncio.create_task(queue_registry.follow(backing), name="queues-watch"),
         ]
-        app[clusters.READY]["scheduler"] = True
-        logger.info("broker ready: %d jobs loaded from %s", len(job_records), settings.store)
+        app[keys.READY]["scheduler"] = True
+        logger.info("broker ready: %d jobs loaded from %s", len(book), settings.store)
         yield
         for task in tasks:
-            await cycle.stop_task(task)
-        async with life.lock:
-            await job_records.flush()
+            await scheduling.stop_task(task)
+        await book.close()
         await backing.close()
 
     app.cleanup_ctx.append(lifespan)

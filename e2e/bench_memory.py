@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from gpufed import processes
+from gpufed.local import processes
 
 MODELS = [("NVIDIA-H100-80GB-HBM3", 8), ("NVIDIA-A100-SXM4-80GB", 8), ("NVIDIA-L4", 4)]
 
@@ -51,7 +51,7 @@ def write_cluster(path: Path, name: str, nodes: int) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="gpufed-mem-"))
-    fleet = processes.Fleet(workdir=workdir, heartbeat=5.0, lost_after=600.0)
+    fleet = processes.LocalFleet(workdir=workdir, heartbeat=5.0, lost_after=600.0)
     names = [f"c{i:03d}" for i in range(args.clusters)]
     try:
         fleet.write_tokens(tenants=["bench"], clusters=names)

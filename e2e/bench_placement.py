@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from broker.api import jobs
-from broker.scheduler import planning, snapshot
-from gpufed import simulating
+from broker.planning import planning, snapshot
+from gpufed.sim import runs, simulating
 from member_agent.inventory import model, summary
 from member_agent.placement import gang, indexing
 
@@ -122,7 +122,7 @@ def bench_broker(repeat: int) -> None:
 def bench_simulate(policies: list[str], clusters: list[int]) -> None:
     for policy in policies:
         for count in clusters:
-            job = simulating.Job(
+            job = runs.Job(
                 nodes=DATA / "openb_node_list_gpu_node.csv",
                 pods=DATA / "openb_pod_list_default.csv",
                 policy=policy,

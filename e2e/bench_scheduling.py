@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from broker.api import inventory, jobs, queues
-from broker.scheduler import planning, snapshot
+from broker.planning import planning, snapshot
 from tests.builders import make_job
 
 MODELS = ("NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-80GB")

@@ -24,7 +24,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufed import processes
+from gpufed.local import processes
 from tests import etcdserver
 
 CLUSTERS = ["bench-a", "bench-b", "bench-c"]
@@ -101,7 +101,7 @@ def _time(job: dict[str, Any], state: str) -> datetime | None:
     return None
 
 
-async def accepted_offers(fleet: processes.Fleet) -> int:
+async def accepted_offers(fleet: processes.LocalFleet) -> int:
     """Offers the agents accepted, from the broker's /metrics (cheap to poll)."""
     async with aiohttp.ClientSession() as session, session.get(f"{fleet.url}/metrics") as resp:
         text = await resp.text()
@@ -117,7 +117,7 @@ async def accepted_offers(fleet: processes.Fleet) -> int:
     return 0
 
 
-async def burst(fleet: processes.Fleet, jobs: int, pods: int) -> None:
+async def burst(fleet: processes.LocalFleet, jobs: int, pods: int) -> None:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for n in range(jobs):
         queue.put_nowait(n)
@@ -146,7 +146,7 @@ async def burst(fleet: processes.Fleet, jobs: int, pods: int) -> None:
     )
 
 
-async def paced(fleet: processes.Fleet, rate: float, seconds: float) -> None:
+async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> None:
     total = int(rate * seconds)
     async with fleet.client("bench") as api:
         started = time.perf_counter()
@@ -175,7 +175,7 @@ async def paced(fleet: processes.Fleet, rate: float, seconds: float) -> None:
 async def main(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="gpufed-bench-"))
     server = etcdserver.EtcdServer.start() if args.store == "etcd" else None
-    fleet = processes.Fleet(workdir=workdir, store=server.url if server else "")
+    fleet = processes.LocalFleet(workdir=workdir, store=server.url if server else "")
     try:
         fleet.write_tokens(tenants=["bench"], clusters=CLUSTERS)
         await fleet.start_broker()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufed import processes
+from gpufed.local import processes
 from tests import etcdserver
 
 
@@ -25,9 +25,9 @@ def etcd_url(tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-async def fleet(tmp_path: Path) -> AsyncIterator[processes.Fleet]:
+async def fleet(tmp_path: Path) -> AsyncIterator[processes.LocalFleet]:
     """A stopped fleet in a work directory; the test starts what it needs."""
-    fleet = processes.Fleet(workdir=tmp_path, heartbeat=0.5, lost_after=5.0)
+    fleet = processes.LocalFleet(workdir=tmp_path, heartbeat=0.5, lost_after=5.0)
     try:
         yield fleet
     finally:

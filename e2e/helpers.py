@@ -8,14 +8,14 @@ import sys
 import time
 from typing import Any
 
-from gpufed import client as client_
-from gpufed import processes
+from gpufed import client
+from gpufed.local import processes
 
 FINAL = frozenset({"Succeeded", "Failed", "Cancelled"})
 
 
 async def wait_for(
-    api: client_.BrokerClient, job_id: str, states: str | set[str] | frozenset[str], *,
+    api: client.BrokerClient, job_id: str, states: str | set[str] | frozenset[str], *,
     timeout: float = 30.0,
 ) -> dict[str, Any]:  # fmt: skip
     """The job once it is in one of `states`; fails the test with its status if it never is."""
@@ -31,7 +31,7 @@ async def wait_for(
 
 
 async def run_cli(
-    fleet: processes.Fleet, *args: str, tenant: str = "team-a", stdin: str | None = None
+    fleet: processes.LocalFleet, *args: str, tenant: str = "team-a", stdin: str | None = None
 ) -> tuple[int, str, str]:
     """`gpufed ARGS` as a user runs it, against the fleet's broker: (exit code, out, err)."""
     env = {**os.environ, "GPUFED_BROKER": fleet.url, "GPUFED_TOKEN": fleet.tokens[tenant]}

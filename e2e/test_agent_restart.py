@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpufed import processes
+from gpufed.local import processes
 from tests import kubeemulator
 from tests.builders import make_job
 
@@ -26,8 +26,8 @@ H100 = kubeemulator.H100
 
 
 @contextlib.asynccontextmanager
-async def fleet_of(tmp_path: Path, *, lost_after: float) -> AsyncIterator[processes.Fleet]:
-    fleet = processes.Fleet(workdir=tmp_path, heartbeat=0.5, lost_after=lost_after)
+async def fleet_of(tmp_path: Path, *, lost_after: float) -> AsyncIterator[processes.LocalFleet]:
+    fleet = processes.LocalFleet(workdir=tmp_path, heartbeat=0.5, lost_after=lost_after)
     try:
         yield fleet
     finally:
@@ -47,7 +47,7 @@ async def gpu_cluster(
         yield emulator, kubeconfig
 
 
-async def start_agent(fleet: processes.Fleet, name: str, kubeconfig: Path) -> None:
+async def start_agent(fleet: processes.LocalFleet, name: str, kubeconfig: Path) -> None:
     await fleet.start_agent(
         name, None, "--kubeconfig", str(kubeconfig), "--namespace", "default", backend="kubernetes"
     )

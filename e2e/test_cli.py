@@ -10,13 +10,13 @@ import pytest
 import yaml
 
 from e2e.helpers import run_cli
-from gpufed import processes
+from gpufed.local import processes
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
 
 
-async def test_cli_round_trip(fleet: processes.Fleet, tmp_path: Path) -> None:
+async def test_cli_round_trip(fleet: processes.LocalFleet, tmp_path: Path) -> None:
     await fleet.start_simulated(["h100"])
 
     job_file = tmp_path / "job.yaml"

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from e2e.helpers import wait_for
-from gpufed import processes
+from gpufed.local import processes
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
@@ -20,7 +20,7 @@ H100 = "NVIDIA-H100-80GB-HBM3"
 
 
 async def test_broker_restart_loses_no_job_and_running_work_survives(
-    fleet: processes.Fleet,
+    fleet: processes.LocalFleet,
 ) -> None:
     await fleet.start_simulated(["h100"])
     async with fleet.client("team-a") as api:
@@ -52,7 +52,7 @@ async def test_broker_restart_loses_no_job_and_running_work_survives(
 
 
 async def test_lost_cluster_jobs_move_and_the_stale_copy_is_fenced(
-    fleet: processes.Fleet,
+    fleet: processes.LocalFleet,
 ) -> None:
     nodes = processes.config_dir() / "clusters" / "h100.yaml"
     fleet.write_tokens(tenants=["team-a"], clusters=["east", "west"])

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from e2e import helpers
-from gpufed import processes
+from gpufed.local import processes
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
@@ -93,7 +93,7 @@ def job_document(tenant: str, index: int, seconds: float) -> str:
 
 
 async def keep_backlog(
-    fleet: processes.Fleet, tenant: str, stop: asyncio.Event, *, seed: int
+    fleet: processes.LocalFleet, tenant: str, stop: asyncio.Event, *, seed: int
 ) -> None:
     rng = random.Random(seed)
     index = 0
@@ -111,7 +111,7 @@ async def usage(admin: Any) -> dict[str, int]:
     return {q["name"]: sum(g["inUse"] for g in q["status"]["gpus"]) for q in body["items"]}
 
 
-async def metric(fleet: processes.Fleet, name: str) -> float:
+async def metric(fleet: processes.LocalFleet, name: str) -> float:
     """The sum of a metric's samples in the broker's /metrics."""
     import aiohttp
 
@@ -121,7 +121,7 @@ async def metric(fleet: processes.Fleet, name: str) -> float:
     return sum(float(value) for value in pattern.findall(text))
 
 
-async def gpufed(fleet: processes.Fleet, tenant: str, *args: str) -> tuple[int, str]:
+async def gpufed(fleet: processes.LocalFleet, tenant: str, *args: str) -> tuple[int, str]:
     code, out, err = await helpers.run_cli(fleet, *args, tenant=tenant)
     return code, out + err
 
@@ -147,7 +147,7 @@ async def explained_waiting(admin: Any, tenant_api: Any) -> str:
 
 
 async def test_weighted_fair_share_then_reclaim_of_a_guarantee(
-    fleet: processes.Fleet, tmp_path: Path
+    fleet: processes.LocalFleet, tmp_path: Path
 ) -> None:
     fleet.cycle_interval = CYCLE_SECONDS
     fleet.queues = write_queues(tmp_path / "queues.yaml")

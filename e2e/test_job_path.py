@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from e2e.helpers import FINAL, wait_for
-from gpufed import processes
+from gpufed.local import processes
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
@@ -33,12 +33,12 @@ def states_of(job: dict[str, Any]) -> list[str]:
     return seen
 
 
-async def start(fleet: processes.Fleet, store: str) -> None:
+async def start(fleet: processes.LocalFleet, store: str) -> None:
     fleet.store = store
     await fleet.start_simulated(["h100", "inference"])
 
 
-async def free_gpus(fleet: processes.Fleet, cluster: str) -> tuple[int, int]:
+async def free_gpus(fleet: processes.LocalFleet, cluster: str) -> tuple[int, int]:
     async with fleet.client("admin") as admin:
         for item in await admin.clusters():
             if item["name"] == cluster:
@@ -51,7 +51,7 @@ async def free_gpus(fleet: processes.Fleet, cluster: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("store", ["etcd", "sqlite"])
 async def test_gang_and_single_gpu_jobs_run_and_a_running_job_is_cancelled(
-    fleet: processes.Fleet, store: str, request: pytest.FixtureRequest
+    fleet: processes.LocalFleet, store: str, request: pytest.FixtureRequest
 ) -> None:
     url = request.getfixturevalue("etcd_url") if store == "etcd" else ""
     await start(fleet, url)

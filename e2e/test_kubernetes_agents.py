@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from e2e.helpers import wait_for
-from gpufed import processes
+from gpufed.local import processes
 from tests import kubeemulator
 from tests.builders import make_job
 
@@ -53,7 +53,7 @@ async def pods_of(emulator: kubeemulator.Emulator, job_id: str, count: int) -> l
 
 
 async def test_jobs_run_on_emulated_kubernetes_clusters(
-    fleet: processes.Fleet, tmp_path: Path
+    fleet: processes.LocalFleet, tmp_path: Path
 ) -> None:
     async with (
         emulated_cluster(tmp_path, "train", product=H100, nodes=3, gpus=8, memory_mib=81559) as (

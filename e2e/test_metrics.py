@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import parser
 
 from broker.telemetry import metrics
-from gpufed import processes
+from gpufed.local import processes
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
@@ -101,7 +101,7 @@ COUNTERS: list[tuple[str, str, dict[str, str], int]] = [
 ]
 
 
-async def run_job_and_scrape(fleet: processes.Fleet) -> dict[str, Any]:
+async def run_job_and_scrape(fleet: processes.LocalFleet) -> dict[str, Any]:
     metrics_port = processes.free_port()
     fleet.write_tokens(tenants=["team-a"], clusters=[CLUSTER])
     await fleet.start_broker()
@@ -147,7 +147,7 @@ async def run_job_and_scrape(fleet: processes.Fleet) -> dict[str, Any]:
     return {"before": before, "after": after, "health": health, "totals": totals}
 
 
-async def test_a_job_moves_every_broker_and_agent_metric(fleet: processes.Fleet) -> None:
+async def test_a_job_moves_every_broker_and_agent_metric(fleet: processes.LocalFleet) -> None:
     seen = await run_job_and_scrape(fleet)
     before, after = seen["before"], seen["after"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from e2e.helpers import FINAL, wait_for
-from gpufed import processes
+from gpufed.local import processes
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +33,7 @@ def transitions(job: dict[str, Any]) -> list[tuple[str, str, str | None]]:
 
 
 async def test_a_job_whose_first_attempt_loses_its_node_runs_again_on_the_same_cluster(
-    fleet: processes.Fleet,
+    fleet: processes.LocalFleet,
 ) -> None:
     await fleet.start_simulated(["h100"])
     # both pods fail with NodeLost half a second into attempt 1; attempt 2 succeeds

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from e2e.helpers import wait_for
-from gpufed import processes
+from gpufed.local import processes
 from member_agent.cluster import simulated
 from tests.builders import make_job
 
@@ -31,7 +31,7 @@ async def layout(cluster: str) -> dict[str, tuple[str, str, int]]:
         await backend.close()
 
 
-async def test_rack_and_nvlink_requests_are_honoured(fleet: processes.Fleet) -> None:
+async def test_rack_and_nvlink_requests_are_honoured(fleet: processes.LocalFleet) -> None:
     await fleet.start_simulated(["h100", "a100"])
     h100, a100 = await layout("h100"), await layout("a100")
     async with fleet.client("team-a") as api:

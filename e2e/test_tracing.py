@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from e2e.helpers import wait_for
-from gpufed import processes
+from gpufed.local import processes
 from tests import kubeemulator
 from tests.builders import make_job
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -47,7 +47,7 @@ async def wait_spans(
 
 
 async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
-    fleet: processes.Fleet, receiver: OtlpReceiver
+    fleet: processes.LocalFleet, receiver: OtlpReceiver
 ) -> None:
     fleet.env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,

@@ -1,1 +1,2 @@
-"""The gpufed command line: services (broker, agent), user commands, demo and simulator."""
+"""The gpufed command line (`cli`, with `client`, `logs`, `tables`), on top of `gpufed.sim` (the
+trace simulator) and `gpufed.local` (broker and agents as local processes, and the demo)."""

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpufed import client as client_
-from gpufed import logs, tables
+from gpufed import client, logs, tables
 
 DEFAULT_BROKER = "http://127.0.0.1:8080"
 
@@ -111,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--jobs", type=int, default=72)
     demo.add_argument("--keep", action="store_true", help="keep the work directory")
 
-    from gpufed import simulating
+    from gpufed.sim import simulating
 
     simulating.add_parser(sub)
     return parser
@@ -182,17 +181,17 @@ def _job_detail(job: dict[str, Any]) -> str:
 
 
 async def _user_command(args: argparse.Namespace) -> int:
-    async with client_.BrokerClient(args.broker, _token(args)) as api:
+    async with client.BrokerClient(args.broker, _token(args)) as api:
         try:
             return await _dispatch_user(args, api)
-        except client_.BrokerError as exc:
+        except client.BrokerError as exc:
             print(f"gpufed {args.command}: {exc.detail}", file=sys.stderr)
             for error in exc.body.get("errors", [])[1:]:
                 print(f"  {error.get('field')}: {error.get('message')}", file=sys.stderr)
             return 1
 
 
-async def _dispatch_user(args: argparse.Namespace, api: client_.BrokerClient) -> int:
+async def _dispatch_user(args: argparse.Namespace, api: client.BrokerClient) -> int:
     if args.command == "submit":
         text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
         is_json = text.lstrip().startswith("{")
@@ -281,7 +280,7 @@ QUEUE_HEADERS = [
 ]  # fmt: skip
 
 
-async def _queues_command(args: argparse.Namespace, api: client_.BrokerClient) -> int:
+async def _queues_command(args: argparse.Namespace, api: client.BrokerClient) -> int:
     import yaml
 
     if args.apply:
@@ -325,7 +324,7 @@ def _run_broker(args: argparse.Namespace) -> int:
         queues_file=Path(args.queues) if args.queues else None,
         cycle_interval_seconds=args.cycle_interval,
     )
-    from broker.scheduler import registry
+    from broker.state import registry
 
     try:
         application = app.create_app(settings)
@@ -383,11 +382,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "agent":
         return _run_agent(args)
     if args.command == "demo":
-        from gpufed import demo
+        from gpufed.local import demo
 
         return demo.main(jobs=args.jobs, keep=args.keep)
     if args.command == "simulate":
-        from gpufed import simulating
+        from gpufed.sim import simulating
 
         return simulating.run(args)
     try:

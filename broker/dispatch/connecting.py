@@ -18,8 +18,8 @@ import pydantic
 from aiohttp import WSMsgType, web
 
 from broker.api import messages
-from broker.dispatch import fleet as fleet_
-from broker.dispatch import lifecycle as lifecycle_
+from broker.jobs import fleet, reports
+from broker.state import records
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -45,15 +45,17 @@ class Sessions:
 
     def __init__(
         self,
-        lifecycle: lifecycle_.Lifecycle,
-        fleet: fleet_.Fleet,
+        agent_reports: reports.AgentReports,
+        clusters: fleet.Fleet,
         *,
+        job_store: records.JobStore,
         meters: metrics.BrokerMetrics,
         heartbeat_seconds: float = 5.0,
         lost_after_seconds: float = 60.0,
     ) -> None:
-        self.lifecycle = lifecycle
-        self.fleet = fleet
+        self.reports = agent_reports
+        self.fleet = clusters
+        self.job_store = job_store
         self.meters = meters
         self.heartbeat = heartbeat_seconds
         self.lost_after = lost_after_seconds
@@ -70,7 +72,7 @@ class Sessions:
             await ws.close(code=4003, message=b"first message must be hello for this token")
             return ws
         link = SocketLink(ws)
-        epoch = await self.lifecycle.jobs.next_epoch(cluster_name)
+        epoch = await self.job_store.next_epoch(cluster_name)
         cluster = await self.fleet.attach(cluster_name, link, epoch=epoch)
         self.meters.agent_connected.labels(cluster=cluster_name).set(1)
         logger.info(
@@ -79,7 +81,7 @@ class Sessions:
         beating = asyncio.create_task(self._beat(link))
         try:
             await link.send(messages.Welcome(epoch=epoch, heartbeat_seconds=self.heartbeat))
-            await self.lifecycle.hello(cluster, hello)
+            await self.reports.hello(cluster, hello)
             await self._receive(ws, cluster)
         finally:
             beating.cancel()
@@ -91,7 +93,7 @@ class Sessions:
             logger.info("agent of %s disconnected", cluster_name)
         return ws
 
-    async def _receive(self, ws: web.WebSocketResponse, cluster: fleet_.Cluster) -> None:
+    async def _receive(self, ws: web.WebSocketResponse, cluster: fleet.Cluster) -> None:
         async for frame in ws:
             if frame.type != WSMsgType.TEXT:
                 continue
@@ -103,24 +105,24 @@ class Sessions:
                 continue
             await self._handle(cluster, message)
 
-    async def _handle(self, cluster: fleet_.Cluster, message: messages.Message) -> None:
+    async def _handle(self, cluster: fleet.Cluster, message: messages.Message) -> None:
         match message:
             case messages.Summary():
                 cluster.apply_summary(message)
                 self._export_summary(cluster)
                 self.fleet.changed.set()
             case messages.Accepted():
-                await self.lifecycle.accepted(cluster, message)
+                await self.reports.accepted(cluster, message)
             case messages.Rejected():
-                await self.lifecycle.rejected(cluster, message)
+                await self.reports.rejected(cluster, message)
             case messages.JobUpdate():
-                await self.lifecycle.job_update(cluster, message)
+                await self.reports.job_update(cluster, message)
             case messages.Heartbeat():
                 pass
             case _:
                 logger.warning("unexpected %s from %s", message.type, cluster.name)
 
-    def _export_summary(self, cluster: fleet_.Cluster) -> None:
+    def _export_summary(self, cluster: fleet.Cluster) -> None:
         if cluster.summary is None:
             return
         self.meters.cluster_fragmentation.labels(cluster=cluster.name).set(
@@ -168,7 +170,7 @@ class Sessions:
                     and now - cluster.disconnected_at > self.lost_after
                 ):
                     cluster.lost = True
-                    moved = await self.lifecycle.cluster_lost(cluster.name)
+                    moved = await self.reports.cluster_lost(cluster.name)
                     logger.warning("cluster %s lost: %d jobs requeued", cluster.name, moved)
                 health = cluster.health(now=now, stale_after=self.fleet.stale_after)
                 self.meters.set_session_state(cluster.name, health)

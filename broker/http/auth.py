@@ -22,7 +22,9 @@ import yaml
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from broker.http import problems
+from broker.api import errors
+
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
 class TokenEntry(BaseModel):
@@ -83,27 +85,19 @@ class Authenticator:
 
     def identify(self, header: str | None) -> Principal:
         if not header:
-            raise problems.Problem(
-                401,
-                "Unauthorized",
-                "missing bearer token (Authorization: Bearer <token>)",
-                headers={"WWW-Authenticate": "Bearer"},
+            raise errors.Unauthenticated(
+                "missing bearer token (Authorization: Bearer <token>)", headers=CHALLENGE
             )
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise problems.Problem(
-                401,
-                "Unauthorized",
-                "the Authorization header must be 'Bearer <token>'",
-                headers={"WWW-Authenticate": "Bearer"},
+            raise errors.Unauthenticated(
+                "the Authorization header must be 'Bearer <token>'", headers=CHALLENGE
             )
         digest = _digest(token.strip())
         for known, principal in self._by_digest.items():
             if hmac.compare_digest(known, digest):
                 return principal
-        raise problems.Problem(
-            401, "Unauthorized", "unknown token", headers={"WWW-Authenticate": "Bearer"}
-        )
+        raise errors.Unauthenticated("unknown token", headers=CHALLENGE)
 
 
 AUTHENTICATOR = web.AppKey("authenticator", Authenticator)
@@ -116,5 +110,19 @@ def principal_of(request: web.Request) -> Principal:
 def require_user(request: web.Request) -> Principal:
     principal = principal_of(request)
     if principal.kind == "agent":
-        raise problems.Problem(403, "Forbidden", "agent tokens cannot use the jobs API")
+        raise errors.Forbidden("agent tokens cannot use the jobs API")
+    return principal
+
+
+def require_admin(request: web.Request, *, action: str) -> Principal:
+    principal = require_user(request)
+    if not principal.is_admin:
+        raise errors.Forbidden(f"only the admin token {action}")
+    return principal
+
+
+def require_tenant(request: web.Request, *, action: str) -> Principal:
+    principal = require_user(request)
+    if principal.kind != "tenant":
+        raise errors.Forbidden(f"only tenant tokens {action}")
     return principal

@@ -6,29 +6,15 @@ import time
 
 from aiohttp import web
 
-from broker.api import inventory, status
-from broker.dispatch import connecting
-from broker.dispatch import fleet as fleet_
-from broker.http import auth, jobs, problems
-
-FLEET = web.AppKey("fleet", fleet_.Fleet)
-SESSIONS = web.AppKey("sessions", connecting.Sessions)
-READY = web.AppKey("ready", dict[str, bool])
+from broker.api import errors, inventory
+from broker.http import auth, keys
 
 
 async def list_clusters(request: web.Request) -> web.Response:
     auth.require_user(request)
-    fleet = request.app[FLEET]
-    lifecycle = request.app[jobs.LIFECYCLE]
+    fleet = request.app[keys.FLEET]
+    running = request.app[keys.JOBS].holding_per_cluster()
     now = time.monotonic()
-    running: dict[str, int] = {}
-    for record in lifecycle.jobs:
-        cluster_name = record.status.cluster
-        if cluster_name and record.status.state in (
-            status.JobState.DISPATCHED,
-            status.JobState.RUNNING,
-        ):
-            running[cluster_name] = running.get(cluster_name, 0) + 1
     views = []
     for name in sorted(fleet.clusters):
         cluster = fleet.clusters[name]
@@ -61,8 +47,8 @@ async def list_clusters(request: web.Request) -> web.Response:
 async def connect_agent(request: web.Request) -> web.StreamResponse:
     principal = auth.principal_of(request)
     if principal.kind != "agent":
-        raise problems.Problem(403, "Forbidden", "only agent tokens open agent sessions")
-    return await request.app[SESSIONS].serve(request, principal.name)
+        raise errors.Forbidden("only agent tokens open agent sessions")
+    return await request.app[keys.SESSIONS].serve(request, principal.name)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -70,10 +56,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    ready = request.app[READY]
+    ready = request.app[keys.READY]
     if not all(ready.values()):
         waiting = sorted(k for k, v in ready.items() if not v)
-        raise problems.Problem(503, "Not ready", f"waiting for: {', '.join(waiting)}")
+        raise errors.Unavailable(f"waiting for: {', '.join(waiting)}", title="Not ready")
     return web.json_response({"status": "ready"})
 
 

@@ -1,8 +1,8 @@
-"""Errors of the HTTP boundary and the one middleware that turns them into problem JSON.
+"""The one middleware that turns errors into HTTP answers (problem JSON, RFC 9457).
 
-Handlers raise `Problem` (or let pydantic/store errors through); nothing else builds error
-responses. Every 4xx names the field or the reason; an unexpected error is a 500 that says
-so and logs the traceback, never a half-written job.
+Handlers raise the domain errors of `broker.api.errors` (or let pydantic and store errors
+through); this module alone maps them to a status. Every 4xx names the field or the reason;
+an unexpected error is a 500 that says so and logs the traceback, never a half-written job.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import pydantic
 from aiohttp import web
 
+from broker.api import errors
 from broker.state import errors as store_errors
 
 logger = logging.getLogger(__name__)
@@ -22,44 +23,40 @@ logger = logging.getLogger(__name__)
 PROBLEM_JSON = "application/problem+json"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-
-class Problem(Exception):
-    def __init__(
-        self,
-        status: int,
-        title: str,
-        detail: str,
-        *,
-        field: str | None = None,
-        errors: Sequence[dict[str, Any]] = (),
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.title = title
-        self.detail = detail
-        self.field = field
-        self.errors = list(errors)
-        self.headers = headers or {}
+STATUS: dict[type[errors.GpufedError], int] = {
+    errors.Malformed: 400,
+    errors.Unauthenticated: 401,
+    errors.Forbidden: 403,
+    errors.NotFound: 404,
+    errors.Conflict: 409,
+    errors.TooLarge: 413,
+    errors.Invalid: 422,
+    errors.Unavailable: 503,
+}
 
 
-def respond(problem: Problem, instance: str) -> web.Response:
+def status_of(error: errors.GpufedError) -> int:
+    for kind in type(error).__mro__:
+        if kind in STATUS:
+            return STATUS[kind]
+    return 500
+
+
+def respond(error: errors.GpufedError, instance: str, *, status: int | None = None) -> web.Response:
+    code = status if status is not None else status_of(error)
     body: dict[str, Any] = {
         "type": "about:blank",
-        "title": problem.title,
-        "status": problem.status,
-        "detail": problem.detail,
+        "title": error.title,
+        "status": code,
+        "detail": error.detail,
         "instance": instance,
     }
-    if problem.field:
-        body["field"] = problem.field
-    if problem.errors:
-        body["errors"] = problem.errors
+    if error.field:
+        body["field"] = error.field
+    if error.errors:
+        body["errors"] = error.errors
     return web.Response(
-        status=problem.status,
-        text=json.dumps(body),
-        content_type=PROBLEM_JSON,
-        headers=problem.headers,
+        status=code, text=json.dumps(body), content_type=PROBLEM_JSON, headers=error.headers
     )
 
 
@@ -73,7 +70,10 @@ def field_path(loc: Sequence[int | str]) -> str:
     return path
 
 
-def from_validation(exc: pydantic.ValidationError, *, prefix: str = "") -> Problem:
+def from_validation(
+    exc: pydantic.ValidationError, *, prefix: str = "", title: str = "Invalid job"
+) -> errors.Invalid:
+    """A pydantic error as an Invalid naming each field (the first one in `detail`)."""
     items = []
     for error in exc.errors(include_url=False):
         path = field_path(error["loc"])
@@ -91,11 +91,10 @@ def from_validation(exc: pydantic.ValidationError, *, prefix: str = "") -> Probl
         path = f"{prefix}{path}" if prefix and path else path or prefix.rstrip(".")
         items.append({"field": path, "message": message})
     first = items[0] if items else {"field": "", "message": "invalid"}
-    return Problem(
-        422,
-        "Invalid job",
+    return errors.Invalid(
         f"{first['field']}: {first['message']}" if first["field"] else first["message"],
         field=first["field"] or None,
+        title=title,
         errors=items,
     )
 
@@ -104,31 +103,28 @@ def from_validation(exc: pydantic.ValidationError, *, prefix: str = "") -> Probl
 async def problems_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except Problem as problem:
-        return respond(problem, request.path)
+    except errors.GpufedError as error:
+        return respond(error, request.path)
     except pydantic.ValidationError as exc:
         return respond(from_validation(exc), request.path)
     except web.HTTPRequestEntityTooLarge as exc:
-        return respond(
-            Problem(413, "Body too large", exc.text or "the body is over 1 MiB"), request.path
-        )
+        too_large = errors.TooLarge(exc.text or "the body is over 1 MiB", title="Body too large")
+        return respond(too_large, request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return respond(Problem(exc.status, exc.reason, exc.text or exc.reason), request.path)
+        kept = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        plain = errors.GpufedError(exc.text or exc.reason, title=exc.reason, headers=kept)
+        return respond(plain, request.path, status=exc.status)
     except store_errors.TemporaryStoreError as exc:
         logger.warning("store unavailable: %s", exc)
-        return respond(
-            Problem(
-                503,
-                "Store unavailable",
-                "the broker's store did not answer; retry",
-                headers={"Retry-After": "1"},
-            ),
-            request.path,
+        unavailable = errors.Unavailable(
+            "the broker's store did not answer; retry",
+            title="Store unavailable",
+            headers={"Retry-After": "1"},
         )
+        return respond(unavailable, request.path)
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
-        return respond(
-            Problem(500, "Internal error", "the broker failed; see its logs"), request.path
-        )
+        failed = errors.GpufedError("the broker failed; see its logs", title="Internal error")
+        return respond(failed, request.path, status=500)

@@ -17,34 +17,34 @@ import pydantic
 import yaml
 from aiohttp import web
 
-from broker.api import queues as api
-from broker.http import auth, clusters, jobs, problems
-from broker.scheduler import registry, usage
+from broker.api import errors, queues
+from broker.http import auth, keys, problems
+from broker.planning import usage
+from broker.state import registry
+
+INVALID = "Invalid queue"
 
 
 def _require_admin(request: web.Request) -> None:
-    principal = auth.require_user(request)
-    if not principal.is_admin:
-        raise problems.Problem(403, "Forbidden", "only the admin token manages queues")
+    auth.require_admin(request, action="manages queues")
 
 
 def _registry(request: web.Request) -> registry.QueueRegistry:
-    return request.app[jobs.QUEUES]
+    return request.app[keys.QUEUES]
 
 
 def _fleet_gpus(request: web.Request) -> dict[str, int]:
-    fleet = request.app[clusters.FLEET]
-    return fleet.snapshot(now=time.monotonic()).total_gpus()
+    return request.app[keys.FLEET].snapshot(now=time.monotonic()).total_gpus()
 
 
-def build_views(request: web.Request) -> list[api.QueueView]:
-    lifecycle = request.app[jobs.LIFECYCLE]
+def build_views(request: web.Request) -> list[queues.QueueView]:
+    book = request.app[keys.JOBS]
     return usage.build_views(
         _registry(request).config,
-        running=lifecycle.running_jobs(),
-        pending=lifecycle.pending(),
+        running=book.running_jobs(),
+        pending=book.pending(),
         fleet_gpus=_fleet_gpus(request),
-        preemptions=lifecycle.preemptions,
+        preemptions=book.preemptions(),
     )
 
 
@@ -55,7 +55,8 @@ def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
 async def list_queues(request: web.Request) -> web.Response:
     _require_admin(request)
     config = _registry(request).config
-    body = api.QueueList(items=build_views(request), warnings=config.warnings(_fleet_gpus(request)))
+    warnings = config.warnings(_fleet_gpus(request))
+    body = queues.QueueList(items=build_views(request), warnings=warnings)
     return web.json_response(_dump(body))
 
 
@@ -65,51 +66,44 @@ async def get_queue(request: web.Request) -> web.Response:
     for view in build_views(request):
         if view.name == name:
             return web.json_response(_dump(view))
-    raise problems.Problem(404, "Not found", f"no queue {name!r}")
+    raise errors.NotFound(f"no queue {name!r}")
 
 
-async def _read_spec(request: web.Request, name: str) -> api.Queue:
+async def _read_spec(request: web.Request, name: str) -> queues.Queue:
     raw = await request.read()
     try:
         document = yaml.safe_load(raw.decode("utf-8")) if raw.strip() else None
     except (UnicodeDecodeError, yaml.YAMLError):
-        raise problems.Problem(400, "Malformed body", "the body is not JSON or YAML") from None
+        raise errors.Malformed("the body is not JSON or YAML", title="Malformed body") from None
     if not isinstance(document, dict):
-        raise problems.Problem(422, "Invalid queue", "the body must be a queue object")
+        raise errors.Invalid("the body must be a queue object", title=INVALID)
     if document.pop("name", name) != name:
-        raise problems.Problem(
-            422, "Invalid queue", f"name: must be {name!r}, as in the path", field="name"
-        )
+        raise errors.Invalid(f"name: must be {name!r}, as in the path", field="name", title=INVALID)
     try:
-        api.QueueSpec.model_validate(document)
-        return api.Queue.model_validate({**document, "name": name})
+        queues.QueueSpec.model_validate(document)
+        return queues.Queue.model_validate({**document, "name": name})
     except pydantic.ValidationError as exc:
-        problem = problems.from_validation(exc)
-        problem.title = "Invalid queue"
-        raise problem from None
+        raise problems.from_validation(exc, title=INVALID) from None
 
 
 async def put_queue(request: web.Request) -> web.Response:
     _require_admin(request)
     name = request.match_info["name"]
-    queues = _registry(request)
+    queue_registry = _registry(request)
     queue = await _read_spec(request, name)
-    known = {c.name for c in queues.config.priority_classes}
+    known = {c.name for c in queue_registry.config.priority_classes}
     if queue.priority_class is not None and queue.priority_class not in known:
-        raise problems.Problem(
-            422,
-            "Invalid queue",
+        raise errors.Invalid(
             f"priorityClass: no priority class {queue.priority_class!r} "
             f"({', '.join(sorted(known)) or 'none declared'})",
             field="priorityClass",
+            title=INVALID,
         )
-    created = queues.config.queue(name) is None
+    created = queue_registry.config.queue(name) is None
     try:
-        await queues.put(queue)
+        await queue_registry.put(queue)
     except pydantic.ValidationError as exc:
-        problem = problems.from_validation(exc)
-        problem.title = "Invalid queue"
-        raise problem from None
+        raise problems.from_validation(exc, title=INVALID) from None
     view = next(v for v in build_views(request) if v.name == name)
     headers = {}
     if view.warnings:

@@ -1,17 +1,17 @@
-"""The broker's job records: an in-memory cache written through to the Store.
+"""Job records in the store: keys, encoding and the compare-and-swap transactions.
 
-Every write is a compare-and-swap on the record's last revision, so two broker replicas (or a
-stale task) never overwrite each other's decision. Submission stores the job and its
-idempotency key in one transaction: the same key never makes a second job.
+No cache here: `broker.jobs.book.JobBook` keeps the records in memory and calls these to
+persist its changes. Every update is a compare-and-swap on the revision the book last saw, so
+two broker replicas (or a stale task) never overwrite each other's decision. A new job and its
+idempotency key are stored in one transaction: the same key never makes a second job.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from broker.api import status
@@ -26,228 +26,97 @@ MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
 CREATE_BATCH = MAX_TXN_OPS // 2  # a job and its idempotency key
 
 
-def _job_key(job_id: str) -> str:
-    return f"{JOBS}{job_id}"
+@dataclass(frozen=True)
+class Stored:
+    """A record as the store has it, with the revision of its last write."""
 
-
-def _idem_key(tenant: str, key: str) -> str:
-    digest = hashlib.sha256(f"{tenant}\x00{key}".encode()).hexdigest()
-    return f"{IDEMPOTENCY}{digest}"
-
-
-def _create_compares(record: status.JobRecord) -> list[store.Compare]:
-    compares = [store.Compare(_job_key(record.id), 0)]
-    if record.idempotency_key:
-        compares.append(store.Compare(_idem_key(record.tenant, record.idempotency_key), 0))
-    return compares
-
-
-def _create_puts(record: status.JobRecord) -> list[tuple[str, bytes]]:
-    puts = [(_job_key(record.id), _dump(record))]
-    if record.idempotency_key:
-        puts.append((_idem_key(record.tenant, record.idempotency_key), record.id.encode()))
-    return puts
-
-
-@dataclass
-class Cached:
     record: status.JobRecord
     revision: int
 
 
-def _dump(record: status.JobRecord) -> bytes:
+def job_key(job_id: str) -> str:
+    return f"{JOBS}{job_id}"
+
+
+def idempotency_key(tenant: str, key: str) -> str:
+    digest = hashlib.sha256(f"{tenant}\x00{key}".encode()).hexdigest()
+    return f"{IDEMPOTENCY}{digest}"
+
+
+def encode(record: status.JobRecord) -> bytes:
     return record.model_dump_json(by_alias=True).encode()
 
 
-class JobRecords:
-    """All jobs, cached; the store is the source of truth on start."""
+def chunked(
+    items: Sequence[status.JobRecord], size: int = MAX_TXN_OPS
+) -> Iterator[Sequence[status.JobRecord]]:
+    """Pieces of `items` small enough for one transaction each."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class JobStore:
+    """Reads and writes job records; the caller keeps the revisions it compares against."""
 
     def __init__(
         self, backing: store.Store, *, observe: Callable[[str, float], None] | None = None
     ) -> None:
-        self.store = backing
-        self._jobs: dict[str, Cached] = {}
+        self.backing = backing
         self._observe = observe
-        # changed in memory, written by the next flush (group commit)
-        self._dirty: dict[str, status.JobRecord] = {}
-        # submits waiting for the group commit of new jobs
-        self._creating: list[tuple[status.JobRecord, asyncio.Future[status.JobRecord]]] = []
-        self._committer: asyncio.Task[None] | None = None
 
     async def _commit(self, op: str, txn: store.Txn) -> int:
         started = time.perf_counter()
         try:
-            return await self.store.commit(txn)
+            return await self.backing.commit(txn)
         finally:
             if self._observe is not None:
                 self._observe(op, time.perf_counter() - started)
 
-    async def load(self) -> int:
-        entries, revision = await self.store.list(JOBS)
-        for entry in entries:
-            record = status.JobRecord.model_validate_json(entry.value)
-            self._jobs[record.id] = Cached(record, entry.mod_revision)
-        return revision
+    async def load(self) -> tuple[list[Stored], int]:
+        """Every job record and the revision they were read at."""
+        entries, revision = await self.backing.list(JOBS)
+        return [Stored(_decode(e.value), e.mod_revision) for e in entries], revision
 
-    def get(self, job_id: str) -> status.JobRecord | None:
-        cached = self._jobs.get(job_id)
-        return cached.record if cached else None
+    async def get(self, job_id: str) -> Stored | None:
+        entry = await self.backing.get(job_key(job_id))
+        return Stored(_decode(entry.value), entry.mod_revision) if entry is not None else None
 
-    def __iter__(self) -> Iterator[status.JobRecord]:
-        return (c.record for c in self._jobs.values())
+    async def find_idempotent(self, tenant: str, key: str) -> str | None:
+        """The id of the job `tenant` submitted with Idempotency-Key `key`, if any."""
+        entry = await self.backing.get(idempotency_key(tenant, key))
+        return entry.value.decode() if entry is not None else None
 
-    def __len__(self) -> int:
-        return len(self._jobs)
+    async def create(self, records: Sequence[status.JobRecord]) -> int:
+        """Store new jobs (and their idempotency keys) in one transaction, all or nothing.
 
-    async def find_idempotent(self, tenant: str, key: str) -> status.JobRecord | None:
-        entry = await self.store.get(_idem_key(tenant, key))
-        if entry is None:
-            return None
-        return self.get(entry.value.decode())
-
-    async def create(self, record: status.JobRecord) -> status.JobRecord:
-        """Store a new job; with an idempotency key already used, return that job instead.
-
-        Submits that arrive together share one transaction (group commit): the first caller
-        commits for everyone waiting, each gets its own answer, and a batch that fails as a
-        whole is retried one job at a time so one conflict does not fail the others.
+        ConflictError if one of them exists already or repeats a key in use.
         """
-        done: asyncio.Future[status.JobRecord] = asyncio.get_running_loop().create_future()
-        self._creating.append((record, done))
-        if self._committer is None or self._committer.done():
-            # a task of its own: a submitter that goes away does not strand the others
-            self._committer = asyncio.create_task(self._drain_creates())
-        return await done
-
-    async def _drain_creates(self) -> None:
-        await asyncio.sleep(0)  # let the submits of this loop turn join the batch
-        while self._creating:
-            batch = self._creating[:CREATE_BATCH]
-            del self._creating[:CREATE_BATCH]
-            await self._create_batch(batch)
-
-    async def _create_batch(
-        self, batch: list[tuple[status.JobRecord, asyncio.Future[status.JobRecord]]]
-    ) -> None:
-        if len(batch) > 1:
-            txn = store.Txn(
-                compares=[c for record, _ in batch for c in _create_compares(record)],
-                puts=[p for record, _ in batch for p in _create_puts(record)],
-            )
-            try:
-                revision = await self._commit("create", txn)
-            except (errors.StoreError, ValueError):
-                pass  # one of them conflicts (or repeats a key): one at a time below
-            else:
-                for record, done in batch:
-                    self._jobs[record.id] = Cached(record, revision)
-                    if not done.done():
-                        done.set_result(record)
-                return
-        for record, done in batch:
-            try:
-                result = await self._create_one(record)
-            except Exception as exc:  # the submitter's answer, raised in its handler
-                if not done.done():
-                    done.set_exception(exc)
-            else:
-                if not done.done():
-                    done.set_result(result)
-
-    async def _create_one(self, record: status.JobRecord) -> status.JobRecord:
-        txn = store.Txn(compares=_create_compares(record), puts=_create_puts(record))
-        try:
-            revision = await self._commit("create", txn)
-        except errors.ConflictError:
-            if record.idempotency_key:
-                existing = await self.find_idempotent(record.tenant, record.idempotency_key)
-                if existing is not None:
-                    return existing
-            raise
-        self._jobs[record.id] = Cached(record, revision)
-        return record
-
-    async def save(self, record: status.JobRecord) -> None:
-        """Write one changed record now (compare-and-swap on its cached revision)."""
-        await self.save_many([record])
-
-    def save_soon(self, record: status.JobRecord) -> None:
-        """Write a changed record with the next group commit (`flush`).
-
-        For what agents report: a broker that crashes before the flush learns it again from
-        the agent's hello, so durability is not lost, and many updates share one transaction.
-        """
-        self._dirty[record.id] = record
-
-    @property
-    def dirty(self) -> int:
-        return len(self._dirty)
-
-    async def flush(self) -> None:
-        """Write every record changed by `save_soon` since the last flush.
-
-        On a temporary store error the records stay dirty (the cache is ahead of the store)
-        and the next flush tries again; on a conflict the cache is refreshed.
-        """
-        if not self._dirty:
-            return
-        batch = list(self._dirty.values())
-        self._dirty.clear()
-        try:
-            await self.save_many(batch, refresh=False)
-        except errors.ConflictError:
-            await self.refresh(r.id for r in batch)
-            raise
-        except errors.StoreError:
-            for record in batch:
-                self._dirty.setdefault(record.id, record)
-            raise
-
-    async def save_many(self, records: Sequence[status.JobRecord], *, refresh: bool = True) -> None:
-        """Write changed records in as few transactions as possible, all-or-nothing per chunk.
-
-        On a store error the cache is refreshed from the store for the records involved (with
-        `refresh`) and the error is raised: the caller decides again from fresh state.
-        """
+        compares: list[store.Compare] = []
+        puts: list[tuple[str, bytes]] = []
         for record in records:
-            self._dirty.pop(record.id, None)
-        for start in range(0, len(records), MAX_TXN_OPS):
-            chunk = records[start : start + MAX_TXN_OPS]
-            compares = []
-            puts = []
-            for record in chunk:
-                cached = self._jobs.get(record.id)
-                compares.append(
-                    store.Compare(_job_key(record.id), cached.revision if cached else 0)
-                )
-                puts.append((_job_key(record.id), _dump(record)))
-            try:
-                revision = await self._commit("update", store.Txn(compares=compares, puts=puts))
-            except errors.StoreError:
-                # the cache holds the changed objects: put it back to what the store has
-                if refresh:
-                    await self.refresh(r.id for r in chunk)
-                raise
-            for record in chunk:
-                self._jobs[record.id] = Cached(record, revision)
+            compares.append(store.Compare(job_key(record.id), 0))
+            puts.append((job_key(record.id), encode(record)))
+            if record.idempotency_key:
+                key = idempotency_key(record.tenant, record.idempotency_key)
+                compares.append(store.Compare(key, 0))
+                puts.append((key, record.id.encode()))
+        return await self._commit("create", store.Txn(compares=compares, puts=puts))
 
-    async def refresh(self, job_ids: Iterable[str]) -> None:
-        for job_id in job_ids:
-            entry = await self.store.get(_job_key(job_id))
-            if entry is None:
-                self._jobs.pop(job_id, None)
-            else:
-                record = status.JobRecord.model_validate_json(entry.value)
-                self._jobs[job_id] = Cached(record, entry.mod_revision)
+    async def update(self, changes: Sequence[tuple[status.JobRecord, int]]) -> int:
+        """Write changed records, each compared with the revision it was read at (0: new);
+        all or nothing. At most MAX_TXN_OPS records (see `chunked`)."""
+        compares = [store.Compare(job_key(r.id), revision) for r, revision in changes]
+        puts = [(job_key(r.id), encode(r)) for r, _ in changes]
+        return await self._commit("update", store.Txn(compares=compares, puts=puts))
 
     async def next_epoch(self, cluster: str) -> int:
         """Bump and return the session epoch of a cluster (fences stale offers)."""
         key = f"{CLUSTERS}{cluster}/epoch"
         while True:
-            entry = await self.store.get(key)
+            entry = await self.backing.get(key)
             current = int(entry.value) if entry else 0
             try:
-                await self.store.commit(
+                await self.backing.commit(
                     store.Txn(
                         compares=[store.Compare(key, entry.mod_revision if entry else 0)],
                         puts=[(key, str(current + 1).encode())],
@@ -256,3 +125,7 @@ class JobRecords:
             except errors.ConflictError:
                 continue
             return current + 1
+
+
+def _decode(value: bytes) -> status.JobRecord:
+    return status.JobRecord.model_validate_json(value)

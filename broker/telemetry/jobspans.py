@@ -1,6 +1,7 @@
 """The broker's spans of a job's trace, written as the job moves (see `tracing`).
 
-Called by `lifecycle` at each transition; the pure planner has no spans. Spans that cover
+Called by `jobs.observing` for each committed transition (and by `jobs.dispatching` and
+`jobs.reports` for offers and their answers); the pure planner has no spans. Spans that cover
 waiting (queue, dispatch) are written when the wait ends, with their true start times.
 """
 

@@ -1,10 +1,11 @@
 """The member agent process: settings and wiring only.
 
-`run_agent(settings)` builds the cluster backend (simulated from a nodes file, or Kubernetes),
-the job handler, the summary reporter and the broker session, feeds the backend's events to the
-handler, and runs until `stop` is set or SIGTERM arrives, then closes everything. Before the
-first hello the handler adopts the jobs whose pods the backend found (an agent restarted while
-its pods ran), so the broker neither loses nor runs them twice.
+`run_agent(settings)` reads the limits file (`load_limits`, into `placement.limits`), builds the
+cluster backend (simulated from a nodes file, or Kubernetes), the job handler
+(`jobs.handling`), the summary reporter and the broker session (`session`), feeds the
+backend's events to the handler, and runs until `stop` is set or SIGTERM arrives, then closes
+everything. Before the first hello the handler adopts the jobs whose pods the backend found (an
+agent restarted while its pods ran), so the broker neither loses nor runs them twice.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import pydantic
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from member_agent import telemetry
 from member_agent.cluster import base, simulated
-from member_agent.session import connecting, handling, limits, reporting
+from member_agent.jobs import handling
+from member_agent.placement import limits
+from member_agent.session import connecting, reporting
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +87,26 @@ class AgentSettings(BaseModel):
         )
 
 
+class LimitsFileError(ValueError):
+    """The limits file cannot be read or does not validate."""
+
+
+def load_limits(path: Path | str | None) -> limits.AgentLimits:
+    """The limits of a YAML file; no file means no limits."""
+    if path is None:
+        return limits.AgentLimits()
+    try:
+        raw: Any = yaml.safe_load(Path(path).read_text()) or {}
+        return limits.AgentLimits.model_validate(raw)
+    except (OSError, yaml.YAMLError) as exc:
+        raise LimitsFileError(f"{path}: {exc}") from exc
+    except pydantic.ValidationError as exc:
+        where = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
+        )
+        raise LimitsFileError(f"{path}: {where}") from exc
+
+
 def make_backend(settings: AgentSettings) -> base.ClusterBackend:
     if settings.backend == "kubernetes":
         # written separately; imported only when asked for
@@ -120,7 +145,7 @@ async def run_agent(
     """Run the agent until `stop` is set or SIGTERM. A `backend` given here is started and
     used but left open for the caller; otherwise one is built from the settings."""
     stop = stop or asyncio.Event()
-    agent_limits = limits.load_limits(settings.limits_file)
+    agent_limits = load_limits(settings.limits_file)
     async with contextlib.AsyncExitStack() as stack:
         cluster = backend or make_backend(settings)
         if backend is None:

@@ -19,7 +19,8 @@ from prometheus_client import aiohttp as prometheus_aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from member_agent.session import connecting, handling, reporting
+from member_agent.jobs import handling
+from member_agent.session import connecting, reporting
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ import pytest
 from broker.api import messages, status
 from member_agent.cluster import base
 from member_agent.cluster import kubernetes as k8s
-from member_agent.session import handling, limits
+from member_agent.jobs import handling
+from member_agent.placement import limits
 from tests import kubeemulator
 from tests.conftest_kube import Kube, Start
 from tests.kubeemulator import GPU, H100, until

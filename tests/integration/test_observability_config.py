@@ -25,10 +25,11 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from broker.telemetry import metrics
-from gpufed import processes
+from gpufed.local import processes
 from member_agent import telemetry
 from member_agent.cluster import simulated
-from member_agent.session import connecting, handling, reporting
+from member_agent.jobs import handling
+from member_agent.session import connecting, reporting
 from tests import promql
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from broker import app as broker_app
 from broker.api import jobs, messages, status
-from broker.http import jobs as broker_jobs
+from broker.http import keys
 from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
@@ -393,8 +393,8 @@ async def test_reclaim_preempts_a_borrower_which_goes_back_to_the_queue(
     text = await eventually(api, gauges)
     assert f'gpufed_queue_gpus_guaranteed{{model="{H100}",queue="a-q"}} 8.0' in text
     assert f'gpufed_queue_gpus_fair_share{{model="{H100}",queue="b-q"}} 8.0' in text
-    lifecycle = api.app[broker_jobs.LIFECYCLE]
-    kept = lifecycle.usage()  # kept on transitions: the same as a recount from the jobs
+    book = api.app[keys.JOBS]
+    kept = book.usage()  # kept on transitions: the same as a recount from the jobs
     assert {q: dict(g) for q, g in kept.gpus.items() if any(g.values())} == {
         "a-q": {H100: 8},
         "b-q": {H100: 8},

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from broker.api import inventory
-from broker.scheduler import planning, snapshot
+from broker.planning import planning, snapshot
 from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"

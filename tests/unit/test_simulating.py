@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufed import simulating, traces
+from gpufed.sim import reports, runs, simulating, traces
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "e2e" / "data"
@@ -178,7 +178,7 @@ def test_bad_input_is_a_message_not_a_traceback(
 
 @pytest.mark.skipif(not (DATA / "openb_pod_list_default.csv").is_file(), reason="no trace data")
 def test_real_trace_dump_is_feasible(tmp_path: Path) -> None:
-    job = simulating.Job(
+    job = runs.Job(
         nodes=DATA / "openb_node_list_gpu_node.csv",
         pods=DATA / "openb_pod_list_default.csv",
         policy="default",
@@ -192,9 +192,7 @@ def test_real_trace_dump_is_feasible(tmp_path: Path) -> None:
     )
     outcome = simulating.run_job(job)
     dump = tmp_path / "dump.csv"
-    from gpufed import trace_reports
-
-    trace_reports.write_dump(dump, outcome.dump)
+    reports.write_dump(dump, outcome.dump)
     placed, failed = _check_dump(dump, job.nodes, job.pods)
     assert placed + failed == outcome.pods > 10_000
     # protocol A's headline on this seed: well under FGD's published 4.77% unallocated

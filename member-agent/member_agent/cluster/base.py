@@ -79,22 +79,6 @@ class HeldJob:
     attempt: int = 1  # of the pod whose annotations were read (1: not recorded)
 
 
-@dataclass(frozen=True)
-class GPUQuota:
-    """A namespace's GPU quota (a Kubernetes ResourceQuota's `requests.nvidia.com/gpu` or
-    `limits.nvidia.com/gpu`) with what is used of it now."""
-
-    namespace: str
-    name: str
-    resource: str
-    hard: int
-    used: int
-
-    @property
-    def room(self) -> int:
-        return max(self.hard - self.used, 0)
-
-
 def _whole(value: str | None) -> int:
     return int(value) if value is not None and value.strip().isdigit() else 0
 
@@ -157,6 +141,6 @@ class ClusterBackend(Protocol):
         jobs a restarted agent finds)."""
         ...
 
-    def gpu_quotas(self, namespace: str) -> list[GPUQuota]:
+    def gpu_quotas(self, namespace: str) -> list[model.GPUQuota]:
         """The GPU quotas of a namespace the cluster enforces, with their use now."""
         ...

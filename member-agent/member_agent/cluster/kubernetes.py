@@ -306,7 +306,7 @@ class KubernetesBackend:
     def held_jobs(self) -> dict[str, base.HeldJob]:
         return self._state.held_jobs()
 
-    def gpu_quotas(self, namespace: str) -> list[base.GPUQuota]:
+    def gpu_quotas(self, namespace: str) -> list[model.GPUQuota]:
         return self._quotas.gpu_quotas(namespace, in_use=self._state.gpus_requested(namespace))
 
     # -- writing -----------------------------------------------------------------------------

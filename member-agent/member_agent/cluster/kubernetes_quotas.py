@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.api import jobs
-from member_agent.cluster import base
+from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class QuotaBook:
         else:
             self._quotas[quota.key] = quota
 
-    def gpu_quotas(self, namespace: str, *, in_use: int) -> list[base.GPUQuota]:
+    def gpu_quotas(self, namespace: str, *, in_use: int) -> list[model.GPUQuota]:
         """The namespace's unscoped GPU quotas; `in_use`: GPUs its live pods request."""
         out = []
         for quota in self._quotas.values():
@@ -140,7 +140,7 @@ class QuotaBook:
                 continue
             for resource, hard in sorted(quota.hard.items()):
                 used = max(quota.used.get(resource, 0), in_use)
-                out.append(base.GPUQuota(namespace, quota.name, resource, hard=hard, used=used))
+                out.append(model.GPUQuota(namespace, quota.name, resource, hard=hard, used=used))
         return sorted(out, key=lambda q: (q.name, q.resource))
 
 

@@ -369,7 +369,7 @@ class SimulatedBackend:
             )
         return out
 
-    def gpu_quotas(self, namespace: str) -> list[base.GPUQuota]:
+    def gpu_quotas(self, namespace: str) -> list[model.GPUQuota]:
         del namespace
         return []
 

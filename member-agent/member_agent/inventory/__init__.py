@@ -1,1 +1,1 @@
-"""Nodes and pods turned into GPU inventory, and the summary sent to the broker."""
+"""Nodes and pods turned into GPU inventory, the summary sent to the broker, fragmentation."""

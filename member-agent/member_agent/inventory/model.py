@@ -2,7 +2,9 @@
 
 Backends (simulated, kubernetes) build it; placement reads it and `apply`/`release` change it;
 `summary.summarise` turns it into the broker's ClusterSummary. A GPU is 1000 milli; a
-whole-GPU pod takes 1000 on each of its GPUs, a sharing pod part of one GPU.
+whole-GPU pod takes 1000 on each of its GPUs, a sharing pod part of one GPU. `GPUQuota` is the
+namespace side of the same GPUs: a backend reports it (`ClusterBackend.gpu_quotas`), the limits
+check (`placement.limits`) reads it.
 """
 
 from __future__ import annotations
@@ -109,3 +111,19 @@ class Inventory:
     def apply_all(self, pods: Iterable[tuple[status.PodPlacement, int, int]]) -> None:
         for pod, cpu, mem in pods:
             self.apply(pod, cpu_milli=cpu, memory_mib=mem)
+
+
+@dataclass(frozen=True)
+class GPUQuota:
+    """A namespace's GPU quota (a Kubernetes ResourceQuota's `requests.nvidia.com/gpu` or
+    `limits.nvidia.com/gpu`) with what is used of it now."""
+
+    namespace: str
+    name: str
+    resource: str
+    hard: int
+    used: int
+
+    @property
+    def room(self) -> int:
+        return max(self.hard - self.used, 0)

@@ -5,14 +5,13 @@ every placement, and by anything else that needs a cluster's shape without its n
 Per GPU model: nodes_by_free[k] = ready, schedulable nodes with exactly k wholly free GPUs,
 the free milli on partly used GPUs (for sharing pods), the largest free NVLink block, per-rack
 histograms, and the largest CPU/memory headroom of a node. The cluster's fragmentation uses
-FGD's measure with the given expected workload (`placement.fragmentation`).
+FGD's measure with the given expected workload (`fragmentation`).
 """
 
 from __future__ import annotations
 
-from broker.api import inventory as api
-from member_agent.inventory import model
-from member_agent.placement import fragmentation
+from broker.api.inventory import ClusterSummary, ModelSummary
+from member_agent.inventory import fragmentation, model
 
 CPU_ONLY = ""  # the model name under which CPU-only nodes are summarised
 
@@ -22,7 +21,7 @@ def summarise(
     *,
     seq: int = 0,
     workload: fragmentation.Workload | None = None,
-) -> api.ClusterSummary:
+) -> ClusterSummary:
     """The ClusterSummary of `inventory` (its fragmentation against `workload`)."""
     expected = workload if workload is not None else _default_workload()
     per_model: dict[str, _Totals] = {}
@@ -36,7 +35,7 @@ def summarise(
             frag += expected.node_fragmentation(
                 node.model, node.gpu_free, node.cpu_free, node.memory_free
             )
-    return api.ClusterSummary(
+    return ClusterSummary(
         cluster=inventory.cluster,
         seq=seq,
         models=[per_model[name].build(name) for name in sorted(per_model)],
@@ -94,9 +93,9 @@ class _Totals:
         self.max_cpu = max(self.max_cpu, node.cpu_free)
         self.max_memory = max(self.max_memory, node.memory_free)
 
-    def build(self, name: str) -> api.ModelSummary:
+    def build(self, name: str) -> ModelSummary:
         width = self.gpus_per_node + 1  # nodes_by_free[k] for k = 0..GPUs per node
-        return api.ModelSummary(
+        return ModelSummary(
             model=name,
             gpu_memory_mib=self.gpu_memory_mib,
             gpus_per_node=self.gpus_per_node,

@@ -54,13 +54,24 @@ def _explain_one(
     need: int,
     present: Sequence[str],
 ) -> str:
+    """Why `need` pods of `demand` do not fit the ready nodes ("" when they do): first what
+    no node is built for, then what no node has free."""
+    nodes, reason = _nodes_built_for(ready, demand, present=present)
+    return reason or _explain_room(nodes, demand, need=need)
+
+
+def _nodes_built_for(
+    ready: Sequence[indexing.Entry], demand: filtering.Demand, *, present: Sequence[str]
+) -> tuple[list[indexing.Entry], str]:
+    """The nodes whose GPU model, GPU memory, GPU count and NVLink could take the pod, or
+    none and the first of these that rules every node out."""
     nodes = list(ready)
     if demand.gpus:
         nodes = [entry for entry in nodes if entry.gpu_count]
     if demand.models:
         nodes = [entry for entry in nodes if entry.model in demand.models]
         if not nodes:
-            return (
+            return [], (
                 f"gpu model: no node of model {'|'.join(demand.models)} "
                 f"(cluster has {', '.join(present) or 'no GPUs'})"
             )
@@ -68,17 +79,21 @@ def _explain_one(
         largest = max((entry.gpu_memory_mib for entry in nodes), default=0)
         nodes = [entry for entry in nodes if entry.gpu_memory_mib >= demand.min_gpu_memory_mib]
         if not nodes:
-            return (
+            return [], (
                 f"gpu memory: no node with {demand.min_gpu_memory_mib} MiB per GPU "
                 f"(largest {largest} MiB)"
             )
-    shape = demand.describe()
-    if demand.gpus and max((entry.gpu_count for entry in nodes), default=0) < demand.gpus:
-        return (
-            f"gpus: no node has {demand.gpus} GPUs (largest has {max(e.gpu_count for e in nodes)})"
-        )
+    most = max((entry.gpu_count for entry in nodes), default=0)
+    if demand.gpus and most < demand.gpus:
+        return [], f"gpus: no node has {demand.gpus} GPUs (largest has {most})"
     if demand.nvlink and max((entry.island for entry in nodes), default=1) < demand.gpus:
-        return f"nvlink: no node has an NVLink island of {demand.gpus} GPUs"
+        return [], f"nvlink: no node has an NVLink island of {demand.gpus} GPUs"
+    return nodes, ""
+
+
+def _explain_room(nodes: Sequence[indexing.Entry], demand: filtering.Demand, *, need: int) -> str:
+    """Why the nodes built for the pod have no room for `need` of it ("" when they do)."""
+    shape = demand.describe()
     with_gpus = [entry for entry in nodes if filtering.fits_gpus(entry, demand)]
     with_cpu = [entry for entry in with_gpus if entry.cpu_free >= demand.cpu_milli]
     with_mem = [entry for entry in with_cpu if entry.mem_free >= demand.memory_mib]

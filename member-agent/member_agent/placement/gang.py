@@ -1,8 +1,8 @@
-"""Place a whole gang on an inventory snapshot: every pod or none. Pure.
+"""Place a whole gang on an inventory snapshot: every pod or none. Pure: no I/O, no clock.
 
-Called by the agent (binding an offer), by `gpufed simulate` and by the benchmarks. The result
-is a value: a GangPlacement, or Unplaceable with sorted reasons; the inventory is not changed
-(the caller applies the placement when it commits to it).
+Called by the agent (`jobs.handling`, placing an offer), by `gpufed simulate` and by the
+benchmarks. The result is a value: a GangPlacement, or NoPlacement with sorted reasons; the
+inventory is not changed (the caller applies the placement when it commits to it).
 
 The gang is solved as one unit on scratch copies of the nodes: pods are taken largest first,
 each goes to the feasible node the policy scores highest (ties: lowest rank), and the scratch
@@ -24,7 +24,9 @@ from member_agent.placement import explaining, filtering, indexing, policies, sc
 
 
 @dataclass(frozen=True)
-class Unplaceable:
+class NoPlacement:
+    """The gang does not fit here; `reasons` (sorted, from `explaining`) say why."""
+
     reasons: tuple[str, ...]
 
 
@@ -53,7 +55,7 @@ def place_gang(
     *,
     policy: str | scoring.Scorer = policies.DEFAULT,
     index: indexing.FreeIndex | None = None,
-) -> GangPlacement | Unplaceable:
+) -> GangPlacement | NoPlacement:
     """Choose node and GPUs for every pod of `request`, or say why it cannot be done.
 
     `policy` is a registry name (`policies.names()`) or a plug-in object. `index` is a
@@ -75,7 +77,7 @@ def place_gang(
         )
         if chosen is not None:
             return GangPlacement(pods=tuple(chosen))
-    return Unplaceable(
+    return NoPlacement(
         reasons=explaining.explain(
             free_index,
             [pod.demand for pod in pods],

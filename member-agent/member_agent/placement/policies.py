@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from member_agent.placement import fragmentation, scoring
+from member_agent.inventory import fragmentation
+from member_agent.placement import scoring
 
 DEFAULT = "default"
 

@@ -12,7 +12,8 @@ import math
 import random
 from collections.abc import Sequence
 
-from member_agent.placement import filtering, fragmentation, indexing
+from member_agent.inventory import fragmentation
+from member_agent.placement import filtering, indexing
 
 GPU_MILLI = indexing.GPU_MILLI
 MAX_SPEC_CPU = 128_000  # BestFit's normalisation (FGD artefact: largest node, milli-CPU)

@@ -1,1 +1,1 @@
-"""The agent's session with the broker: connect, replay state, reconnect."""
+"""The agent's session with the broker: connect, hello, heartbeats, reconnect, summaries."""

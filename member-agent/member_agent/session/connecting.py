@@ -2,8 +2,8 @@
 
 `Connector.run` loops until stopped: connect `GET {broker}/v1/agents/connect` with the
 cluster's bearer token, send `hello` with every job the agent holds, wait for `welcome`, send a
-full summary, then read offers and cancels (handled one at a time by `handling.JobHandler`) and
-write replies, job updates, summaries and heartbeats. Silence for three heartbeat intervals
+full summary, then read offers and cancels (handled one at a time by `jobs.handling.JobHandler`)
+and write replies, job updates, summaries and heartbeats. Silence for three heartbeat intervals
 drops the session; it is opened again with exponential backoff and jitter. A 401/403 is
 permanent until the token changes: it is logged and retried slowly.
 
@@ -26,7 +26,8 @@ import aiohttp
 import pydantic
 
 from broker.api import messages
-from member_agent.session import handling, reporting
+from member_agent.jobs import handling
+from member_agent.session import reporting
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ import time
 from collections.abc import Callable
 
 from broker.api import inventory, messages
-from member_agent.inventory import model
-from member_agent.inventory import summary as summaries
+from member_agent.inventory import model, summary
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class SummaryReporter:
         self.source = source
         self.cluster = cluster
         self.interval = interval
-        self.summarise: Summarise = summarise or summaries.summarise
+        self.summarise: Summarise = summarise or summary.summarise
         self.clock = clock
         self.seq = 0
         self.sent = 0
@@ -51,11 +50,11 @@ class SummaryReporter:
     def attach(self, send: Callable[[messages.Summary], None]) -> messages.Summary:
         """Start reporting on a new session: the full summary to send first."""
         self.detach()
-        summary = self._compute()
-        self._baseline = {m.model: m for m in summary.models}
+        first = self._compute()
+        self._baseline = {m.model: m for m in first.models}
         self._send = send
         self._last = self.clock()
-        return messages.Summary(full=True, summary=summary)
+        return messages.Summary(full=True, summary=first)
 
     def detach(self) -> None:
         self._send = None
@@ -82,26 +81,26 @@ class SummaryReporter:
 
     def next_message(self) -> messages.Summary | None:
         """What changed since the last summary sent: a delta, a full summary, or None."""
-        summary = self._compute(bump=False)
-        current = {m.model: m for m in summary.models}
+        latest = self._compute(bump=False)
+        current = {m.model: m for m in latest.models}
         baseline = self._baseline or {}
-        changed = [m for m in summary.models if baseline.get(m.model) != m]
+        changed = [m for m in latest.models if baseline.get(m.model) != m]
         removed = set(baseline) - set(current)
         if not changed and not removed:
             return None
         self.seq += 1
         self._baseline = current
         self.sent += 1
-        if removed or len(changed) >= len(summary.models):
-            return messages.Summary(full=True, summary=summary.model_copy(update={"seq": self.seq}))
-        delta = summary.model_copy(update={"seq": self.seq, "models": changed})
+        if removed or len(changed) >= len(latest.models):
+            return messages.Summary(full=True, summary=latest.model_copy(update={"seq": self.seq}))
+        delta = latest.model_copy(update={"seq": self.seq, "models": changed})
         return messages.Summary(full=False, summary=delta)
 
     def _compute(self, *, bump: bool = True) -> inventory.ClusterSummary:
-        summary = self.summarise(self.source())
+        computed = self.summarise(self.source())
         update: dict[str, object] = {"cluster": self.cluster}
         if bump:
             self.seq += 1
             self.sent += 1
             update["seq"] = self.seq
-        return summary.model_copy(update=update)
+        return computed.model_copy(update=update)

@@ -10,7 +10,8 @@ from typing import Any
 
 from broker.api import messages
 from member_agent.cluster import simulated
-from member_agent.session import handling, limits
+from member_agent.jobs import handling
+from member_agent.placement import limits
 from tests.unit.agent import builders
 
 Sent = list[messages.Message]

@@ -12,7 +12,7 @@ import pytest
 
 from broker.api import messages, status
 from member_agent.cluster import base, simulated
-from member_agent.session import adopting, handling, table
+from member_agent.jobs import adopting, handling, table
 from tests.unit.agent import builders
 
 Phase = status.PodPhase

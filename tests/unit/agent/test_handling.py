@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from broker.api import messages, status
-from member_agent.session import limits
+from member_agent.placement import limits
 from tests.unit.agent import builders, harnesses
 
 

@@ -8,7 +8,6 @@ import pydantic
 import pytest
 
 from member_agent import app
-from member_agent.session import limits
 
 
 @pytest.mark.parametrize(
@@ -27,7 +26,7 @@ def test_the_limits_file_sets_namespace_gpu_limits(
 ) -> None:
     path = tmp_path / "limits.yaml"
     path.write_text(text)
-    assert limits.load_limits(path).gpu_limit(namespace) == expected
+    assert app.load_limits(path).gpu_limit(namespace) == expected
 
 
 @pytest.mark.parametrize(
@@ -41,13 +40,13 @@ def test_the_limits_file_sets_namespace_gpu_limits(
 def test_a_bad_limits_file_names_the_field(tmp_path: Path, text: str, field: str) -> None:
     path = tmp_path / "limits.yaml"
     path.write_text(text)
-    with pytest.raises(limits.LimitsFileError, match=field):
-        limits.load_limits(path)
+    with pytest.raises(app.LimitsFileError, match=field):
+        app.load_limits(path)
 
 
 def test_the_example_limits_file_loads() -> None:
     root = Path(__file__).resolve().parents[3]
-    example = limits.load_limits(root / "config" / "agent-limits.example.yaml")
+    example = app.load_limits(root / "config" / "agent-limits.example.yaml")
     assert example.gpu_limit("team-llm") == 512
 
 

@@ -13,7 +13,7 @@ from tests.unit.placement import builders as b
 
 
 def _placed(
-    result: gang.GangPlacement | gang.Unplaceable,
+    result: gang.GangPlacement | gang.NoPlacement,
 ) -> list[tuple[str, list[tuple[int, int]]]]:
     assert isinstance(result, gang.GangPlacement), result
     return [
@@ -221,6 +221,12 @@ def test_gang_placement(
             "nodes: none of 1 is ready and schedulable",
             id="nothing ready",
         ),
+        pytest.param(
+            [b.node("cpu1", gpus=0, model_name="")],
+            b.gang(b.shape(1)),
+            "gpus: no node has 1 GPUs (largest has 0)",
+            id="only CPU nodes",
+        ),
     ],
 )
 def test_unplaceable_reasons_and_nothing_held(
@@ -229,7 +235,7 @@ def test_unplaceable_reasons_and_nothing_held(
     inv = b.inventory(*nodes)
     before = copy.deepcopy(inv)
     result = gang.place_gang(inv, request_)
-    assert isinstance(result, gang.Unplaceable)
+    assert isinstance(result, gang.NoPlacement)
     assert reason in result.reasons
     assert list(result.reasons) == sorted(result.reasons)
     assert inv == before
@@ -260,4 +266,4 @@ def test_kept_index_sees_refreshed_nodes() -> None:
     inv.apply(second.pods[0].placement)  # type: ignore[union-attr]
     index.refresh(inv.nodes["n2"])
     assert isinstance(third, gang.GangPlacement)
-    assert isinstance(gang.place_gang(inv, b.gang(b.shape(1)), index=index), gang.Unplaceable)
+    assert isinstance(gang.place_gang(inv, b.gang(b.shape(1)), index=index), gang.NoPlacement)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from member_agent.inventory import model
-from member_agent.placement import fragmentation, gang, indexing, policies, scoring
+from member_agent.inventory import fragmentation, model
+from member_agent.placement import gang, indexing, policies, scoring
 from tests.unit.placement import builders as b
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from broker.api import inventory as api
 from broker.api import jobs
-from broker.scheduler import planning, snapshot
+from broker.planning import planning, snapshot
 from member_agent.inventory import model, summary
 from tests.unit.placement import builders as b
 

@@ -1,0 +1,310 @@
+"""The job book: every job the broker knows, as the store has it, with indices.
+
+Changes never touch the book's records in place. A collaborator asks for a `draft` (a copy
+of the latest version), changes the copy, and hands it to `commit` (now) or `commit_soon` (the
+next group commit); the book writes it to the store with compare-and-swap and applies it only
+once that write succeeded. A failed commit leaves the book exactly as it was: the jobs stay
+what the store says they are, and the next cycle plans them again.
+
+Applying a change updates the indices (queued, holding GPUs, per cluster) and then tells the
+observers (`observe`): telemetry, quota accounting and preemption follow the book this way,
+never the other way round. Read by `http/` through `broker.jobs.service.Jobs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from broker.api import status
+from broker.api.status import JobState
+from broker.planning import planning
+from broker.state import errors, records
+
+logger = logging.getLogger(__name__)
+
+# states in which a job holds GPUs on a cluster (what quotas count)
+HOLDING = frozenset({JobState.DISPATCHED, JobState.RUNNING})
+
+
+@dataclass(frozen=True)
+class Change:
+    """One record as it was before a commit and as it is after (`before` None: new)."""
+
+    before: status.JobRecord | None
+    after: status.JobRecord
+
+    def new_events(self) -> list[status.JobEvent]:
+        seen = len(self.before.status.events) if self.before is not None else 0
+        return self.after.status.events[seen:]
+
+
+Observer = Callable[[Change], None]
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why a queued job was not placed in the latest cycle (memory only, never stored)."""
+
+    reasons: tuple[str, ...]
+    details: tuple[planning.Reason, ...]
+
+
+def draft_of(record: status.JobRecord) -> status.JobRecord:
+    """A copy of `record` to change: its status and the status's lists are new objects, the
+    job spec (never changed after submit) and the events already recorded are shared."""
+    current = record.status
+    copied = current.model_copy(
+        update={
+            "events": list(current.events),
+            "pods": list(current.pods),
+            "reasons": list(current.reasons),
+        }
+    )
+    return record.model_copy(update={"status": copied})
+
+
+class JobBook:
+    """Records and revisions, indices, and the commits that change them."""
+
+    def __init__(self, job_store: records.JobStore) -> None:
+        self.store = job_store
+        self.lock = asyncio.Lock()  # one writer at a time: collaborators hold it to decide
+        self.wakeup = asyncio.Event()  # a job became queued
+        self.flush_needed = asyncio.Event()
+        self._entries: dict[str, records.Stored] = {}
+        self._queued: set[str] = set()
+        self._holding: set[str] = set()
+        self._by_cluster: dict[str, set[str]] = {}
+        self._soon: dict[str, status.JobRecord] = {}  # drafts waiting for the group commit
+        self._creating: list[tuple[status.JobRecord, asyncio.Future[status.JobRecord]]] = []
+        self._committer: asyncio.Task[None] | None = None
+        self._observers: list[Observer] = []
+        self._waiting: dict[str, Waiting] = {}
+
+    def observe(self, observer: Observer) -> None:
+        """Call `observer` with every change applied from now on (and with every job loaded)."""
+        self._observers.append(observer)
+
+    async def load(self) -> int:
+        stored, revision = await self.store.load()
+        for entry in stored:
+            self._apply(entry.record, entry.revision)
+        return revision
+
+    # ---- reading ------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> status.JobRecord | None:
+        """The job as committed (what the store has)."""
+        entry = self._entries.get(job_id)
+        return entry.record if entry is not None else None
+
+    def latest(self, job_id: str) -> status.JobRecord | None:
+        """The job with the changes waiting for the group commit (what it will be)."""
+        return self._soon.get(job_id) or self.get(job_id)
+
+    def __iter__(self) -> Iterator[status.JobRecord]:
+        return (entry.record for entry in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def queued(self) -> frozenset[str]:
+        return frozenset(self._queued)
+
+    def holding(self) -> frozenset[str]:
+        """Jobs holding GPUs on a cluster (Dispatched or Running)."""
+        return frozenset(self._holding)
+
+    def on_cluster(self, cluster: str) -> list[status.JobRecord]:
+        """The jobs not yet finished that the book places on `cluster`, latest versions."""
+        out = []
+        for job_id in self._by_cluster.get(cluster, ()):
+            record = self.latest(job_id)
+            if record is not None:
+                out.append(record)
+        return out
+
+    def waiting(self, job_id: str) -> Waiting | None:
+        return self._waiting.get(job_id)
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._soon)
+
+    # ---- annotations of the cycle (memory only) -------------------------------------------
+
+    def note_waiting(self, job_id: str, waiting: Waiting) -> None:
+        if job_id in self._queued:
+            self._waiting[job_id] = waiting
+
+    # ---- changing -----------------------------------------------------------------------
+
+    def draft(self, job_id: str) -> status.JobRecord | None:
+        """A copy of the job's latest version to change and commit."""
+        record = self.latest(job_id)
+        return draft_of(record) if record is not None else None
+
+    async def commit(self, drafts: Sequence[status.JobRecord]) -> None:
+        """Write `drafts` now (compare-and-swap), then apply them; all or nothing per
+        transaction (`records.chunked`).
+
+        On a store error nothing of the failed transaction is applied and the error is
+        raised; after a conflict the records involved are read again from the store.
+        """
+        for chunk in records.chunked(drafts):
+            changes = [(draft, self._revision(draft.id)) for draft in chunk]
+            try:
+                revision = await self.store.update(changes)
+            except errors.ConflictError:
+                await self.refresh(d.id for d in chunk)
+                raise
+            for draft in chunk:
+                self._soon.pop(draft.id, None)
+                self._apply(draft, revision)
+
+    def commit_soon(self, draft: status.JobRecord) -> None:
+        """Write `draft` with the next group commit (`flush`): for what agents report, many
+        updates share one transaction. Until then `latest` shows it and `get` does not; a
+        broker that crashes first learns it again from the agent's hello."""
+        self._soon[draft.id] = draft
+        self.flush_needed.set()
+
+    async def flush(self) -> None:
+        """Commit every draft of `commit_soon`. On a temporary store error they stay for the
+        next flush; on a conflict they are dropped and the records read again."""
+        if self._soon:
+            await self.commit(list(self._soon.values()))
+
+    async def run_flusher(self, *, gather_seconds: float = 0.002) -> None:
+        """Group commit of what agents report, until cancelled; store errors are retried."""
+        while True:
+            await self.flush_needed.wait()
+            self.flush_needed.clear()
+            await asyncio.sleep(gather_seconds)
+            async with self.lock:
+                try:
+                    await self.flush()
+                except errors.ConflictError as exc:
+                    logger.warning("group commit conflicted, records read again: %s", exc)
+                except errors.StoreError as exc:
+                    logger.warning("group commit of %d jobs failed: %s", len(self._soon), exc)
+                    self.flush_needed.set()
+                    await asyncio.sleep(0.5)
+
+    async def refresh(self, job_ids: Iterable[str]) -> None:
+        """Read records again from the store (after a conflict: another writer won)."""
+        for job_id in list(job_ids):
+            self._soon.pop(job_id, None)
+            try:
+                entry = await self.store.get(job_id)
+            except errors.StoreError as exc:
+                logger.warning("re-reading job %s failed, the book keeps it: %s", job_id, exc)
+                continue
+            if entry is not None:
+                self._apply(entry.record, entry.revision)
+
+    # ---- new jobs -----------------------------------------------------------------------
+
+    async def find_idempotent(self, tenant: str, key: str) -> status.JobRecord | None:
+        job_id = await self.store.find_idempotent(tenant, key)
+        return self.get(job_id) if job_id is not None else None
+
+    async def create(self, record: status.JobRecord) -> status.JobRecord:
+        """Store a new job; with an idempotency key already used, return that job instead.
+
+        Submits that arrive together share one transaction (group commit): the first caller
+        commits for everyone waiting, each gets its own answer, and a batch that fails as a
+        whole is retried one job at a time so one conflict does not fail the others.
+        """
+        done: asyncio.Future[status.JobRecord] = asyncio.get_running_loop().create_future()
+        self._creating.append((record, done))
+        if self._committer is None or self._committer.done():
+            # a task of its own: a submitter that goes away does not strand the others
+            self._committer = asyncio.create_task(self._drain_creates())
+        return await done
+
+    async def _drain_creates(self) -> None:
+        await asyncio.sleep(0)  # let the submits of this loop turn join the batch
+        while self._creating:
+            batch = self._creating[: records.CREATE_BATCH]
+            del self._creating[: records.CREATE_BATCH]
+            await self._create_batch(batch)
+
+    async def _create_batch(
+        self, batch: list[tuple[status.JobRecord, asyncio.Future[status.JobRecord]]]
+    ) -> None:
+        if len(batch) > 1:
+            try:
+                revision = await self.store.create([record for record, _ in batch])
+            except (errors.StoreError, ValueError):
+                pass  # one of them conflicts (or repeats a key): one at a time below
+            else:
+                for record, done in batch:
+                    self._apply(record, revision)
+                    if not done.done():
+                        done.set_result(record)
+                return
+        for record, done in batch:
+            try:
+                result = await self._create_one(record)
+            except Exception as exc:  # the submitter's answer, raised in its handler
+                if not done.done():
+                    done.set_exception(exc)
+            else:
+                if not done.done():
+                    done.set_result(result)
+
+    async def _create_one(self, record: status.JobRecord) -> status.JobRecord:
+        try:
+            revision = await self.store.create([record])
+        except errors.ConflictError:
+            if record.idempotency_key:
+                existing = await self.find_idempotent(record.tenant, record.idempotency_key)
+                if existing is not None:
+                    return existing
+            raise
+        self._apply(record, revision)
+        return record
+
+    # ---- applying -----------------------------------------------------------------------
+
+    def _revision(self, job_id: str) -> int:
+        entry = self._entries.get(job_id)
+        return entry.revision if entry is not None else 0
+
+    def _apply(self, record: status.JobRecord, revision: int) -> None:
+        """Make a committed record the book's; indices and observers follow."""
+        entry = self._entries.get(record.id)
+        before = entry.record if entry is not None else None
+        self._entries[record.id] = records.Stored(record, revision)
+        self._index(before, record)
+        change = Change(before, record)
+        for observer in self._observers:
+            try:
+                observer(change)
+            except Exception:  # an observer's bug must not undo a commit
+                logger.exception("observer of job %s failed", record.id)
+
+    def _index(self, before: status.JobRecord | None, after: status.JobRecord) -> None:
+        job_id = after.id
+        state = after.status.state
+        if before is not None and before.status.cluster:
+            on = self._by_cluster.get(before.status.cluster)
+            if on is not None:
+                on.discard(job_id)
+        if after.status.cluster and not state.terminal:
+            self._by_cluster.setdefault(after.status.cluster, set()).add(job_id)
+        if state == JobState.QUEUED:
+            if job_id not in self._queued:
+                self._queued.add(job_id)
+                self.wakeup.set()
+        else:
+            self._queued.discard(job_id)
+            self._waiting.pop(job_id, None)
+        if state in HOLDING:
+            self._holding.add(job_id)
+        else:
+            self._holding.discard(job_id)

@@ -1,0 +1,158 @@
+"""The broker's live view of member clusters: sessions, summaries, health, in-flight offers.
+
+Held by the job collaborators (the cycle reads summaries less in-flight offers; reports and
+cancels send through `send`) and kept current by `broker.dispatch.connecting`, which owns the
+agent sessions behind each `AgentLink`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from broker.api import inventory, messages
+from broker.planning import fitting, snapshot
+
+logger = logging.getLogger(__name__)
+
+
+class AgentLink(Protocol):
+    """How the broker talks to one connected agent (a WebSocket in production)."""
+
+    async def send(self, message: messages._Msg) -> None: ...
+
+    async def close(self, *, reason: str) -> None: ...
+
+
+@dataclass
+class InFlight:
+    fit: fitting.Fit
+    accepted: bool = False
+
+
+@dataclass
+class Cluster:
+    name: str
+    link: AgentLink | None = None
+    epoch: int = 0
+    summary: inventory.ClusterSummary | None = None
+    last_seen: float = 0.0
+    disconnected_at: float | None = None
+    lost: bool = False
+    inflight: dict[str, InFlight] = field(default_factory=dict)
+    # job id -> summary seq at its rejection: excluded for that job until a newer summary
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def connected(self) -> bool:
+        return self.link is not None
+
+    def health(self, *, now: float, stale_after: float) -> str:
+        if self.link is None:
+            return "Lost" if self.lost else "Unreachable"
+        if now - self.last_seen > stale_after:
+            return "Unreachable"
+        if self.summary is None:
+            return "Connecting"
+        return "Ready"
+
+    def apply_summary(self, message: messages.Summary) -> None:
+        incoming = message.summary
+        if message.full or self.summary is None:
+            self.summary = incoming
+        else:
+            models = {m.model: m for m in self.summary.models}
+            models.update({m.model: m for m in incoming.models})
+            self.summary = self.summary.model_copy(
+                update={
+                    "models": sorted(models.values(), key=lambda m: m.model),
+                    "seq": incoming.seq,
+                    "fragmentation_milli": incoming.fragmentation_milli,
+                }
+            )
+        # the agent sends a summary after each accepted offer: accepted placements are in it
+        self.inflight = {k: v for k, v in self.inflight.items() if not v.accepted}
+        seq = self.summary.seq
+        self.rejected = {job: at for job, at in self.rejected.items() if at >= seq}
+
+
+class Fleet:
+    """Every cluster the broker has heard of, connected or not."""
+
+    def __init__(self, *, stale_after: float = 15.0, cancel_grace_seconds: float = 30.0) -> None:
+        self.clusters: dict[str, Cluster] = {}
+        self.stale_after = stale_after
+        self.cancel_grace = cancel_grace_seconds
+        self.changed = asyncio.Event()
+
+    async def send(self, cluster_name: str | None, message: messages._Msg) -> bool:
+        """Send to the cluster's agent if it is connected; False if it is not (or went)."""
+        cluster = self.clusters.get(cluster_name) if cluster_name else None
+        if cluster is None or cluster.link is None:
+            return False
+        try:
+            await cluster.link.send(message)
+        except ConnectionError:
+            logger.warning("%s not sent: %s disconnected", type(message).__name__, cluster_name)
+            return False
+        return True
+
+    async def send_cancel(
+        self, cluster_name: str | None, job_id: str, *, epoch: int, reason: str, attempt: int
+    ) -> bool:
+        """Ask the cluster's agent to delete one attempt's pods (grace: `cancel_grace`)."""
+        cancel = messages.Cancel(
+            job_id=job_id,
+            epoch=epoch,
+            reason=reason,
+            grace_seconds=self.cancel_grace,
+            attempt=attempt,
+        )
+        return await self.send(cluster_name, cancel)
+
+    def get(self, name: str) -> Cluster:
+        if name not in self.clusters:
+            self.clusters[name] = Cluster(name=name)
+        return self.clusters[name]
+
+    async def attach(self, name: str, link: AgentLink, *, epoch: int) -> Cluster:
+        cluster = self.get(name)
+        old = cluster.link
+        cluster.link = link
+        cluster.epoch = epoch
+        cluster.last_seen = time.monotonic()
+        cluster.disconnected_at = None
+        cluster.lost = False
+        cluster.summary = None
+        cluster.inflight.clear()
+        cluster.rejected.clear()
+        if old is not None:
+            await old.close(reason="replaced by a newer session")
+        return cluster
+
+    def detach(self, name: str, link: AgentLink) -> None:
+        cluster = self.clusters.get(name)
+        if cluster is None or cluster.link is not link:
+            return
+        cluster.link = None
+        cluster.disconnected_at = time.monotonic()
+        cluster.inflight.clear()
+        self.changed.set()
+
+    def healthy(self, cluster: Cluster, *, now: float) -> bool:
+        return cluster.health(now=now, stale_after=self.stale_after) == "Ready"
+
+    def snapshot(self, *, now: float) -> snapshot.FleetSnapshot:
+        """Capacity of every ready cluster, in-flight offers deducted."""
+        capacities = []
+        for cluster in self.clusters.values():
+            if cluster.summary is None or not self.healthy(cluster, now=now):
+                continue
+            capacity = snapshot.ClusterCapacity.from_summary(cluster.summary, healthy=True)
+            for flight in cluster.inflight.values():
+                fitting.assume(capacity, flight.fit)
+            capacities.append(capacity)
+        return snapshot.FleetSnapshot.build(capacities)

@@ -1,0 +1,226 @@
+"""What agents report about the jobs the broker gave them. Called by `dispatch.connecting`.
+
+Accepted, Rejected, JobUpdate, the jobs an agent holds when it says hello (reconcile and
+fencing), and a cluster lost past its grace. Each handler drafts the changes under the book's
+lock and commits them; a commit the store refuses for now is handed to the group commit,
+which retries it, so a report is never dropped while the broker runs (and a broker that
+restarts learns it again from the agent's hello). Messages about an earlier attempt of a job
+are stale: they change nothing, and a copy still running is cancelled, that attempt only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from broker.api import messages, status
+from broker.api.status import JobState
+from broker.jobs import book, fleet, preempting, transitions
+from broker.state import errors
+from broker.telemetry import jobspans, metrics
+
+logger = logging.getLogger(__name__)
+
+
+class AgentReports:
+    def __init__(
+        self,
+        jobs: book.JobBook,
+        clusters: fleet.Fleet,
+        *,
+        victims: preempting.Preemptions,
+        spans: jobspans.JobSpans,
+        meters: metrics.BrokerMetrics,
+    ) -> None:
+        self.book = jobs
+        self.fleet = clusters
+        self.victims = victims
+        self.spans = spans
+        self.meters = meters
+
+    def _owned(self, cluster: str, job_id: str) -> status.JobRecord | None:
+        record = self.book.latest(job_id)
+        if record is None or record.status.cluster != cluster or record.status.state.terminal:
+            return None
+        return record
+
+    async def _commit(self, drafts: Sequence[status.JobRecord]) -> None:
+        """Commit now; if the store cannot take it now, with the next group commit."""
+        if not drafts:
+            return
+        try:
+            await self.book.commit(drafts)
+        except errors.ConflictError as exc:
+            logger.warning(
+                "report of %d jobs lost a race, records read again: %s", len(drafts), exc
+            )
+        except errors.StoreError as exc:
+            logger.warning("report of %d jobs not committed yet, retrying: %s", len(drafts), exc)
+            for draft in drafts:
+                self.book.commit_soon(draft)
+
+    async def _cancel_stale(self, cluster: str, job_id: str, epoch: int, attempt: int) -> None:
+        await self.fleet.send_cancel(cluster, job_id, epoch=epoch, reason="Stale", attempt=attempt)
+
+    async def accepted(self, cluster: fleet.Cluster, message: messages.Accepted) -> None:
+        async with self.book.lock:
+            record = self._owned(cluster.name, message.job_id)
+            if record is not None and transitions.is_stale(record, message.attempt):
+                await self._cancel_stale(cluster.name, record.id, message.epoch, message.attempt)
+                return
+            flight = cluster.inflight.get(message.job_id)
+            if flight is not None:
+                flight.accepted = True
+            self.spans.answered(message.job_id, accepted=True)
+            if record is None:
+                await self._cancel_stale(
+                    cluster.name, message.job_id, message.epoch, message.attempt
+                )
+                return
+            self.meters.placements.labels(result="accepted").inc()
+            draft = book.draft_of(record)
+            draft.status.pods = [
+                status.PodStatus(name=p.name, task=p.task, node=p.node, gpus=p.gpus)
+                for p in message.pods
+            ]
+            self.book.commit_soon(draft)
+            if record.status.cancel_requested:
+                await self.fleet.send_cancel(
+                    cluster.name,
+                    record.id,
+                    epoch=message.epoch,
+                    reason="Cancelled",
+                    attempt=message.attempt,
+                )
+
+    async def rejected(self, cluster: fleet.Cluster, message: messages.Rejected) -> None:
+        async with self.book.lock:
+            record = self._owned(cluster.name, message.job_id)
+            if record is not None and transitions.is_stale(record, message.attempt):
+                return
+            cluster.inflight.pop(message.job_id, None)
+            self.spans.answered(message.job_id, accepted=False, reasons=message.reasons)
+            if record is None or record.status.state != JobState.DISPATCHED:
+                return
+            self.meters.placements.labels(result="rejected").inc()
+            cluster.rejected[record.id] = cluster.summary.seq if cluster.summary else 0
+            reasons = [f"{cluster.name}: {r}" for r in message.reasons]
+            draft = book.draft_of(record)
+            draft.status.reasons = reasons
+            if draft.status.cancel_requested:
+                transitions.move(draft, JobState.CANCELLED, "Cancelled", "cancelled while offered")
+            else:
+                transitions.requeue(draft, "Rejected", "; ".join(reasons))
+            await self._commit([draft])
+
+    async def job_update(self, cluster: fleet.Cluster, message: messages.JobUpdate) -> None:
+        async with self.book.lock:
+            record = self._owned(cluster.name, message.job_id)
+            if record is None or transitions.is_stale(record, message.attempt):
+                if not message.state.terminal:
+                    await self._cancel_stale(
+                        cluster.name, message.job_id, message.epoch, message.attempt
+                    )
+                return
+            draft = book.draft_of(record)
+            if self._update(draft, message.state, message.reason, message.message, message.pods):
+                self.book.commit_soon(draft)
+
+    def _update(
+        self,
+        draft: status.JobRecord,
+        state: JobState,
+        reason: str,
+        text: str,
+        pods: Sequence[status.PodStatus],
+    ) -> bool:
+        """Change `draft` as the agent's report says; False if nothing changed."""
+        if pods:
+            draft.status.pods = list(pods)
+        current = draft.status.state
+        if state == JobState.RUNNING and current != JobState.RUNNING:
+            transitions.move(draft, JobState.RUNNING, reason or "PodsRunning", text)
+        elif state == JobState.SUCCEEDED:
+            transitions.move(draft, JobState.SUCCEEDED, reason or "Completed", text)
+        elif state == JobState.FAILED:
+            if (
+                reason in transitions.INFRA_REASONS
+                and draft.status.infra_retries < transitions.MAX_INFRA_RETRIES
+            ):
+                draft.status.infra_retries += 1
+                transitions.requeue(draft, reason, f"retrying: {text}")
+            else:
+                transitions.move(draft, JobState.FAILED, reason or "Failed", text)
+        elif state == JobState.CANCELLED:
+            self._stopped(draft, reason or "Evicted", text)
+        elif state == JobState.QUEUED:
+            transitions.requeue(draft, reason or "Requeued", text)
+        elif not pods:
+            return False
+        return True
+
+    def _stopped(self, draft: status.JobRecord, reason: str, text: str) -> None:
+        """The job's pods are gone: cancelled if asked, requeued if preempted or lost."""
+        preempted = self.victims.message_of(draft.id)
+        if draft.status.cancel_requested:
+            transitions.move(draft, JobState.CANCELLED, "Cancelled", text or "pods deleted")
+        elif preempted is not None:
+            transitions.requeue(draft, transitions.PREEMPTED, preempted)
+        else:
+            transitions.requeue(draft, reason, text or "the agent removed the job")
+
+    async def hello(self, cluster: fleet.Cluster, hello: messages.Hello) -> None:
+        """Reconcile what the agent holds with what the broker believes (fencing)."""
+        async with self.book.lock:
+            drafts: dict[str, status.JobRecord] = {}
+            cancels: list[tuple[str, int]] = []  # job, attempt: cancel once committed
+            held = {job.job_id for job in hello.jobs}
+            for job in hello.jobs:
+                record = self._owned(cluster.name, job.job_id)
+                if record is None or transitions.is_stale(record, job.attempt):
+                    held.discard(job.job_id)  # not the attempt the broker runs there
+                    if not job.state.terminal:
+                        await self._cancel_stale(cluster.name, job.job_id, job.epoch, job.attempt)
+                    continue
+                draft = drafts[job.job_id] = book.draft_of(record)
+                draft.status.epoch = cluster.epoch
+                if draft.status.cancel_requested and not job.state.terminal:
+                    cancels.append((job.job_id, job.attempt))
+                elif job.state in (JobState.QUEUED, JobState.DISPATCHED):
+                    draft.status.pods = list(job.pods) or draft.status.pods
+                else:
+                    reason = job.reason or "Reconciled"
+                    self._update(draft, job.state, reason, "state reported on reconnect", job.pods)
+            for record in self.book.on_cluster(cluster.name):
+                if record.status.state not in book.HOLDING or record.id in held:
+                    continue
+                draft = drafts[record.id] = book.draft_of(record)
+                if draft.status.cancel_requested:
+                    transitions.move(
+                        draft, JobState.CANCELLED, "Cancelled", "gone from the cluster"
+                    )
+                else:
+                    if draft.id not in self.victims:
+                        draft.status.infra_retries += 1
+                    self._stopped(draft, "LostByAgent", f"{cluster.name} no longer holds it")
+            await self._commit(list(drafts.values()))
+            for job_id, attempt in cancels:
+                await self.fleet.send_cancel(
+                    cluster.name, job_id, epoch=cluster.epoch, reason="Cancelled", attempt=attempt
+                )
+
+    async def cluster_lost(self, name: str) -> int:
+        """The cluster stayed away past its grace period: run its jobs elsewhere."""
+        async with self.book.lock:
+            drafts = []
+            for record in self.book.on_cluster(name):
+                if record.status.state not in book.HOLDING:
+                    continue
+                draft = book.draft_of(record)
+                if draft.status.cancel_requested:
+                    transitions.move(draft, JobState.CANCELLED, "Cancelled", f"{name} lost")
+                else:
+                    transitions.requeue(draft, "ClusterLost", f"{name} unreachable past its grace")
+                drafts.append(draft)
+            await self._commit(drafts)
+            return len(drafts)

@@ -1,0 +1,139 @@
+"""The job collaborators around one book, and the small read API `http/` uses.
+
+`Jobs` wires the book's collaborators — `requests` (submit, cancel), `reports` (what agents
+say), `dispatcher` (a plan made real), `victims` (preemption), `accounts` (quota holdings) —
+and the observers that follow every committed change (telemetry, holdings, preemptions).
+Handlers read through the methods here, never through the collaborators' attributes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from broker.api import status
+from broker.api.status import JobState
+from broker.jobs import (
+    accounting,
+    book,
+    dispatching,
+    fleet,
+    observing,
+    preempting,
+    reports,
+    requests,
+)
+from broker.planning import quotas, snapshot
+from broker.state import records
+from broker.telemetry import jobspans, metrics
+
+
+class Jobs:
+    def __init__(
+        self, job_store: records.JobStore, clusters: fleet.Fleet, *, meters: metrics.BrokerMetrics
+    ) -> None:
+        self.book = book.JobBook(job_store)
+        self.fleet = clusters
+        self.spans = jobspans.JobSpans()
+        self.accounts = accounting.Accounting(
+            self.book, clusters, is_preempting=lambda job: job in self.victims
+        )
+        self.victims = preempting.Preemptions(
+            self.book, clusters, meters=meters, held_by=self.accounts.held_by
+        )
+        self.requests = requests.Requests(self.book, clusters, meters=meters)
+        self.reports = reports.AgentReports(
+            self.book, clusters, victims=self.victims, spans=self.spans, meters=meters
+        )
+        self.dispatcher = dispatching.Dispatcher(
+            self.book, clusters, accounts=self.accounts, spans=self.spans
+        )
+        self.book.observe(observing.JobTelemetry(self.spans, meters))
+        self.book.observe(self.accounts)
+        self.book.observe(self.victims)
+
+    async def load(self) -> int:
+        """Read every job from the store; returns the revision read at."""
+        return await self.book.load()
+
+    # ---- reading ------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> status.JobRecord | None:
+        return self.book.get(job_id)
+
+    def __iter__(self) -> Iterator[status.JobRecord]:
+        return iter(self.book)
+
+    def __len__(self) -> int:
+        return len(self.book)
+
+    def select(
+        self,
+        *,
+        tenant: str | None,
+        queue: str | None = None,
+        state: JobState | None = None,
+        limit: int = 1000,
+    ) -> list[status.JobRecord]:
+        """Jobs newest first; `tenant` None: every tenant's."""
+        items = [
+            record
+            for record in self.book
+            if (tenant is None or record.tenant == tenant)
+            and (queue is None or record.job.spec.queue == queue)
+            and (state is None or record.status.state == state)
+        ]
+        items.sort(key=lambda r: r.created, reverse=True)
+        return items[: max(0, limit)]
+
+    def waiting(self, job_id: str) -> book.Waiting | None:
+        """Why a queued job was not placed in the latest cycle."""
+        return self.book.waiting(job_id)
+
+    def preempting_message(self, job_id: str) -> str | None:
+        """How the job is being preempted, while it is."""
+        return self.victims.message_of(job_id)
+
+    def holding_per_cluster(self) -> Counter[str]:
+        """Jobs holding GPUs (Dispatched, Running) per cluster."""
+        counts: Counter[str] = Counter()
+        for job_id in self.book.holding():
+            record = self.book.get(job_id)
+            if record is not None and record.status.cluster:
+                counts[record.status.cluster] += 1
+        return counts
+
+    def usage(self) -> quotas.Usage:
+        return self.accounts.usage()
+
+    def running_jobs(self) -> list[snapshot.RunningJob]:
+        return self.accounts.running_jobs()
+
+    def pending(self) -> list[snapshot.PendingJob]:
+        return self.dispatcher.pending()
+
+    def preemptions(self) -> Counter[str]:
+        """Jobs preempted per victim's queue since the broker started."""
+        return Counter(self.victims.counts)
+
+    # ---- changing -----------------------------------------------------------------------
+
+    def new_trace(self) -> tuple[str, str | None]:
+        return self.spans.new_trace()
+
+    async def submit(self, record: status.JobRecord) -> status.JobRecord:
+        return await self.requests.submit(record)
+
+    async def find_idempotent(self, tenant: str, key: str) -> status.JobRecord | None:
+        return await self.book.find_idempotent(tenant, key)
+
+    async def cancel(self, job_id: str) -> status.JobRecord | None:
+        return await self.requests.cancel(job_id)
+
+    async def run_flusher(self) -> None:
+        await self.book.run_flusher()
+
+    async def close(self) -> None:
+        """Write what waits for the group commit (on the way out)."""
+        async with self.book.lock:
+            await self.book.flush()

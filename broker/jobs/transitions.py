@@ -1,0 +1,47 @@
+"""How a draft of a job record changes state: the rules every collaborator of the book shares.
+
+Functions over a draft (`book.JobBook.draft`), nothing else: they record the event and the
+fields that go with it, and the book applies the draft once it is committed. What a move
+causes (metrics, spans, log lines, quota holdings) follows from the committed change, in the
+book's observers (`observing`, `accounting`, `preempting`).
+"""
+
+from __future__ import annotations
+
+from broker.api import status
+from broker.api.status import JobState
+
+# reasons a gang failed that are not the workload's fault: the job is retried elsewhere
+INFRA_REASONS = frozenset({"NodeLost", "Evicted", "PodDeleted", "ClusterLost", "LostByAgent"})
+MAX_INFRA_RETRIES = 3
+PREEMPTED = "Preempted"
+
+
+def move(draft: status.JobRecord, state: JobState, reason: str, message: str = "") -> None:
+    draft.record(state, reason, message)
+
+
+def requeue(draft: status.JobRecord, reason: str, message: str) -> None:
+    """Back to the queue: off its cluster, its pods forgotten."""
+    draft.status.cluster = None
+    draft.status.pods = []
+    draft.record(JobState.QUEUED, reason, message)
+
+
+def dispatch(draft: status.JobRecord, *, cluster: str, epoch: int) -> None:
+    """A new attempt offered to `cluster` in its session `epoch`."""
+    draft.status.cluster = cluster
+    draft.status.epoch = epoch
+    draft.status.attempts += 1
+    draft.status.reasons = []
+    draft.record(JobState.DISPATCHED, "Dispatched", f"offered to {cluster}")
+
+
+def attempt_of(record: status.JobRecord) -> int:
+    """The attempt of the job's latest dispatch, as the agent is told it."""
+    return max(record.status.attempts, 1)
+
+
+def is_stale(record: status.JobRecord, attempt: int) -> bool:
+    """A message about an attempt before the job's latest dispatch: it changes nothing."""
+    return attempt < record.status.attempts

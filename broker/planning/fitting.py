@@ -1,0 +1,239 @@
+"""Does a whole gang fit a cluster, judged from the cluster's summary? Pure.
+
+Called by `planning.plan_cycle` for every (job, cluster) pair, and by `preemption` on scratch
+copies with the victims' GPUs given back. Works on per-model histograms of nodes by whole free
+GPUs, so a check costs O(pods × GPUs per node), never O(nodes). A fit also says how to deduct
+the gang (`assume`), so later decisions in the cycle see it. `models` narrows the GPU models a
+fit may use (the ones the job's queue has quota for, less those held for a reservation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.api import jobs
+from broker.api.queues import ReasonCode
+from broker.planning import snapshot
+
+GPU_MILLI = 1000
+
+
+@dataclass(frozen=True)
+class Take:
+    """One pod's share of a cluster: `gpus` whole GPUs from a node with `from_free` free."""
+
+    model: str
+    rack: str | None
+    from_free: int
+    gpus: int
+    shared_milli: int = 0  # milli taken from partly used GPUs
+    adds_shared: int = 0  # milli a sharing pod leaves free on the whole GPU it opened
+
+
+@dataclass(frozen=True)
+class Fit:
+    cluster: str
+    takes: tuple[Take, ...]
+    leftover: int  # whole GPUs left free on the nodes taken: lower is a tighter fit
+
+    @property
+    def gpus_by_model(self) -> dict[str, int]:
+        """GPUs the fit takes per model (a sharing pod counts one GPU)."""
+        out: dict[str, int] = {}
+        for take in self.takes:
+            count = take.gpus or (1 if take.shared_milli else 0)
+            if count:
+                out[take.model] = out.get(take.model, 0) + count
+        return out
+
+
+@dataclass(frozen=True)
+class NoFit:
+    cluster: str
+    reason: str
+    code: ReasonCode = ReasonCode.CAPACITY
+
+
+def _eligible_models(
+    cluster: snapshot.ClusterCapacity,
+    shape: jobs.PodShape,
+    allowed: frozenset[str] | None = None,
+) -> list[snapshot.ModelCapacity]:
+    return [
+        m
+        for name, m in sorted(cluster.models.items())
+        if (not shape.models or name in shape.models)
+        and (allowed is None or name in allowed)
+        and m.gpu_memory_mib >= shape.min_gpu_memory_mib
+    ]
+
+
+def _take_whole(hist: list[int], gpus: int, *, max_block: int | None = None) -> int | None:
+    """Best fit: the fullest node that still has `gpus` free. Mutates `hist`."""
+    for free in range(gpus, len(hist)):
+        if hist[free] > 0 and (max_block is None or gpus <= max_block):
+            hist[free] -= 1
+            hist[free - gpus] += 1
+            return free
+    return None
+
+
+def _pods_by_size(request: jobs.GangRequest) -> list[jobs.PodShape]:
+    shapes = [shape for _, replicas, shape in request.tasks for _ in range(replicas)]
+    return sorted(shapes, key=lambda s: (-s.gpus, -s.gpu_milli))
+
+
+@dataclass
+class _Gang:
+    """What fitting one gang needs, computed once per (gang, cluster) and reused per rack."""
+
+    pods: list[jobs.PodShape]
+    eligible: dict[jobs.PodShape, list[snapshot.ModelCapacity]]
+    nvlink: bool
+
+    @classmethod
+    def of(
+        cls,
+        cluster: snapshot.ClusterCapacity,
+        request: jobs.GangRequest,
+        allowed: frozenset[str] | None,
+    ) -> _Gang:
+        pods = _pods_by_size(request)
+        eligible = {shape: _eligible_models(cluster, shape, allowed) for shape in set(pods)}
+        return cls(pods, eligible, request.topology.nvlink == jobs.TopologyMode.REQUIRED)
+
+
+def _fit_pods(
+    cluster: snapshot.ClusterCapacity,
+    gang: _Gang,
+    *,
+    rack: str | None,
+    allowed: frozenset[str] | None = None,
+) -> tuple[list[Take], NoFit] | tuple[list[Take], None]:
+    """Try every pod of the gang on scratch histograms; (takes, None) or (partial, why not)."""
+    scratch = {
+        m.model: (list(m.racks[rack]) if rack is not None else list(m.nodes_by_free))
+        for models in gang.eligible.values()
+        for m in models
+        if rack is None or rack in m.racks
+    }
+    shared = {name: m.shared_free_milli for name, m in cluster.models.items()}
+    nvlink = gang.nvlink
+    takes: list[Take] = []
+    for shape in gang.pods:
+        models = [m for m in gang.eligible[shape] if m.model in scratch]
+        if not models:
+            if allowed is not None and _eligible_models(cluster, shape):
+                return takes, NoFit(
+                    cluster.name,
+                    "the GPU models of this cluster the job could use are not available to its "
+                    f"queue here ({'/'.join(m.model for m in _eligible_models(cluster, shape))})",
+                    ReasonCode.QUOTA,
+                )
+            wanted = "/".join(shape.models) or "any"
+            have = "/".join(sorted(cluster.models)) or "none"
+            return takes, NoFit(
+                cluster.name,
+                f"no GPU of model {wanted} with enough memory (has {have})",
+                ReasonCode.GPU_MODEL,
+            )
+        placed = False
+        for m in models:
+            hist = scratch[m.model]
+            if shape.gpus == 0:
+                if sum(hist) > 0:
+                    takes.append(Take(m.model, rack, 0, 0))
+                    placed = True
+                    break
+                continue
+            if shape.gpu_milli < GPU_MILLI:
+                if shared[m.model] >= shape.gpu_milli:
+                    shared[m.model] -= shape.gpu_milli
+                    takes.append(Take(m.model, rack, 0, 0, shape.gpu_milli))
+                    placed = True
+                    break
+                free = _take_whole(hist, 1)
+                if free is not None:
+                    shared[m.model] += GPU_MILLI - shape.gpu_milli
+                    takes.append(
+                        Take(m.model, rack, free, 1, adds_shared=GPU_MILLI - shape.gpu_milli)
+                    )
+                    placed = True
+                    break
+                continue
+            block = m.largest_free_nvlink_block if nvlink and m.largest_free_nvlink_block else None
+            free = _take_whole(hist, shape.gpus, max_block=block)
+            if free is not None:
+                takes.append(Take(m.model, rack, free, shape.gpus))
+                placed = True
+                break
+        if not placed:
+            need = sum(1 for s in gang.pods if s.gpus == shape.gpus)
+            where = f" in rack {rack}" if rack else ""
+            text = (
+                f"needs {need} node(s) with {shape.gpus} free GPU(s) of "
+                f"{'/'.join(m.model for m in models)}{where}; not enough free"
+            )
+            return takes, NoFit(cluster.name, text, ReasonCode.CAPACITY)
+    return takes, None
+
+
+def fit_gang(
+    cluster: snapshot.ClusterCapacity,
+    request: jobs.GangRequest,
+    *,
+    models: frozenset[str] | None = None,
+) -> Fit | NoFit:
+    """Whether the whole gang fits `cluster` now (on `models` only, if given), tightest way."""
+    if not cluster.healthy:
+        return NoFit(cluster.name, "cluster unhealthy", ReasonCode.CLUSTER_UNHEALTHY)
+    gang = _Gang.of(cluster, request, models)
+    takes, miss = _fit_pods(cluster, gang, rack=None, allowed=models)
+    if miss is not None:
+        return miss  # if the whole cluster cannot hold it, no rack of it can
+    anywhere = Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
+    rack_mode = request.topology.rack
+    if rack_mode == jobs.TopologyMode.NONE or request.pods <= 1:
+        return anywhere
+    racks = sorted({r for ms in gang.eligible.values() for m in ms for r in m.racks})
+    best: Fit | None = None
+    for rack in racks:
+        takes, miss = _fit_pods(cluster, gang, rack=rack, allowed=models)
+        if miss is None:
+            fit = Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
+            if best is None or fit.leftover < best.leftover:
+                best = fit
+                if fit.leftover == 0:
+                    break
+    if best is not None:
+        return best
+    if rack_mode == jobs.TopologyMode.REQUIRED:
+        return NoFit(
+            cluster.name,
+            "topology: no single rack has room for the whole gang",
+            ReasonCode.TOPOLOGY,
+        )
+    return anywhere
+
+
+def assume(cluster: snapshot.ClusterCapacity, fit: Fit) -> None:
+    """Deduct a chosen fit from the cluster's capacity (in place, on the cycle's scratch copy)."""
+    for take in fit.takes:
+        model = cluster.models[take.model]
+        if take.shared_milli:
+            model.shared_free_milli = max(0, model.shared_free_milli - take.shared_milli)
+            continue
+        if take.gpus == 0:
+            continue
+        model.shared_free_milli += take.adds_shared
+        for hist in [model.nodes_by_free] + ([model.racks[take.rack]] if take.rack else []):
+            if hist[take.from_free] > 0:
+                hist[take.from_free] -= 1
+                hist[take.from_free - take.gpus] += 1
+        if take.rack is None:
+            # which rack the agent will use is unknown: deduct from the rack that has such a node
+            for hist in model.racks.values():
+                if hist[take.from_free] > 0:
+                    hist[take.from_free] -= 1
+                    hist[take.from_free - take.gpus] += 1
+                    break

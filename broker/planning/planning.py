@@ -1,0 +1,526 @@
+"""Plan one scheduling cycle: which cluster runs each pending job, which running jobs are
+preempted for it, which jobs hold reservations, and why the rest wait. Pure.
+
+Called by `jobs.scheduling.Scheduler` once per cycle with a snapshot of the fleet, the queued
+jobs, the jobs holding GPUs and the queues configuration; the simulator and the benchmarks call
+it the same way. No await, no clock, no I/O (`now` is an input): same inputs, same plan.
+
+Phases:
+0. the ledger: GPUs held per queue and model (`quotas`), the cohorts' capacities;
+1. preemptors whose victims have released their GPUs (a fresh summary shows them free) go
+   first, so the room made for them is theirs;
+2. jobs holding a reservation (`reservation`) go next; the models they hold on their cluster
+   are closed to every other job of the cycle;
+3. the rest, head of queue by head of queue in fair-share order (`fairshare.QueueOrder`):
+   jobs within their queue's guarantee first, then the queue with the lowest dominant share;
+   within a queue, priority then submission time. Each job: admission by quota, then the
+   whole gang fitted on every cluster from its summary (`fitting.fit_gang`, on the models
+   its queue may take), the tightest fit chosen and *assumed* in the snapshot and charged to
+   the queue, so later decisions in the cycle see it;
+4. a job that fits nowhere may preempt (`preemption`: reclaim a guarantee, or a higher
+   priority), within the cycle's budget; it is dispatched in a later cycle, once the victims
+   are gone. Else, past `reserveAfterSeconds`, it gets a reservation. Either way it is a
+   value with its reasons per cluster, each with a code (`ReasonCode`) and plain words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from broker.api import queues as queues_api
+from broker.api.queues import ReasonCode
+from broker.planning import fairshare, fitting, preemption, quotas, reservation, snapshot
+
+FLEET = "fleet"  # the "cluster" of a reason that holds on every cluster
+ROOM_CODES = frozenset(
+    {ReasonCode.CAPACITY, ReasonCode.TOPOLOGY, ReasonCode.FAIR_SHARE, ReasonCode.PRIORITY}
+)
+
+
+@dataclass(frozen=True, order=True)
+class Reason:
+    cluster: str
+    code: ReasonCode
+    message: str
+
+    def text(self) -> str:
+        return f"{self.cluster}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    job_id: str
+    cluster: str
+    takes: tuple[fitting.Take, ...]
+    borrowing: bool = False  # some of its GPUs are above its queue's guarantee
+
+
+@dataclass(frozen=True)
+class Unplaceable:
+    job_id: str
+    reasons: tuple[str, ...]  # "cluster: reason", sorted
+    details: tuple[Reason, ...] = ()  # the same, with their codes
+
+    @classmethod
+    def of(cls, job_id: str, details: Sequence[Reason]) -> Unplaceable:
+        ordered = tuple(sorted(set(details)))
+        return cls(job_id, tuple(r.text() for r in ordered), ordered)
+
+
+@dataclass(frozen=True)
+class Preemption:
+    job_id: str  # the victim
+    preemptor: str
+    cluster: str
+    reason: str  # preemption.RECLAIM | preemption.PRIORITY
+    message: str
+
+
+@dataclass
+class CyclePlan:
+    assignments: list[Assignment] = field(default_factory=list)
+    unplaceable: list[Unplaceable] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)
+    reservations: dict[str, reservation.Reservation] = field(default_factory=dict)
+
+
+def plan_cycle(
+    fleet: snapshot.FleetSnapshot,
+    pending: Sequence[snapshot.PendingJob],
+    *,
+    running: Sequence[snapshot.RunningJob] = (),
+    usage: quotas.Usage | None = None,
+    queues: queues_api.QueuesConfig | None = None,
+    reservations: Mapping[str, reservation.Reservation] | None = None,
+    releasing: Sequence[snapshot.Releasing] = (),
+    now: datetime | None = None,
+    max_assignments: int = 10_000,
+) -> CyclePlan:
+    """Decide one cycle. The fleet snapshot is changed (assumed placements).
+
+    Without `queues` every queue is open and nothing is preempted or reserved; without `now`
+    no time-based rule applies (no reservations, no minimum run time). With `usage` (kept by
+    the shell) `running` is read only when a preemption is searched for, so it may be lazy.
+    """
+    cycle = _Cycle(
+        fleet,
+        pending,
+        running=running,
+        usage=usage,
+        tenancy=quotas.Tenancy(queues),
+        releasing=releasing,
+        now=now,
+        max_assignments=max_assignments,
+    )
+    cycle.run(reservations or {})
+    return cycle.plan
+
+
+class _Cycle:
+    def __init__(
+        self,
+        fleet: snapshot.FleetSnapshot,
+        pending: Sequence[snapshot.PendingJob],
+        *,
+        running: Sequence[snapshot.RunningJob],
+        usage: quotas.Usage | None,
+        tenancy: quotas.Tenancy,
+        releasing: Sequence[snapshot.Releasing],
+        now: datetime | None,
+        max_assignments: int,
+    ) -> None:
+        self.fleet = fleet
+        self.pristine = fleet.copy()
+        self.pending = {job.job_id: job for job in pending}
+        self.tenancy = tenancy
+        self.policy = tenancy.policy
+        self.now = now
+        self.max_assignments = max_assignments
+        self.ledger = quotas.Ledger.build(tenancy, running, fleet.total_gpus(), usage=usage)
+        self.fleet_models = frozenset(m for c in fleet.clusters.values() for m in c.models)
+        self.search = preemption.Search(
+            tenancy=tenancy,
+            ledger=self.ledger,
+            running=running,
+            now=now,
+            budget=self.policy.max_preemptions_per_cycle,
+            taken=set(),
+            releasing={},
+        )
+        # GPUs of victims not yet stopped: their queues no longer count them as borrowed
+        stopping = [(r.queue, r.gpus) for r in releasing if r.gpus]
+        if usage is None and not stopping:
+            stopping = [(job.queue, job.gpus) for job in running if job.preempting]
+        for queue, gpus in stopping:
+            held = self.search.releasing.setdefault(queue, {})
+            for model, count in gpus.items():
+                held[model] = held.get(model, 0) + count
+        self.waiting: dict[str, set[str]] = {}
+        released: set[str] = set()
+        for item in releasing:
+            if item.released:
+                released.add(item.preemptor)
+            else:
+                self.waiting.setdefault(item.preemptor, set()).add(item.cluster)
+        self.nominated = sorted(
+            (self.pending[p] for p in released - set(self.waiting) if p in self.pending),
+            key=self._in_queue_order,
+        )
+        self.taken_by: dict[str, set[str]] = {}
+        self.reservations: dict[str, reservation.Reservation] = {}
+        self.plan = CyclePlan()
+
+    # ---- the phases -------------------------------------------------------------------
+
+    def run(self, previous: Mapping[str, reservation.Reservation]) -> None:
+        kept = sorted(
+            (
+                r
+                for r in previous.values()
+                if r.job_id in self.pending and r.cluster in self.fleet.clusters
+            ),
+            key=lambda r: (r.since, r.job_id),
+        )
+        self.reservations = {r.job_id: r for r in kept}
+        self.plan.reservations = self.reservations
+        handled: set[str] = set()
+        for job in self.nominated:
+            handled.add(job.job_id)
+            if not self._handle(job):
+                return
+        for item in kept:
+            if item.job_id in handled:
+                continue
+            handled.add(item.job_id)
+            if not self._handle(self.pending[item.job_id]):
+                return
+        by_queue: dict[str, list[snapshot.PendingJob]] = {}
+        for waiting in self.pending.values():
+            if waiting.job_id not in handled:
+                by_queue.setdefault(waiting.queue, []).append(waiting)
+        order = fairshare.QueueOrder(by_queue, key=self._queue_key, priority=self._priority)
+        while (head := order.pop()) is not None:
+            if not self._handle(head):
+                return
+            order.advance(head.queue)
+
+    def _handle(self, job: snapshot.PendingJob) -> bool:
+        """Place or explain one job; False once the cycle may assign no more."""
+        if len(self.plan.assignments) >= self.max_assignments:
+            return False
+        if self._place(job):
+            self.reservations.pop(job.job_id, None)
+        return True
+
+    def _priority(self, job: snapshot.PendingJob) -> int:
+        return self.tenancy.priority_of(job.queue, job.priority, job.priority_class)
+
+    def _in_queue_order(self, job: snapshot.PendingJob) -> tuple[int, datetime, str]:
+        return fairshare.order_in_queue(job, self._priority(job))
+
+    def _queue_key(self, head: snapshot.PendingJob) -> tuple[int, float]:
+        gpus = head.request.gpus
+        within = any(
+            self.ledger.check(head.queue, model, gpus) is True
+            for model in quotas.allowed_models(head.request, self.fleet_models)
+        )
+        return (0 if within else 1, fairshare.dominant_share(self.ledger, head.queue))
+
+    # ---- one job ----------------------------------------------------------------------
+
+    def _blocked(self, cluster: str, job_id: str) -> tuple[frozenset[str], str | None]:
+        """Models of `cluster` held for another job's reservation, and the oldest holder."""
+        models: set[str] = set()
+        holder = None
+        for item in self.reservations.values():
+            if item.cluster == cluster and item.job_id != job_id:
+                models |= item.models
+                holder = holder or item.job_id
+        return frozenset(models), holder
+
+    def _place(self, job: snapshot.PendingJob) -> bool:
+        admission = self.ledger.admit(job.queue, job.request, self.fleet_models)
+        reasons: list[Reason] = []
+        if not admission.admissible and admission.misses:
+            reasons = [Reason(FLEET, m.code, m.message) for m in admission.misses]
+            self.plan.unplaceable.append(Unplaceable.of(job.job_id, reasons))
+            return False
+        best: fitting.Fit | None = None
+        for name in sorted(self.fleet.clusters):
+            cluster = self.fleet.clusters[name]
+            if name in job.excluded:
+                reasons.append(
+                    Reason(
+                        name,
+                        ReasonCode.REJECTED,
+                        "rejected the job; waiting for a fresh summary",
+                    )
+                )
+                continue
+            blocked, holder = self._blocked(name, job.job_id)
+            models = admission.admissible - blocked
+            if blocked and not models and admission.admissible & cluster.models.keys():
+                held = self.reservations[holder] if holder else None
+                since = f" since {held.since:%H:%M:%S}" if held else ""
+                reasons.append(
+                    Reason(
+                        name,
+                        ReasonCode.WAITING_FOR_RESERVATION,
+                        f"its {'/'.join(sorted(blocked))} GPUs are held for job {holder}, "
+                        f"reserved{since}; other jobs go elsewhere until it runs",
+                    )
+                )
+                continue
+            result = fitting.fit_gang(cluster, job.request, models=models)
+            if isinstance(result, fitting.NoFit):
+                reasons.append(Reason(name, result.code, result.reason))
+            elif best is None or self._rank(result) < self._rank(best):
+                best = result
+        if best is not None:
+            self._assign(job, best, admission)
+            return True
+        if not self.fleet.clusters:
+            reasons.append(Reason(FLEET, ReasonCode.NO_CLUSTERS, "no member cluster is connected"))
+        reasons = self._explain_taken(job, reasons, admission)
+        reasons += self._make_room(job, reasons, admission)
+        self.plan.unplaceable.append(Unplaceable.of(job.job_id, reasons))
+        return False
+
+    def _rank(self, fit: fitting.Fit) -> tuple[int, int, str]:
+        """Tightest fit first (fewest whole GPUs left idle on the nodes it breaks into), then
+        the busiest cluster (keeps the emptiest whole for big gangs), then the name."""
+        return (fit.leftover, self.fleet.clusters[fit.cluster].free_gpus, fit.cluster)
+
+    def _assign(
+        self, job: snapshot.PendingJob, fit: fitting.Fit, admission: quotas.Admission
+    ) -> None:
+        fitting.assume(self.fleet.clusters[fit.cluster], fit)
+        gpus = fit.gpus_by_model
+        borrowing = any(model not in admission.within for model in gpus)
+        self.ledger.charge(job.queue, gpus)
+        self.ledger.job_counts[job.queue] = self.ledger.job_counts.get(job.queue, 0) + 1
+        self.taken_by.setdefault(fit.cluster, set()).add(job.queue)
+        self.plan.assignments.append(Assignment(job.job_id, fit.cluster, fit.takes, borrowing))
+
+    def _explain_taken(
+        self, job: snapshot.PendingJob, reasons: list[Reason], admission: quotas.Admission
+    ) -> list[Reason]:
+        """A cluster that had room before this cycle's placements: say who took it."""
+        out = []
+        for reason in reasons:
+            takers = self.taken_by.get(reason.cluster)
+            if reason.code != ReasonCode.CAPACITY or not takers:
+                out.append(reason)
+                continue
+            blocked, _ = self._blocked(reason.cluster, job.job_id)
+            before = self.pristine.clusters[reason.cluster]
+            fit = fitting.fit_gang(before, job.request, models=admission.admissible - blocked)
+            if not isinstance(fit, fitting.Fit):
+                out.append(reason)
+                continue
+            others = sorted(takers - {job.queue})
+            if others:
+                out.append(
+                    Reason(
+                        reason.cluster,
+                        ReasonCode.FAIR_SHARE,
+                        "its free GPUs went this cycle to jobs ahead in the fair-share order "
+                        f"(queues {', '.join(others)}: within their guarantee or with a lower "
+                        "share)",
+                    )
+                )
+            else:
+                out.append(
+                    Reason(
+                        reason.cluster,
+                        ReasonCode.PRIORITY,
+                        f"its free GPUs went this cycle to jobs of queue {job.queue} with a "
+                        "higher priority or submitted earlier",
+                    )
+                )
+        return out
+
+    def _make_room(
+        self, job: snapshot.PendingJob, reasons: list[Reason], admission: quotas.Admission
+    ) -> list[Reason]:
+        """Preempt for the job, or reserve for it, or say why neither; the reasons to add."""
+        out: list[Reason] = []
+        own = self.reservations.get(job.job_id)
+        if own is not None:
+            out.append(
+                Reason(
+                    own.cluster,
+                    ReasonCode.WAITING_FOR_RESERVATION,
+                    f"reserved for this job since {own.since:%H:%M:%S}: its "
+                    f"{'/'.join(sorted(own.models))} GPUs take no new work until it fits",
+                )
+            )
+        if job.job_id in self.waiting:
+            # the room being made is its: count it, so its queue's next jobs do not reclaim it
+            models = sorted(admission.within or admission.admissible)
+            if models:
+                self.ledger.charge(job.queue, {models[0]: job.request.gpus})
+            for cluster in sorted(self.waiting[job.job_id]):
+                out.append(
+                    Reason(
+                        cluster,
+                        ReasonCode.WAITING_FOR_PREEMPTION,
+                        "jobs preempted for it are releasing their GPUs; it goes first once "
+                        "the cluster reports them free",
+                    )
+                )
+            return out
+        room = [r.cluster for r in reasons if r.code in ROOM_CODES and r.cluster != FLEET]
+        if not room or not admission.admissible:
+            return out
+        acted = self._preempt(job, room, admission, out)
+        if acted:
+            return out
+        if admission.tier == 1 and self.tenancy.config.queues:
+            share = fairshare.dominant_share(self.ledger, job.queue)
+            out.append(
+                Reason(
+                    FLEET,
+                    ReasonCode.FAIR_SHARE,
+                    f"queue {job.queue} is at or above its guarantee (dominant share "
+                    f"{share:.2f}, weight {self.tenancy.weight(job.queue):g}): this job "
+                    "borrows idle GPUs only, after jobs within their guarantee and queues "
+                    "with a lower share, and does not preempt to borrow",
+                )
+            )
+        if own is None:
+            out += self._reserve(job, admission)
+        return out
+
+    def _preempt(
+        self,
+        job: snapshot.PendingJob,
+        room: Sequence[str],
+        admission: quotas.Admission,
+        out: list[Reason],
+    ) -> bool:
+        if self.policy.max_preemptions_per_cycle <= 0:
+            return False
+        preemptor = preemption.Preemptor(
+            job=job,
+            priority=self._priority(job),
+            models=admission.admissible,
+            reclaim_models=admission.within,
+            preempts_lower=self.tenancy.preempts(job.queue, job.priority_class),
+        )
+        clusters = [c for c in room if not self._blocked(c, job.job_id)[0]]
+        if self.search.budget <= 0:
+            if self.search.may_act(preemptor):
+                out.append(
+                    Reason(
+                        FLEET,
+                        ReasonCode.PREEMPTION_BUDGET,
+                        f"this cycle's preemption budget "
+                        f"({self.policy.max_preemptions_per_cycle}) is spent; it may "
+                        "preempt next cycle",
+                    )
+                )
+            return False
+        outcome = preemption.choose_victims(self.search, self.fleet, preemptor, clusters=clusters)
+        if isinstance(outcome, preemption.Refusal):
+            out.append(Reason(FLEET, outcome.code, outcome.message))
+            return False
+        if outcome is None:
+            if admission.within:
+                out.append(
+                    Reason(
+                        FLEET,
+                        ReasonCode.CAPACITY,
+                        f"queue {job.queue} is within its guarantee for this job, but no "
+                        "other queue borrows GPUs it could reclaim and no lower-priority job "
+                        "may be preempted for it",
+                    )
+                )
+            return False
+        self.search.record(outcome)
+        model = next(iter(outcome.victims[0].job.gpus))
+        self.ledger.charge(job.queue, {model: job.request.gpus})
+        names = []
+        for victim in outcome.victims:
+            why = (
+                f"reclaim the guaranteed quota of queue {job.queue}"
+                if victim.reason == preemption.RECLAIM
+                else f"make room for priority {preemptor.priority} over {victim.priority}"
+            )
+            self.plan.preemptions.append(
+                preemption_of(victim, preemptor=job.job_id, cluster=outcome.cluster, why=why)
+            )
+            names.append(victim.job.job_id)
+        kinds = {v.reason for v in outcome.victims}
+        purpose = (
+            f"to reclaim the guaranteed quota of queue {job.queue}"
+            if kinds == {preemption.RECLAIM}
+            else "for its higher priority"
+            if kinds == {preemption.PRIORITY}
+            else f"to reclaim queue {job.queue}'s guarantee and for its higher priority"
+        )
+        out.append(
+            Reason(
+                outcome.cluster,
+                ReasonCode.WAITING_FOR_PREEMPTION,
+                f"preempting {len(names)} job(s) there {purpose}: {', '.join(names)}; it is "
+                "placed once their GPUs are free",
+            )
+        )
+        return True
+
+    def _reserve(self, job: snapshot.PendingJob, admission: quotas.Admission) -> list[Reason]:
+        after = self.policy.reserve_after_seconds
+        if not reservation.is_due(job, now=self.now, after=after) or self.now is None:
+            return []
+        if self.policy.max_reservations <= 0:
+            return []
+        if len(self.reservations) >= self.policy.max_reservations:
+            holders = ", ".join(sorted(self.reservations)) or "none"
+            return [
+                Reason(
+                    FLEET,
+                    ReasonCode.WAITING_FOR_RESERVATION,
+                    f"waiting over {after:g}s; the fleet's reservations "
+                    f"({self.policy.max_reservations}) are held by {holders}: it gets one "
+                    "after them",
+                )
+            ]
+        held = reservation.held_models(self.reservations.values())
+        chosen = reservation.choose_cluster(
+            self.fleet, job.request, models=admission.admissible, held=held
+        )
+        if chosen is None:
+            return [
+                Reason(
+                    FLEET,
+                    ReasonCode.WAITING_FOR_RESERVATION,
+                    f"waiting over {after:g}s, but every cluster it fits is reserved for an "
+                    "older job; it gets one next",
+                )
+            ]
+        cluster, models = chosen
+        item = reservation.Reservation(job.job_id, cluster, models, self.now)
+        self.reservations[job.job_id] = item
+        return [
+            Reason(
+                cluster,
+                ReasonCode.WAITING_FOR_RESERVATION,
+                f"reserved for this job since {self.now:%H:%M:%S} (waiting over {after:g}s): "
+                f"its {'/'.join(sorted(models))} GPUs take no new work until it fits",
+            )
+        ]
+
+
+def preemption_of(
+    victim: preemption.Victim, *, preemptor: str, cluster: str, why: str
+) -> Preemption:
+    return Preemption(
+        job_id=victim.job.job_id,
+        preemptor=preemptor,
+        cluster=cluster,
+        reason=victim.reason,
+        message=f"preempted for job {preemptor} to {why}",
+    )

@@ -1,0 +1,113 @@
+"""Reservations against starvation: a job waiting too long gets a cluster held for it. Pure.
+
+Called by `planning.plan_cycle`. A job that is admitted by its quota but has found no room for
+`policy.reserveAfterSeconds` since it (re)entered the queue gets a reservation: one cluster
+whose GPU models it may use are held for it. From then on, every cycle:
+
+1. the reserved job is tried first (on any cluster; its reservation ends when it is placed);
+2. while it waits, no other job is placed on the reserved models of that cluster, and no job
+   preempts there for anyone else. Work already running there finishes and is not replaced,
+   so the job is placed within the longest remaining run time of that work.
+
+Small jobs *backfill* everywhere else: other clusters, and the other GPU models of the
+reserved cluster — never where they would delay the reserved job. (Without run-time
+estimates the broker cannot tell which small job ends in time, so the reserved pool is not
+backfilled at all.)
+
+At most `policy.maxReservations` jobs (default 1) hold one at a time, the first due in the
+cycle's order first, so a reservation never drains the fleet. The cluster chosen is one the
+whole gang fits when empty, not reserved by an older
+reservation for the same models, with the most GPUs of those models free now (the least to
+wait for); then by name. A reservation lapses when its job is no longer pending or its
+cluster leaves the fleet; it is made again when due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from broker.api import jobs
+from broker.planning import fitting, snapshot
+
+
+@dataclass(frozen=True)
+class Reservation:
+    job_id: str
+    cluster: str
+    models: frozenset[str]
+    since: datetime
+
+
+def is_due(job: snapshot.PendingJob, *, now: datetime | None, after: float | None) -> bool:
+    if now is None or after is None:
+        return False
+    return (now - job.waiting_since).total_seconds() >= after
+
+
+def empty_like(cluster: snapshot.ClusterCapacity) -> snapshot.ClusterCapacity:
+    """The cluster with every GPU free: whether a gang could ever fit there."""
+    models = {}
+    for name, model in cluster.models.items():
+        size = model.gpus_per_node or len(model.nodes_by_free) - 1
+        nodes = model.total_gpus // size if size else 0
+        hist = [0] * (size + 1)
+        if size:
+            hist[size] = nodes
+        racks: dict[str, list[int]] = {}
+        for rack, counts in model.racks.items():
+            rack_hist = [0] * (size + 1)
+            if size:
+                rack_hist[size] = sum(counts)
+            racks[rack] = rack_hist
+        models[name] = snapshot.ModelCapacity(
+            model=name,
+            gpu_memory_mib=model.gpu_memory_mib,
+            nodes_by_free=hist,
+            shared_free_milli=0,
+            largest_free_nvlink_block=max(model.largest_free_nvlink_block, size),
+            racks=racks,
+            gpus_per_node=model.gpus_per_node,
+            total_gpus=model.total_gpus,
+        )
+    return snapshot.ClusterCapacity(cluster.name, cluster.healthy, models, cluster.summary_seq)
+
+
+def held_models(
+    reservations: Iterable[Reservation], *, but: str | None = None
+) -> dict[str, set[str]]:
+    """cluster -> models held by the reservations (other than job `but`'s)."""
+    out: dict[str, set[str]] = {}
+    for item in reservations:
+        if item.job_id != but:
+            out.setdefault(item.cluster, set()).update(item.models)
+    return out
+
+
+def choose_cluster(
+    fleet: snapshot.FleetSnapshot,
+    request: jobs.GangRequest,
+    *,
+    models: frozenset[str],
+    held: Mapping[str, set[str]],
+) -> tuple[str, frozenset[str]] | None:
+    """The cluster to reserve for `request` on `models`, and the models to hold there."""
+    best: tuple[int, str, frozenset[str]] | None = None
+    for name in sorted(fleet.clusters):
+        cluster = fleet.clusters[name]
+        if not cluster.healthy:
+            continue
+        usable = models - held.get(name, set())
+        if not usable:
+            continue
+        fit = fitting.fit_gang(empty_like(cluster), request, models=usable)
+        if not isinstance(fit, fitting.Fit):
+            continue
+        hold = frozenset(m for m in usable if m in cluster.models)
+        free = sum(cluster.models[m].free_gpus for m in hold)
+        if best is None or (-free, name) < (best[0], best[1]):
+            best = (-free, name, hold)
+    if best is None:
+        return None
+    return best[1], best[2]

@@ -1,0 +1,163 @@
+"""What the planner sees: each cluster's free capacity (from its agent's summary), the queued
+jobs, the jobs holding GPUs, and the preemption victims still releasing theirs.
+
+Built by the scheduling shell (`jobs.scheduling`) from the fleet and the job book, then
+changed only by `assume` inside one planning cycle (a scratch copy), so decisions later in the
+cycle see earlier ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from broker.api import inventory, jobs
+
+
+@dataclass
+class ModelCapacity:
+    model: str
+    gpu_memory_mib: int
+    nodes_by_free: list[int]
+    shared_free_milli: int
+    largest_free_nvlink_block: int
+    racks: dict[str, list[int]]
+    gpus_per_node: int = 8
+    total_gpus: int = 0
+
+    @classmethod
+    def from_summary(cls, summary: inventory.ModelSummary) -> ModelCapacity:
+        return cls(
+            model=summary.model,
+            gpu_memory_mib=summary.gpu_memory_mib,
+            nodes_by_free=list(summary.nodes_by_free),
+            shared_free_milli=summary.shared_free_milli,
+            largest_free_nvlink_block=summary.largest_free_nvlink_block,
+            racks={rack: list(hist) for rack, hist in summary.racks.items()},
+            gpus_per_node=summary.gpus_per_node,
+            total_gpus=summary.total_gpus or sum(summary.nodes_by_free) * summary.gpus_per_node,
+        )
+
+    def copy(self) -> ModelCapacity:
+        return dataclasses.replace(
+            self,
+            nodes_by_free=list(self.nodes_by_free),
+            racks={rack: list(hist) for rack, hist in self.racks.items()},
+        )
+
+    @property
+    def free_gpus(self) -> int:
+        return sum(k * n for k, n in enumerate(self.nodes_by_free))
+
+
+@dataclass
+class ClusterCapacity:
+    name: str
+    healthy: bool
+    models: dict[str, ModelCapacity] = field(default_factory=dict)
+    summary_seq: int = 0
+
+    @classmethod
+    def from_summary(cls, summary: inventory.ClusterSummary, *, healthy: bool) -> ClusterCapacity:
+        return cls(
+            name=summary.cluster,
+            healthy=healthy,
+            models={m.model: ModelCapacity.from_summary(m) for m in summary.models},
+            summary_seq=summary.seq,
+        )
+
+    @property
+    def free_gpus(self) -> int:
+        return sum(m.free_gpus for m in self.models.values())
+
+    def copy(self) -> ClusterCapacity:
+        return ClusterCapacity(
+            name=self.name,
+            healthy=self.healthy,
+            models={name: m.copy() for name, m in self.models.items()},
+            summary_seq=self.summary_seq,
+        )
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    """A queued job as the planner sees it."""
+
+    job_id: str
+    queue: str
+    priority: int
+    created: datetime
+    request: jobs.GangRequest
+    excluded: frozenset[str] = frozenset()  # clusters that rejected it and have not refreshed
+    priority_class: str | None = None
+    queued_since: datetime | None = None  # last time it (re)entered the queue; None: created
+
+    @property
+    def waiting_since(self) -> datetime:
+        return self.queued_since or self.created
+
+
+@dataclass(frozen=True)
+class PodSlot:
+    """A pod of a running job: its node and the whole GPUs it holds there."""
+
+    node: str
+    gpus: int
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A job holding GPUs (Dispatched or Running) as the planner sees it."""
+
+    job_id: str
+    queue: str
+    priority: int
+    cluster: str
+    gpus: dict[str, int]  # GPU model -> GPUs held (a sharing pod counts one GPU)
+    pods: tuple[PodSlot, ...] = ()
+    started: datetime | None = None  # when it last started running; None: not running yet
+    created: datetime | None = None
+    priority_class: str | None = None
+    preempting: bool = False  # a preemption was sent: not a victim again
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(self.gpus.values())
+
+
+@dataclass(frozen=True)
+class Releasing:
+    """A preemption victim whose GPUs the preemptor waits for.
+
+    `released` turns true once the victim's agent confirmed its pods gone and then sent a
+    fresh summary: the freed GPUs are in the snapshot and the preemptor goes first.
+    """
+
+    victim: str
+    preemptor: str
+    cluster: str
+    released: bool = False
+    queue: str = ""  # the victim's queue
+    gpus: dict[str, int] = field(default_factory=dict)  # GPUs it still holds (not yet stopped)
+
+
+@dataclass
+class FleetSnapshot:
+    clusters: dict[str, ClusterCapacity]
+
+    @classmethod
+    def build(cls, clusters: Sequence[ClusterCapacity]) -> FleetSnapshot:
+        return cls(clusters={c.name: c for c in clusters})
+
+    def copy(self) -> FleetSnapshot:
+        return FleetSnapshot(clusters={name: c.copy() for name, c in self.clusters.items()})
+
+    def total_gpus(self) -> dict[str, int]:
+        """GPUs per model over every cluster of the snapshot (free or not)."""
+        out: dict[str, int] = {}
+        for cluster in self.clusters.values():
+            for name, model in cluster.models.items():
+                out[name] = out.get(name, 0) + model.total_gpus
+        return out

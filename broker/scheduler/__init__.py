@@ -1,1 +1,0 @@
-"""Scheduling: the pure planning core (which cluster for each job) and its async shell."""

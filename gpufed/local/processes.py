@@ -1,0 +1,235 @@
+"""Start and stop gpufed processes (broker, agents) on loopback: for the demo and the e2e tests.
+
+Each service is a real child process (`python -m gpufed.cli ...`) with its own log file;
+`LocalFleet` waits until the broker answers and every agent's cluster is Ready, and stops
+everything (SIGTERM, then SIGKILL) on the way out. Not the broker's `Fleet` (every cluster
+the broker has heard of): this one is a set of local processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from gpufed import client
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config_dir() -> Path:
+    """The example configs: the checkout's config/ or the copy shipped in the package."""
+    for candidate in (REPO / "config", Path(__file__).resolve().parents[1] / "config"):
+        if (candidate / "clusters").is_dir():
+            return candidate
+    raise FileNotFoundError("gpufed: no config/clusters directory found")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Service:
+    name: str
+    process: asyncio.subprocess.Process
+    log: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    async def stop(self, *, timeout: float = 10.0, sig: int = signal.SIGTERM) -> None:
+        if self.process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(sig)
+        try:
+            await asyncio.wait_for(self.process.wait(), timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            await self.process.wait()
+
+    def tail(self, lines: int = 20) -> str:
+        if not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+async def spawn(
+    name: str, args: list[str], *, workdir: Path, env: dict[str, str] | None = None
+) -> Service:
+    log = workdir / f"{name}.log"
+    handle = log.open("ab")
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "gpufed.cli",
+            *args,
+            stdout=handle,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=workdir,
+        )
+    finally:
+        handle.close()
+    return Service(name, process, log)
+
+
+@dataclass
+class LocalFleet:
+    """A broker and its agents, each a process, sharing one work directory."""
+
+    workdir: Path
+    store: str = ""
+    heartbeat: float = 1.0
+    lost_after: float = 10.0
+    port: int = 0
+    broker: Service | None = None
+    agents: dict[str, Service] = field(default_factory=dict)
+    tokens: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)
+    queues: Path | None = None  # the broker's queues file (--queues)
+    cycle_interval: float | None = None  # the broker's --cycle-interval
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def write_tokens(self, *, tenants: list[str], clusters: list[str]) -> Path:
+        entries: list[dict[str, object]] = []
+        for tenant in tenants:
+            self.tokens[tenant] = secrets.token_urlsafe(24)
+            entries.append({"token": self.tokens[tenant], "tenant": tenant})
+        for cluster in clusters:
+            token = secrets.token_urlsafe(24)
+            self.tokens[f"agent:{cluster}"] = token
+            (self.workdir / f"{cluster}.token").write_text(token + "\n")
+            entries.append({"token": token, "agent": cluster})
+        self.tokens["admin"] = secrets.token_urlsafe(24)
+        entries.append({"token": self.tokens["admin"], "admin": True})
+        path = self.workdir / "tokens.yaml"
+        path.write_text(yaml.safe_dump({"tokens": entries}))
+        return path
+
+    async def start_broker(self) -> Service:
+        if not self.port:
+            self.port = free_port()
+        store = self.store or f"sqlite:///{self.workdir / 'broker.db'}"
+        self.broker = await spawn(
+            "broker",
+            [
+                "broker",
+                "--store",
+                store,
+                "--tokens",
+                str(self.workdir / "tokens.yaml"),
+                "--port",
+                str(self.port),
+                "--heartbeat",
+                str(self.heartbeat),
+                "--lost-after",
+                str(self.lost_after),
+                *(["--queues", str(self.queues)] if self.queues else []),
+                *(
+                    ["--cycle-interval", str(self.cycle_interval)]
+                    if self.cycle_interval is not None
+                    else []
+                ),
+            ],
+            workdir=self.workdir,
+            env=self.env,
+        )
+        await self.wait_http("/readyz", self.broker)
+        return self.broker
+
+    async def start_agent(
+        self, cluster: str, nodes: Path | None, *extra: str, backend: str = "simulated"
+    ) -> Service:
+        """An agent process; `nodes` for the simulated backend, `extra` flags for others."""
+        where = ["--nodes", str(nodes)] if nodes is not None else []
+        service = await spawn(
+            f"agent-{cluster}",
+            [
+                "agent",
+                "--broker",
+                self.url,
+                "--cluster",
+                cluster,
+                "--token-file",
+                str(self.workdir / f"{cluster}.token"),
+                "--backend",
+                backend,
+                *where,
+                *extra,
+            ],
+            workdir=self.workdir,
+            env=self.env,
+        )
+        self.agents[cluster] = service
+        return service
+
+    async def start_simulated(
+        self, clusters: list[str], *, tenants: list[str] | None = None
+    ) -> None:
+        """Tokens, a broker, and one agent per cluster on its shipped description
+        (`config/clusters/NAME.yaml`), all Ready."""
+        self.write_tokens(tenants=tenants or ["team-a"], clusters=clusters)
+        await self.start_broker()
+        for cluster in clusters:
+            await self.start_agent(cluster, config_dir() / "clusters" / f"{cluster}.yaml")
+        await self.wait_clusters_ready(clusters)
+
+    async def wait_http(self, path: str, service: Service, *, timeout: float = 30.0) -> None:
+        import aiohttp
+
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if not service.alive:
+                    raise RuntimeError(f"{service.name} exited:\n{service.tail()}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{self.url}{path}") as response:
+                        if response.status == 200:
+                            return
+                await asyncio.sleep(0.05)
+        raise TimeoutError(f"{service.name} not ready after {timeout}s:\n{service.tail()}")
+
+    def client(self, tenant: str) -> client.BrokerClient:
+        return client.BrokerClient(self.url, self.tokens[tenant])
+
+    async def wait_clusters_ready(self, names: list[str], *, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with self.client("admin") as api:
+            while time.monotonic() < deadline:
+                items = {c["name"]: c for c in await api.clusters()}
+                if all(items.get(n, {}).get("health") == "Ready" for n in names):
+                    return
+                for name in names:
+                    agent = self.agents.get(name)
+                    if agent is not None and not agent.alive:
+                        raise RuntimeError(f"{agent.name} exited:\n{agent.tail()}")
+                await asyncio.sleep(0.05)
+        raise TimeoutError(f"clusters {names} not Ready after {timeout}s")
+
+    async def stop(self) -> None:
+        for agent in self.agents.values():
+            await agent.stop()
+        if self.broker is not None:
+            await self.broker.stop()

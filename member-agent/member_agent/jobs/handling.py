@@ -1,0 +1,398 @@
+"""The agent's job controller: what it does with offers, cancels and pod events.
+
+`JobHandler` is driven by the session (`session.connecting.Connector`) and by the backend's
+event stream (`app.run_agent`); it owns the job table (`table`), which starts with the jobs
+found in the cluster (`adopt`, see `adopting`). Offers and cancels are handled one at a time
+under `lock`, so two offers never book the same GPUs. An offer goes through four steps, each a
+method of its own: check (`_check`: the gang's shape, the limits file and the namespace's
+ResourceQuotas, `placement.limits.check_gpus`), place (`_place`: `placement.gang.place_gang` on
+the live inventory, through `placing.Placer`), bind (`_bind`: `binding.create_gang`,
+all-or-nothing) and reply (`_accept` / `_reject`). Pod events move jobs through Running,
+Succeeded and Failed; a failed gang has its remaining pods deleted (`deleting.Deleter`). No
+socket here: replies leave through `reply`, job updates through `updating.Updater`.
+
+Attempts: an offer of the attempt the table holds is a re-send, answered with the same pods
+(and the final state, if reached); one of a later attempt (the broker runs the job again: a
+retry, a preemption, a lost cluster) deletes the earlier attempt's live pods, drops its record
+and is placed as new, its pods named for the attempt (`broker.api.jobs.pod_name`); one of an
+earlier attempt is rejected (`check_fresh`). A cancel stops only the attempt it names (or an
+earlier one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from prometheus_client import Histogram
+
+from broker.api import jobs, messages, status
+from member_agent.binding import binding
+from member_agent.cluster import base
+from member_agent.jobs import adopting, deleting, placing, table, updating
+from member_agent.placement import gang, limits
+
+logger = logging.getLogger(__name__)
+tracer = trace.get_tracer("member_agent.jobs")
+
+Reply = Callable[[messages.Message], None]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """An offer turned down: the result `JobHandler.offers` counts, and the reasons sent."""
+
+    result: str  # stale, invalid, limit, unplaceable, binding_failed
+    reasons: list[str]
+
+
+def check_fresh(
+    offer: messages.Offer, held: table.TrackedJob | None, *, session_epoch: int
+) -> Rejection | None:
+    """A stale offer's rejection: one of another session, or of an attempt older than the
+    one the table holds. None when the offer is current."""
+    if offer.epoch != session_epoch:
+        return Rejection("stale", [f"stale epoch {offer.epoch}: this session is {session_epoch}"])
+    if held is not None and held.attempt > offer.attempt:
+        return Rejection(
+            "stale", [f"stale attempt {offer.attempt}: this cluster holds attempt {held.attempt}"]
+        )
+    return None
+
+
+def _make_record(
+    offer: messages.Offer, requests: Sequence[base.PodRequest], *, request: jobs.GangRequest
+) -> table.TrackedJob:
+    """The table's record of an offer whose pods are about to be created."""
+    return table.TrackedJob(
+        job_id=offer.job_id,
+        epoch=offer.epoch,
+        namespace=offer.job.metadata.namespace,
+        gpus=request.gpus,
+        min_member=request.min_member,
+        traceparent=offer.traceparent,
+        attempt=offer.attempt,
+        pods={
+            r.name: status.PodStatus(name=r.name, task=r.task, node=r.node, gpus=list(r.gpus))
+            for r in requests
+        },
+    )
+
+
+def _extract_context(offer: messages.Offer) -> Context:
+    return propagate.extract({"traceparent": offer.traceparent or ""})
+
+
+def _trace_id(traceparent: str | None) -> str:
+    parts = (traceparent or "").split("-")
+    return parts[1] if len(parts) == 4 else ""
+
+
+def _nothing() -> None:
+    return None
+
+
+class JobHandler:
+    def __init__(
+        self,
+        backend: base.ClusterBackend,
+        *,
+        send: updating.Send,
+        agent_limits: limits.AgentLimits | None = None,
+        on_change: Callable[[], None] = _nothing,
+        clock: Callable[[], float] = time.monotonic,
+        failure_grace_seconds: float = 30.0,
+        policy: str = "default",
+        jobs_table: table.JobTable | None = None,
+    ) -> None:
+        self.backend = backend
+        self.limits = agent_limits or limits.AgentLimits()
+        self.on_change = on_change
+        self.clock = clock
+        self.table = jobs_table or table.JobTable()
+        self.lock = asyncio.Lock()
+        self.offers: Counter[str] = Counter()
+        self.updates = updating.Updater(send, clock=clock)
+        # free capacity indexed for placement, kept current node by node
+        self.placer = placing.Placer(policy=policy)
+        # pods deleted by a rollback whose DELETED event has not come yet
+        self._tombstones: set[str] = set()
+        self.deleter = deleting.Deleter(
+            backend, grace_seconds=failure_grace_seconds, on_change=on_change
+        )
+        self._pruned = -math.inf
+
+    @property
+    def placement_duration(self) -> Histogram:
+        """Time to choose nodes and GPUs for an offer's gang; `telemetry.AgentCollector`
+        exports it."""
+        return self.placer.duration
+
+    # -- offers: check → place → bind → reply -----------------------------------------------
+
+    async def handle_offer(
+        self, offer: messages.Offer, *, session_epoch: int, reply: Reply
+    ) -> None:
+        async with self.lock:
+            result = await self._handle_offer(offer, session_epoch=session_epoch, reply=reply)
+        self.offers[result] += 1
+
+    async def _handle_offer(
+        self, offer: messages.Offer, *, session_epoch: int, reply: Reply
+    ) -> str:
+        """One offer, answered Accepted or Rejected; returns the result `offers` counts."""
+        self._prune()
+        # which attempt: stale, the one held (a re-send), or a new one (replacing an earlier)
+        held = self.table.get(offer.job_id)
+        stale = check_fresh(offer, held, session_epoch=session_epoch)
+        if stale is not None:
+            return self._reject(offer, stale, reply=reply)
+        if held is not None and held.attempt == offer.attempt:
+            return self._resend(offer, held, reply=reply)
+        earlier = self.table.supersede(offer.job_id, offer.attempt)
+        if earlier is not None:
+            await self._retire(earlier, attempt=offer.attempt)
+        # check → place → bind → reply
+        request = self._check(offer)
+        if isinstance(request, Rejection):
+            return self._reject(offer, request, reply=reply)
+        placement = self._place(offer, request)
+        if isinstance(placement, gang.NoPlacement):
+            unplaceable = Rejection("unplaceable", sorted(placement.reasons))
+            return self._reject(offer, unplaceable, reply=reply)
+        record = await self._bind(offer, placement, request=request)
+        if isinstance(record, Rejection):
+            return self._reject(offer, record, reply=reply)
+        return self._accept(record, reply)
+
+    def _prune(self) -> None:
+        """Forget the terminal jobs the broker has seen, at most once a second."""
+        now = self.clock()
+        if now - self._pruned >= 1.0:
+            self.table.prune(now=now)
+            self._pruned = now
+
+    def _resend(self, offer: messages.Offer, held: table.TrackedJob, *, reply: Reply) -> str:
+        """An offer of the attempt the table holds: the same pods again, and its state."""
+        held.epoch = offer.epoch
+        reply(held.accepted())
+        if held.state != status.JobState.DISPATCHED:
+            self.updates.send_state(held, held.state, held.reason)
+        return "resent"
+
+    def _check(self, offer: messages.Offer) -> jobs.GangRequest | Rejection:
+        """The offer's gang, if its shape is valid and it fits the namespace's GPU limits (the
+        limits file and the cluster's ResourceQuotas)."""
+        try:
+            request = jobs.gang_request(offer.job_id, offer.job, attempt=offer.attempt)
+        except jobs.ShapeError as exc:
+            return Rejection("invalid", [str(exc)])
+        namespace = offer.job.metadata.namespace
+        over = limits.check_gpus(
+            self.limits,
+            namespace,
+            in_use=self.table.gpus_in_use(namespace),
+            asked=request.gpus,
+            quotas=self.backend.gpu_quotas(namespace),
+        )
+        if over is not None:  # the file or a ResourceQuota: one `limit` result for both
+            return Rejection("limit", [over.reason])
+        return request
+
+    def _place(
+        self, offer: messages.Offer, request: jobs.GangRequest
+    ) -> gang.GangPlacement | gang.NoPlacement:
+        """Nodes and GPUs for every pod on the live inventory (pure placement, timed)."""
+        with tracer.start_as_current_span(
+            "agent.place",
+            context=_extract_context(offer),
+            attributes={"job_id": offer.job_id, "pods": request.pods},
+        ):
+            return self.placer.place(self.backend.inventory(), request)
+
+    async def _bind(
+        self, offer: messages.Offer, placement: gang.GangPlacement, *, request: jobs.GangRequest
+    ) -> table.TrackedJob | Rejection:
+        """Create the gang's pods, all or none. The job is in the table while they are
+        created (`binding`), so pod events find it; a rollback takes it out again."""
+        requests = binding.build_requests(
+            offer.job_id,
+            offer.job,
+            placement,
+            traceparent=offer.traceparent,
+            epoch=offer.epoch,
+            attempt=offer.attempt,
+        )
+        record = _make_record(offer, requests, request=request)
+        self.table.add(record)
+        self.placer.mark_stale(r.node for r in requests)
+        try:
+            with tracer.start_as_current_span(
+                "agent.bind",
+                context=_extract_context(offer),
+                attributes={"job_id": offer.job_id, "pods": len(requests)},
+            ):
+                await binding.create_gang(self.backend, requests)
+        except binding.BindingError as exc:
+            self.table.remove(offer.job_id)
+            self._tombstones.update(exc.rolled_back)
+            self.on_change()
+            return Rejection("binding_failed", [f"creating pods failed: {exc}"])
+        except BaseException:
+            self.table.remove(offer.job_id)
+            raise
+        record.binding = False
+        return record
+
+    def _accept(self, record: table.TrackedJob, reply: Reply) -> str:
+        reply(record.accepted())
+        logger.debug(
+            "offer %s accepted: %d pods, %d GPUs", record.job_id, len(record.pods), record.gpus
+        )
+        self._follow(record)
+        self.on_change()
+        return "accepted"
+
+    def _reject(self, offer: messages.Offer, rejection: Rejection, *, reply: Reply) -> str:
+        logger.info(
+            "offer %s rejected: %s",
+            offer.job_id,
+            "; ".join(rejection.reasons),
+            extra={"job_id": offer.job_id, "trace_id": _trace_id(offer.traceparent)},
+        )
+        reply(
+            messages.Rejected(
+                job_id=offer.job_id,
+                epoch=offer.epoch,
+                reasons=rejection.reasons,
+                traceparent=offer.traceparent,
+                attempt=offer.attempt,
+            )
+        )
+        return rejection.result
+
+    async def _retire(self, record: table.TrackedJob, *, attempt: int) -> None:
+        """An earlier attempt of a job the broker runs again: its live pods go, with the
+        failure grace (its failed ones stay for their logs, under names of their own)."""
+        live = record.live_pods()
+        logger.info(
+            "job %s: attempt %d replaces attempt %d (%s), deleting %d live pods",
+            record.job_id,
+            attempt,
+            record.attempt,
+            record.state.value,
+            len(live),
+            extra={"job_id": record.job_id, "trace_id": _trace_id(record.traceparent)},
+        )
+        self.placer.mark_stale(p.node for p in live)
+        await self.deleter.delete_live(record)
+
+    # -- cancels ---------------------------------------------------------------------------
+
+    async def handle_cancel(self, cancel: messages.Cancel) -> None:
+        async with self.lock:
+            record = self.table.get(cancel.job_id)
+            earlier = self.table.supersede(cancel.job_id, cancel.attempt)
+            if earlier is not None:  # the broker has moved past it: it goes too
+                await self._retire(earlier, attempt=cancel.attempt)
+                record = None
+            if record is None or record.attempt > cancel.attempt:
+                # nothing of that attempt here (a later one keeps running): it is stopped
+                self.updates.send_cancelled(cancel)
+            elif record.state.terminal:
+                self.updates.send_state(record, record.state, record.reason)
+            else:
+                await self._cancel(record, cancel)
+
+    async def _cancel(self, record: table.TrackedJob, cancel: messages.Cancel) -> None:
+        """Stop a live job: Cancelled at once, its pods deleted with the cancel's grace."""
+        record.finish(status.JobState.CANCELLED, cancel.reason, now=self.clock())
+        pods = [p for p in record.pods.values() if p.phase != status.PodPhase.DELETED]
+        failed = set(
+            await binding.delete_pods(
+                self.backend,
+                ((record.namespace, p.name) for p in pods),
+                grace_seconds=cancel.grace_seconds,
+            )
+        )
+        for pod in pods:
+            if pod.name not in failed:
+                record.set_phase(pod, status.PodPhase.DELETED, reason=cancel.reason)
+        message = f"{len(failed)} pods could not be deleted" if failed else ""
+        self.updates.send_final(record, message=message)
+        logger.info("job %s cancelled: %s", cancel.job_id, cancel.reason)
+        self.on_change()
+
+    # -- pod events ------------------------------------------------------------------------
+
+    def handle_event(self, event: base.BackendEvent) -> None:
+        """Apply one backend event; inventory changes are the reporter's business."""
+        if not isinstance(event, base.PodEvent):
+            self.placer.forget()  # nodes changed: index them again
+            return
+        if event.node:
+            self.placer.mark_stale((event.node,))
+        if event.phase == status.PodPhase.DELETED and event.name in self._tombstones:
+            self._tombstones.discard(event.name)
+            return
+        record = self.table.get(event.job_id)
+        if record is None:
+            return
+        pod = record.pods.get(event.name)
+        if pod is None:
+            return
+        record.set_phase(pod, event.phase, reason=event.reason)
+        self._follow(record)
+
+    def _follow(self, record: table.TrackedJob) -> None:
+        steps = record.advance(now=self.clock())
+        for state, reason in steps:
+            self.updates.send_state(record, state, reason)
+        if steps and record.state == status.JobState.FAILED:
+            logger.info("job %s failed (%s): deleting its pods", record.job_id, record.reason)
+            self.deleter.spawn(self.deleter.delete_live(record))
+
+    # -- adoption and hello ----------------------------------------------------------------
+
+    def adopt(self, held: Mapping[str, base.HeldJob]) -> int:
+        """Take the jobs found in the cluster at start into the table (before the first
+        hello), each at its latest attempt; a gang that failed meanwhile has its remaining pods
+        deleted, and so have the pods of earlier attempts."""
+        adopted = adopting.adopt_jobs(self.table, held, now=self.clock())
+        for record in adopted:
+            earlier = adopting.earlier_pods(held[record.job_id])
+            if earlier:
+                self.deleter.spawn(self.deleter.delete(record.job_id, record.namespace, earlier))
+            if record.state == status.JobState.FAILED:
+                self.deleter.spawn(self.deleter.delete_live(record))
+        if adopted:
+            self.on_change()
+        return len(adopted)
+
+    def hello_jobs(self) -> tuple[list[messages.AgentJob], Callable[[], None]]:
+        """The jobs for `hello`, and what to call once it went out (the terminal ones among
+        them are then known to the broker)."""
+        records = self.table.for_hello(now=self.clock())
+        terminal = [r for r in records if r.state.terminal]
+
+        def mark() -> None:
+            now = self.clock()
+            for record in terminal:
+                if record.reported_at is None:
+                    record.reported_at = now
+
+        return [r.agent_job() for r in records], mark
+
+    def pods_by_phase(self) -> Counter[str]:
+        return Counter(p.phase.value for r in self.table for p in r.pods.values())
+
+    async def close(self) -> None:
+        """Wait for the clean-ups of failed gangs still deleting pods."""
+        await self.deleter.close()
