@@ -28,6 +28,7 @@ test: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check broker member-agent gpufed tests e2e
 	$(BIN)/ruff format --check broker member-agent gpufed tests e2e
+	$(BIN)/lint-imports --no-cache
 
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
