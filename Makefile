@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck check bench simulate clean
+.PHONY: demo test chaos lint typecheck check bench clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpufed needs Python >= 3.11")'
@@ -23,7 +23,10 @@ demo: $(VENV)/.installed
 	$(BIN)/gpufed demo
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not chaos" $(PYTEST_ARGS)
+
+chaos: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -m chaos $(PYTEST_ARGS) e2e
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check broker member-agent gpufed tests e2e

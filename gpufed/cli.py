@@ -59,7 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a cluster may stay away before its jobs move",
     )
     broker.add_argument(
+        "--offer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an agent may take to answer an offer before it is withdrawn",
+    )
+    broker.add_argument(
         "--queues", help="queues, quotas and priority classes YAML (none: every queue is open)"
+    )
+    broker.add_argument(
+        "--queue-mode",
+        choices=["open", "declared"],
+        help="open: a job may name any queue (undeclared ones are open queues); declared: "
+        "only a declared queue of its tenant (default: declared with --queues, else open)",
+    )
+    broker.add_argument(
+        "--idempotency-window",
+        type=float,
+        default=24 * 3600.0,
+        help="seconds an Idempotency-Key replays its job; after it the key makes a new job",
     )
     broker.add_argument(
         "--cycle-interval",
@@ -67,7 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.005,
         help="seconds between scheduling cycles, at least",
     )
+    broker.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1536 * 1024,
+        help="the store's request limit (etcd's --max-request-bytes, default 1.5 MiB): "
+        "commits are split to stay under it; a job that could never fit is refused (413)",
+    )
     broker.add_argument("--log-level", default="INFO")
+    _add_store_commands(broker)
 
     agent = sub.add_parser("agent", help="run a member agent")
     agent.add_argument("--broker", required=True, help="broker URL")
@@ -101,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--state")
     _user_parser(sub, "clusters", "member clusters and their GPUs")
     queues = _user_parser(sub, "queues", "queues: quotas, usage, fair share (admin token)")
-    queues.add_argument("name", nargs="?", help="one queue")
+    queues.add_argument("name", nargs="?", help="one queue; `delete NAME`: delete queue NAME")
+    queues.add_argument("target", nargs="?", help=argparse.SUPPRESS)
     queues.add_argument(
         "--apply", metavar="FILE", help="put queue NAME from FILE, or each queue of a queues file"
     )
@@ -114,6 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulating.add_parser(sub)
     return parser
+
+
+def _add_store_commands(broker: argparse.ArgumentParser) -> None:
+    """`gpufed broker backup|quarantine`: admin commands on the store (gpufed/stores.py)."""
+    actions = broker.add_subparsers(dest="action", metavar="{backup,quarantine}")
+    store_help = "the broker's --store: sqlite:///PATH or etcd://HOST:PORT"
+    backup = actions.add_parser(
+        "backup", help="copy the SQLite store consistently, also while the broker runs"
+    )
+    backup.add_argument("--store", default=argparse.SUPPRESS, help=store_help)
+    backup.add_argument("out", help="where the copy goes (replaced whole, or not at all)")
+    quarantine = actions.add_parser(
+        "quarantine", help="list the stored records set aside because they do not parse"
+    )
+    quarantine.add_argument("--store", default=argparse.SUPPRESS, help=store_help)
+    quarantine.add_argument("-o", "--output", choices=["table", "json"], default="table")
 
 
 def _print(args: argparse.Namespace, data: Any, table: str) -> None:
@@ -236,14 +279,12 @@ async def _dispatch_user(args: argparse.Namespace, api: client.BrokerClient) -> 
                 or [{"model": "-", "total": "", "free": "", "allocated": "", "unavailable": ""}]
             )
         ]
-        _print(
-            args,
-            items,
-            tables.render(
-                ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"],
-                rows,
-            ),
+        table = tables.render(
+            ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"],
+            rows,
         )
+        degraded = [f"{c['name']}: {c['reason']}" for c in items if c.get("reason")]
+        _print(args, items, "\n".join([table, *degraded]))
     return 0
 
 
@@ -283,6 +324,16 @@ QUEUE_HEADERS = [
 async def _queues_command(args: argparse.Namespace, api: client.BrokerClient) -> int:
     import yaml
 
+    if args.target is not None:
+        if args.name != "delete" or args.apply:
+            print("gpufed queues: use `gpufed queues delete NAME`", file=sys.stderr)
+            return 2
+        answer = await api.delete_queue(args.target)
+        text = f"queue {args.target} deleted"
+        if answer:
+            text = f"queue {args.target}: the API's override removed, the queues file's applies"
+        _print(args, answer, text)
+        return 0
     if args.apply:
         document = yaml.safe_load(Path(args.apply).read_text()) or {}
         named = [{**document, "name": args.name}] if args.name else None
@@ -320,9 +371,13 @@ def _run_broker(args: argparse.Namespace) -> int:
         port=args.port,
         heartbeat_seconds=args.heartbeat,
         lost_after_seconds=args.lost_after,
+        offer_timeout_seconds=args.offer_timeout,
         freeze_gc=True,
         queues_file=Path(args.queues) if args.queues else None,
+        queue_mode=args.queue_mode,
+        idempotency_window_seconds=args.idempotency_window,
         cycle_interval_seconds=args.cycle_interval,
+        max_request_bytes=args.max_request_bytes,
     )
     from broker.state import registry
 
@@ -331,8 +386,8 @@ def _run_broker(args: argparse.Namespace) -> int:
     except registry.QueuesFileError as exc:
         print(f"gpufed broker: {exc}", file=sys.stderr)
         return 2
-    if settings.store.startswith("sqlite:///"):
-        Path(settings.store.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    from broker.state import errors
+
     try:
         web.run_app(
             application,
@@ -342,6 +397,9 @@ def _run_broker(args: argparse.Namespace) -> int:
             access_log=None,
             handle_signals=True,
         )
+    except errors.StoreError as exc:  # the store cannot be used: say why in one line
+        print(f"gpufed broker: {exc}", file=sys.stderr)
+        return 1
     finally:
         tracing.shutdown()
     return 0
@@ -377,6 +435,12 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "broker" and args.action is not None:
+        from gpufed import stores
+
+        if args.action == "backup":
+            return stores.backup_command(args.store, args.out)
+        return stores.quarantine_command(args.store, output=args.output)
     if args.command == "broker":
         return _run_broker(args)
     if args.command == "agent":

@@ -110,6 +110,12 @@ class BrokerClient:
         )
         return result
 
+    async def delete_queue(self, name: str) -> dict[str, Any]:
+        """Delete a queue stored through the API: {} once gone, or the queue as the queues
+        file has it again (an override removed)."""
+        result: dict[str, Any] = await self._call("DELETE", f"/v1/queues/{name}")
+        return result
+
     async def clusters(self) -> list[dict[str, Any]]:
         body = await self._call("GET", "/v1/clusters")
         items: list[dict[str, Any]] = body["items"]

@@ -44,6 +44,18 @@ class JobBuilder:
         spec.update(jobs.model_selector(models))
         return self
 
+    def node_affinity(self, *terms: list[dict[str, Any]]) -> JobBuilder:
+        """Required node affinity of the current task: terms (ORed) of `expr`s (ANDed)."""
+        required = {"nodeSelectorTerms": [{"matchExpressions": list(term)} for term in terms]}
+        self._task["template"]["spec"]["affinity"] = {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}
+        }
+        return self
+
+    def node_selector(self, labels: dict[str, str]) -> JobBuilder:
+        self._task["template"]["spec"]["nodeSelector"] = dict(labels)
+        return self
+
     def duration(self, seconds: float) -> JobBuilder:
         return self.annotate(jobs.SIM_DURATION_ANNOTATION, str(seconds))
 
@@ -87,6 +99,14 @@ class JobBuilder:
 
 def make_job(name: str = "job", *, gpus: int = 1, queue: str = "default") -> JobBuilder:
     return JobBuilder(name, gpus=gpus, queue=queue)
+
+
+def expr(key: str, operator: str, *values: str) -> dict[str, Any]:
+    """One node affinity `matchExpressions` entry (no values: none given)."""
+    out: dict[str, Any] = {"key": key, "operator": operator}
+    if values:
+        out["values"] = list(values)
+    return out
 
 
 def make_model_summary(

@@ -168,6 +168,13 @@ class EtcdServer:
             process.kill()
             process.wait()
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash or an OOM kill would end it (data kept for `launch`)."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
     def restart(self) -> None:
         """Stop and start again on the same ports with the same data."""
         self.stop()

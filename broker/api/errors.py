@@ -12,9 +12,11 @@ from typing import Any
 
 
 class GpufedError(Exception):
-    """The base of the domain errors; `title` is the problem's short summary."""
+    """The base of the domain errors; `title` is the problem's short summary, `problem_type`
+    its RFC 9457 `type` (a URI a client may branch on; `about:blank`: the status says it all)."""
 
     title = "Error"
+    problem_type = "about:blank"
 
     def __init__(
         self,
@@ -44,6 +46,13 @@ class Invalid(GpufedError):
     """The request reads, but what it asks for cannot work (a field is wrong)."""
 
     title = "Invalid request"
+
+
+class IdempotencyKeyReused(Invalid):
+    """An Idempotency-Key already used, within its window, for a job with another body."""
+
+    title = "idempotency-key-reused"
+    problem_type = "urn:gpufed:problem:idempotency-key-reused"
 
 
 class Unauthenticated(GpufedError):

@@ -2,11 +2,26 @@
 
 Per GPU model: how many nodes have exactly k whole GPUs free (k = 0..8), the largest free
 NVLink block, per-rack shapes, and CPU/memory headroom. The broker never sees node lists.
+
+A summary is checked whole when it is decoded (the broker takes it from an agent it does not
+trust to be bug-free): counts are non-negative and bounded, the histograms agree with the
+totals and with each other (a rack's histogram is padded with zeros to the model's length,
+never longer), model names are unique. What fails never reaches the planner.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_NAME = 253
+MAX_COUNT = 10**9  # nodes, GPUs: far above any fleet
+MAX_GPUS_PER_NODE = 1024
+MAX_MILLI = 10**15
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Milli = Annotated[int, Field(ge=0, le=MAX_MILLI)]
+Name = Annotated[str, Field(max_length=MAX_NAME)]
 
 
 class _Model(BaseModel):
@@ -14,29 +29,67 @@ class _Model(BaseModel):
 
 
 class ModelSummary(_Model):
-    model: str
-    gpu_memory_mib: int = 0
-    gpus_per_node: int = 8
-    nodes: int = 0
-    total_gpus: int = 0
-    free_gpus: int = 0
-    unavailable_gpus: int = 0
+    model: Name
+    gpu_memory_mib: Milli = 0
+    gpus_per_node: Annotated[int, Field(ge=0, le=MAX_GPUS_PER_NODE)] = 8
+    nodes: Count = 0
+    total_gpus: Count = 0
+    free_gpus: Count = 0
+    unavailable_gpus: Count = 0
     # nodes_by_free[k] = nodes with exactly k whole GPUs free (ready, schedulable nodes)
-    nodes_by_free: list[int] = Field(default_factory=list)
+    nodes_by_free: list[Count] = Field(default_factory=list, max_length=MAX_GPUS_PER_NODE + 1)
     # free milli-GPU on partly used GPUs, for GPU-sharing pods
-    shared_free_milli: int = 0
-    largest_free_nvlink_block: int = 0
+    shared_free_milli: Milli = 0
+    largest_free_nvlink_block: Count = 0
     # rack -> nodes_by_free histogram inside that rack
-    racks: dict[str, list[int]] = Field(default_factory=dict)
-    max_free_cpu_milli: int = 0
-    max_free_memory_mib: int = 0
+    racks: dict[Name, list[Count]] = Field(default_factory=dict, max_length=100_000)
+    max_free_cpu_milli: Milli = 0
+    max_free_memory_mib: Milli = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSummary:
+        width = len(self.nodes_by_free)
+        if any(self.nodes_by_free[self.gpus_per_node + 1 :]):
+            raise ValueError(
+                f"nodes_by_free: nodes with more free GPUs than {self.gpus_per_node} per node"
+            )
+        if sum(self.nodes_by_free) > self.nodes:
+            raise ValueError(
+                f"nodes_by_free: counts {sum(self.nodes_by_free)} of {self.nodes} nodes"
+            )
+        whole = sum(k * n for k, n in enumerate(self.nodes_by_free))
+        if whole > self.free_gpus:
+            raise ValueError(f"nodes_by_free: {whole} free GPUs, more than free_gpus")
+        if self.free_gpus + self.unavailable_gpus > self.total_gpus:
+            raise ValueError("free_gpus: free and unavailable GPUs exceed total_gpus")
+        if self.total_gpus > self.nodes * self.gpus_per_node:
+            raise ValueError("total_gpus: more than nodes x gpus_per_node")
+        if self.shared_free_milli > self.total_gpus * 1000:
+            raise ValueError("shared_free_milli: more than every GPU holds")
+        if self.largest_free_nvlink_block > self.free_gpus:
+            raise ValueError("largest_free_nvlink_block: more than the free GPUs")
+        for rack, histogram in self.racks.items():
+            if len(histogram) > width:
+                raise ValueError(f"racks.{rack}: longer than nodes_by_free")
+            if any(n > self.nodes_by_free[k] for k, n in enumerate(histogram)):
+                raise ValueError(f"racks.{rack}: more nodes than nodes_by_free")
+            if len(histogram) < width:
+                histogram.extend([0] * (width - len(histogram)))
+        return self
 
 
 class ClusterSummary(_Model):
-    cluster: str
-    seq: int = 0
-    models: list[ModelSummary] = Field(default_factory=list)
-    fragmentation_milli: int = 0
+    cluster: Name
+    seq: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    models: list[ModelSummary] = Field(default_factory=list, max_length=1000)
+    fragmentation_milli: Milli = 0
+
+    @model_validator(mode="after")
+    def _unique_models(self) -> ClusterSummary:
+        names = [m.model for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError("models: a GPU model is listed twice")
+        return self
 
     def model(self, name: str) -> ModelSummary | None:
         for item in self.models:
@@ -63,3 +116,4 @@ class ClusterView(_Model):
     last_seen_seconds: float | None = None
     models: list[ModelTotals] = Field(default_factory=list)
     running_jobs: int = 0
+    reason: str | None = Field(None, description="why the cluster is Degraded")

@@ -1,22 +1,96 @@
-"""GPUJob: the job a user submits, Kubernetes style, and what the schedulers read from it."""
+"""GPUJob: the job a user submits, Kubernetes style, and what the schedulers read from it.
+
+Two readings of the same model. `validate_submitted` (the broker's `POST /v1/jobs`) applies
+every rule of the API: names and queue names are DNS labels, `priority` is within Kubernetes'
+range, labels and annotations are what Kubernetes accepts, quantities are finite and bounded,
+node affinity is one Kubernetes would take (`affinity.read_pod_spec`), so that nothing later
+(the planner, the agent, the pod it creates) can fail on a job the broker accepted.
+`GPUJob.model_validate` (a stored record, an offer to an agent) keeps only the older rules and
+makes the rest safe instead (a priority out of range is clamped, a node affinity it cannot use
+matches no node): a job accepted by an older broker is still read, never a crash at load.
+"""
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from broker.api import affinity
 
 GPU_RESOURCE = "nvidia.com/gpu"
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GPU_PRODUCT_LABEL = affinity.GPU_PRODUCT_LABEL
 GPU_MILLI_ANNOTATION = "gpufed.io/gpu-milli"
 GPU_MEMORY_ANNOTATION = "gpufed.io/min-gpu-memory-mib"
 SIM_DURATION_ANNOTATION = "gpufed.io/sim-duration"
 SIM_OUTCOME_ANNOTATION = "gpufed.io/sim-outcome"
 MAX_GPUS_PER_POD = 8
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Kubernetes' priority range for user priority classes (int32 below, one billion above)
+MIN_PRIORITY = -(2**31)
+MAX_PRIORITY = 1_000_000_000
+MAX_PODS_PER_JOB = 10_000
+MAX_CPU_MILLI = 10**9  # a million cores: far above any node, far below any overflow
+MAX_MEMORY_MIB = 2**40  # an exbibyte
+MAX_GPU_MEMORY_MIB = 2**24  # 16 TiB per GPU
+MAX_SIM_SECONDS = 10**9
+MAX_ANNOTATIONS_BYTES = 256 * 1024  # Kubernetes' limit on an object's annotations
+SUBMIT_CONTEXT = "gpufed.submit"
+_QUANTITY = re.compile(
+    r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,3}))?$"
+)
+_DIGITS = re.compile(r"^[0-9]{1,10}$")
+_DURATION = re.compile(r"^[0-9]{1,10}(\.[0-9]{1,17})?[smh]?$")  # any float repr
+
+
+def validate_submitted(document: object) -> GPUJob:
+    """A job as a user submits it, held to every rule of the API (raises ValidationError)."""
+    return GPUJob.model_validate(document, context={SUBMIT_CONTEXT: True})
+
+
+def _at_submit(info: ValidationInfo) -> bool:
+    context = info.context
+    return isinstance(context, dict) and context.get(SUBMIT_CONTEXT) is True
+
+
+def _check_dns_label(value: str) -> str:
+    if len(value) > 63:
+        raise ValueError("must be at most 63 characters")
+    if not DNS_LABEL.match(value):
+        raise ValueError("must be a DNS label: lower-case letters, digits and '-'")
+    return value
+
+
+def _check_labels(labels: Mapping[str, str]) -> None:
+    for key, value in labels.items():
+        problem = affinity.label_key_problem(key) or affinity.label_value_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+def _check_annotations(annotations: Mapping[str, str]) -> None:
+    size = 0
+    for key, value in annotations.items():
+        problem = affinity.label_key_problem(key)
+        if problem is not None:
+            raise ValueError(problem)
+        size += len(key.encode("utf-8", "surrogatepass"))
+        size += len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_ANNOTATIONS_BYTES:
+        raise ValueError(
+            f"{size} bytes of annotations; Kubernetes takes at most {MAX_ANNOTATIONS_BYTES}"
+        )
 
 
 class _Strict(BaseModel):
@@ -38,16 +112,40 @@ class ObjectMeta(_Strict):
     @field_validator("name", "namespace")
     @classmethod
     def _dns_label(cls, value: str) -> str:
-        if len(value) > 63:
-            raise ValueError("must be at most 63 characters")
-        if not DNS_LABEL.match(value):
-            raise ValueError("must be a DNS label: lower-case letters, digits and '-'")
+        return _check_dns_label(value)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        if _at_submit(info):
+            _check_labels(value)
+        return value
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        if _at_submit(info):
+            _check_annotations(value)
         return value
 
 
 class TemplateMeta(_Open):
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        if _at_submit(info):
+            _check_labels(value)
+        return value
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        if _at_submit(info):
+            _check_annotations(value)
+        return value
 
 
 Quantity = int | float | str
@@ -63,11 +161,30 @@ class Container(_Open):
     image: str | None = None
     resources: Resources = Field(default_factory=Resources)
 
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str, info: ValidationInfo) -> str:
+        return _check_dns_label(value) if _at_submit(info) else value
+
 
 class PodSpec(_Open):
     containers: Annotated[list[Container], Field(min_length=1)]
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
-    affinity: dict[str, Any] | None = None
+    affinity: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Kubernetes affinity. Required node affinity is honoured (In, NotIn, Exists, "
+            "DoesNotExist, Gt, Lt; matchFields on metadata.name); preferred node affinity is "
+            "checked and ignored; required pod (anti-)affinity is refused"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _unique_containers(self, info: ValidationInfo) -> PodSpec:
+        names = [c.name for c in self.containers]
+        if _at_submit(info) and len(set(names)) != len(names):
+            raise ValueError("containers: names must be unique in a pod")
+        return self
 
 
 class PodTemplateSpec(_Open):
@@ -83,7 +200,7 @@ class Task(_Strict):
     @field_validator("name")
     @classmethod
     def _dns_label(cls, value: str) -> str:
-        return ObjectMeta._dns_label(value)
+        return _check_dns_label(value)
 
 
 class Gang(_Strict):
@@ -104,16 +221,45 @@ class Topology(_Strict):
 
 
 class JobSpec(_Strict):
-    queue: Annotated[str, Field(min_length=1, max_length=63)]
-    priority: int = 0
+    queue: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=63,
+            json_schema_extra={"pattern": DNS_LABEL.pattern},
+            description="the job's queue, a DNS label",
+        ),
+    ]
+    priority: Annotated[
+        int,
+        Field(
+            json_schema_extra={"minimum": MIN_PRIORITY, "maximum": MAX_PRIORITY},
+            description="Kubernetes' priority range: -2147483648 to 1000000000",
+        ),
+    ] = 0
     # a priority class of the broker's queues configuration; wins over `priority`
     priority_class: Annotated[str | None, Field(max_length=63, alias="priorityClass")] = None
     tasks: Annotated[list[Task], Field(min_length=1, max_length=64)]
     gang: Gang = Field(default_factory=Gang)
     topology: Topology = Field(default_factory=Topology)
 
+    @field_validator("queue")
+    @classmethod
+    def _queue(cls, value: str, info: ValidationInfo) -> str:
+        # a queue name is a key of the queues configuration and a label value on every pod
+        return _check_dns_label(value) if _at_submit(info) else value
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, value: int, info: ValidationInfo) -> int:
+        if MIN_PRIORITY <= value <= MAX_PRIORITY:
+            return value
+        if _at_submit(info):
+            raise ValueError(f"must be from {MIN_PRIORITY} to {MAX_PRIORITY}")
+        return min(max(value, MIN_PRIORITY), MAX_PRIORITY)
+
     @model_validator(mode="after")
-    def _check(self) -> JobSpec:
+    def _check(self, info: ValidationInfo) -> JobSpec:
         names = [t.name for t in self.tasks]
         if len(set(names)) != len(names):
             raise ValueError("tasks: names must be unique")
@@ -122,6 +268,8 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"gang.minMember: {self.gang.min_member} is above the total replicas ({total})"
             )
+        if _at_submit(info) and total > MAX_PODS_PER_JOB:
+            raise ValueError(f"tasks: {total} pods in all; a job has at most {MAX_PODS_PER_JOB}")
         return self
 
 
@@ -132,10 +280,11 @@ class GPUJob(_Strict):
     spec: JobSpec
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> GPUJob:
+    def _check_shapes(self, info: ValidationInfo) -> GPUJob:
+        strict = _at_submit(info)
         gpus = 0
         for index, task in enumerate(self.spec.tasks):
-            gpus += shape_of(task, where=f"spec.tasks[{index}]").gpus
+            gpus += shape_of(task, where=f"spec.tasks[{index}]", strict=strict).gpus
         if gpus == 0:
             raise ValueError(
                 f"spec.tasks[0].template.spec.containers[0].resources.limits[{GPU_RESOURCE}]: "
@@ -149,7 +298,12 @@ class ShapeError(ValueError):
 
 
 class PodShape(BaseModel):
-    """What one pod of a task needs from a node: the placement request."""
+    """What one pod of a task needs from a node: the placement request.
+
+    `models` lists the GPU models (product label values) the pod may use, when its selector
+    names them (empty: any); `selector` is the rest of its node selection, when there is more
+    to it than `models` (e.g. `NotIn`, or a label other than the GPU model). `admits_model`
+    says whether a node of a model may take the pod as far as the model tells."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -159,17 +313,33 @@ class PodShape(BaseModel):
     min_gpu_memory_mib: int = 0
     cpu_milli: int = 0
     memory_mib: int = 0
+    selector: affinity.NodeSelector | None = None
 
     @property
     def gpu_milli_total(self) -> int:
         return self.gpus * self.gpu_milli
 
+    def admits_model(self, model: str) -> bool:
+        if self.models and model not in self.models:
+            return False
+        return self.selector is None or self.selector.admits_model(model)
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"not a finite quantity: {text!r}")
+    return number
+
 
 def parse_cpu_milli(value: Quantity) -> int:
     text = str(value).strip()
-    if text.endswith("m"):
-        return int(float(text[:-1]))
-    return round(float(text) * 1000)
+    try:
+        if text.endswith("m"):
+            return int(_finite(text[:-1]))
+        return round(_finite(text) * 1000)
+    except OverflowError:
+        raise ValueError(f"not a finite quantity: {text!r}") from None
 
 
 _MEM_UNITS = {
@@ -186,17 +356,22 @@ _MEM_UNITS = {
 
 def parse_memory_mib(value: Quantity) -> int:
     text = str(value).strip()
-    for unit, factor in sorted(_MEM_UNITS.items(), key=lambda kv: -len(kv[0])):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor + 0.999999)
-    return int(float(text) / 1048576 + 0.999999)
+    try:
+        for unit, factor in sorted(_MEM_UNITS.items(), key=lambda kv: -len(kv[0])):
+            if text.endswith(unit):
+                return int(_finite(text[: -len(unit)]) * factor + 0.999999)
+        return int(_finite(text) / 1048576 + 0.999999)
+    except OverflowError:
+        raise ValueError(f"not a finite quantity: {text!r}") from None
 
 
-def _gpu_count(value: Quantity, where: str) -> int:
+def _gpu_count(value: Quantity, where: str, *, strict: bool) -> int:
     if isinstance(value, bool):
         raise ShapeError(f"{where}: must be a whole number of GPUs")
     if isinstance(value, float) and not value.is_integer():
         raise ShapeError(f"{where}: must be a whole number of GPUs, got {value}")
+    if strict and isinstance(value, str) and not _DIGITS.match(value.strip()):
+        raise ShapeError(f"{where}: must be a whole number of GPUs, got {value!r}")
     try:
         count = int(str(value)) if not isinstance(value, float) else int(value)
     except ValueError:
@@ -208,23 +383,50 @@ def _gpu_count(value: Quantity, where: str) -> int:
     return count
 
 
-def _allowed_models(spec: PodSpec) -> tuple[str, ...]:
-    models: set[str] = set()
-    if GPU_PRODUCT_LABEL in spec.node_selector:
-        models.add(spec.node_selector[GPU_PRODUCT_LABEL])
-    affinity = spec.affinity or {}
-    required = (affinity.get("nodeAffinity") or {}).get(
-        "requiredDuringSchedulingIgnoredDuringExecution"
-    ) or {}
-    for term in required.get("nodeSelectorTerms") or []:
-        for expr in term.get("matchExpressions") or []:
-            if expr.get("key") == GPU_PRODUCT_LABEL and expr.get("operator") == "In":
-                models.update(str(v) for v in expr.get("values") or [])
-    return tuple(sorted(models))
+def _check_quantity(name: str, qty: Quantity, where: str) -> None:
+    """What Kubernetes accepts as a resource: a qualified name, a quantity that is >= 0."""
+    problem = affinity.label_key_problem(name)
+    if problem is not None:
+        raise ShapeError(f"{where}: {problem}")
+    awhere = f"{where}[{name}]"
+    if isinstance(qty, bool):
+        raise ShapeError(f"{awhere}: must be a quantity, got {qty}")
+    if isinstance(qty, str):
+        if not _QUANTITY.match(qty.strip()):
+            raise ShapeError(f"{awhere}: {qty!r} is not a Kubernetes quantity")
+        negative = qty.strip().startswith("-")
+    else:
+        if not math.isfinite(qty):
+            raise ShapeError(f"{awhere}: must be a finite quantity")
+        negative = qty < 0
+    if negative:
+        raise ShapeError(f"{awhere}: must be at least 0")
+
+
+def _bounded(value: int, limit: int, where: str, what: str, *, strict: bool) -> int:
+    if 0 <= value <= limit:
+        return value
+    if strict:
+        raise ShapeError(f"{where}: {what} must be from 0 to {limit}, got {value}")
+    return min(max(value, 0), limit)
+
+
+def _selection(
+    spec: PodSpec, where: str, *, strict: bool
+) -> tuple[tuple[str, ...], affinity.NodeSelector | None]:
+    """The pod's allowed models and the selector beyond them (see `PodShape`)."""
+    reading = affinity.read_pod_spec(spec.node_selector, spec.affinity)
+    if strict and reading.problems:
+        raise ShapeError(f"{where}.template.spec.{reading.problems[0]}")
+    selector = reading.selector
+    if selector is None:
+        return (), None
+    models = selector.models()
+    return models, (None if selector.only_models() else selector)
 
 
 def model_selector(models: Sequence[str]) -> dict[str, Any]:
-    """The pod spec fields that allow these GPU models (the inverse of `_allowed_models`):
+    """The pod spec fields that allow these GPU models (read back as `PodShape.models`):
     a `nodeSelector` for one model, a required node affinity (`In`) for several."""
     if len(models) == 1:
         return {"nodeSelector": {GPU_PRODUCT_LABEL: models[0]}}
@@ -237,8 +439,9 @@ def model_selector(models: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def shape_of(task: Task, *, where: str = "task") -> PodShape:
-    """The per-pod request of a task: GPUs from limits, models from GFD selectors."""
+def shape_of(task: Task, *, where: str = "task", strict: bool = False) -> PodShape:
+    """The per-pod request of a task: GPUs from limits, models and node selection from its
+    node selector and affinity. `strict`: the rules of a submit (see the module)."""
     spec = task.template.spec
     gpus = 0
     cpu = 0
@@ -246,10 +449,18 @@ def shape_of(task: Task, *, where: str = "task") -> PodShape:
     for ci, container in enumerate(spec.containers):
         res = container.resources
         cwhere = f"{where}.template.spec.containers[{ci}].resources"
+        if strict:
+            for kind, quantities in (("limits", res.limits), ("requests", res.requests)):
+                for name, qty in quantities.items():
+                    _check_quantity(name, qty, f"{cwhere}.{kind}")
         if GPU_RESOURCE in res.limits:
-            gpus += _gpu_count(res.limits[GPU_RESOURCE], f"{cwhere}.limits[{GPU_RESOURCE}]")
+            gpus += _gpu_count(
+                res.limits[GPU_RESOURCE], f"{cwhere}.limits[{GPU_RESOURCE}]", strict=strict
+            )
         elif GPU_RESOURCE in res.requests:
-            gpus += _gpu_count(res.requests[GPU_RESOURCE], f"{cwhere}.requests[{GPU_RESOURCE}]")
+            gpus += _gpu_count(
+                res.requests[GPU_RESOURCE], f"{cwhere}.requests[{GPU_RESOURCE}]", strict=strict
+            )
         try:
             for name, qty in (res.requests or res.limits).items():
                 if name == "cpu":
@@ -260,12 +471,15 @@ def shape_of(task: Task, *, where: str = "task") -> PodShape:
             raise ShapeError(f"{cwhere}: cpu or memory is not a Kubernetes quantity") from None
     if gpus > MAX_GPUS_PER_POD:
         raise ShapeError(f"{where}: at most {MAX_GPUS_PER_POD} GPUs fit one pod, got {gpus}")
+    rwhere = f"{where}.template.spec.containers"
+    cpu = _bounded(cpu, MAX_CPU_MILLI, rwhere, "milli-CPU in all", strict=strict)
+    mem = _bounded(mem, MAX_MEMORY_MIB, rwhere, "memory (MiB) in all", strict=strict)
     annotations = task.template.metadata.annotations
     milli = 1000
     if GPU_MILLI_ANNOTATION in annotations:
         raw = annotations[GPU_MILLI_ANNOTATION]
         awhere = f"{where}.template.metadata.annotations[{GPU_MILLI_ANNOTATION}]"
-        if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        if (strict and not _DIGITS.match(raw)) or not raw.isdigit() or not 1 <= int(raw) <= 1000:
             raise ShapeError(f"{awhere}: must be a whole number from 1 to 1000, got {raw!r}")
         milli = int(raw)
         if milli < 1000 and gpus != 1:
@@ -273,19 +487,28 @@ def shape_of(task: Task, *, where: str = "task") -> PodShape:
     min_mem = 0
     if GPU_MEMORY_ANNOTATION in annotations:
         raw = annotations[GPU_MEMORY_ANNOTATION]
-        if not raw.isdigit():
+        awhere = f"{where}.template.metadata.annotations[{GPU_MEMORY_ANNOTATION}]"
+        if (strict and not _DIGITS.match(raw)) or not raw.isdigit():
+            raise ShapeError(f"{awhere}: must be a whole number of MiB")
+        min_mem = _bounded(int(raw), MAX_GPU_MEMORY_MIB, awhere, "MiB", strict=strict)
+    if strict and SIM_DURATION_ANNOTATION in annotations:
+        raw = annotations[SIM_DURATION_ANNOTATION].strip()
+        awhere = f"{where}.template.metadata.annotations[{SIM_DURATION_ANNOTATION}]"
+        unit = {"s": 1, "m": 60, "h": 3600}.get(raw[-1:], 1)
+        if not _DURATION.match(raw) or float(raw.rstrip("smh")) * unit > MAX_SIM_SECONDS:
             raise ShapeError(
-                f"{where}.template.metadata.annotations[{GPU_MEMORY_ANNOTATION}]: "
-                f"must be a whole number of MiB"
+                f"{awhere}: a duration such as 12, 1.5, 30s, 5m or 2h, at most "
+                f"{MAX_SIM_SECONDS} seconds, got {raw!r}"
             )
-        min_mem = int(raw)
+    models, selector = _selection(spec, where, strict=strict)
     return PodShape(
         gpus=gpus,
         gpu_milli=milli if gpus else 0,
-        models=_allowed_models(spec),
+        models=models,
         min_gpu_memory_mib=min_mem,
         cpu_milli=cpu,
         memory_mib=mem,
+        selector=selector,
     )
 
 

@@ -10,17 +10,34 @@ which attempt it is about: an agent that still holds an earlier attempt starts t
 instead of taking the offer for a re-send, and the broker ignores what is said about an
 attempt it has moved past. An `attempt` of 1 is left out on the wire (`encode`), so brokers and
 agents from before attempts existed, which forbid unknown fields, still read first attempts.
+
+Final reports are acknowledged (protocol 2). A `job_status` with a final state (Succeeded,
+Failed, Cancelled) carries a `seq`, unique within the agent process. The agent keeps the report
+and sends it again (after every welcome, and on the live session while it stays unanswered)
+until the broker answers `ack` with that `seq`; the broker does so only once the report is
+committed to its store, or at once when it changes nothing (applied already, or about an
+attempt the broker has moved past), so a report sent twice is applied once. Until then `hello`
+lists the job in its final state. A report is never dropped for a broker away too long, and a
+job never runs again because its report was lost. An `ack` names the session `epoch` it
+answers; an agent ignores one of another session.
+
+Versions: `v` is the sender's protocol version. A broker of protocol 2 acks only reports that
+carry a `seq`, so agents of protocol 1 never see an `ack`. An agent of protocol 2 sends `seq`
+only once a welcome with `v` >= `ACKS_SINCE` said the broker acks; with an older broker it
+counts a final report delivered once written, as protocol 1 did.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import re
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from broker.api import inventory, jobs, status
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+ACKS_SINCE = 2  # the protocol version from which brokers acknowledge final reports
 
 
 class _Msg(BaseModel):
@@ -102,6 +119,8 @@ class JobUpdate(_Msg):
     message: str = ""
     pods: list[status.PodStatus] = Field(default_factory=list)
     attempt: Annotated[int, Field(ge=1)] = 1
+    # a final report's sequence number, kept by the agent until acked (protocol 2)
+    seq: Annotated[int, Field(ge=1)] | None = None
 
 
 class Cancel(_Msg):
@@ -119,15 +138,46 @@ class Heartbeat(_Msg):
     seq: int = 0
 
 
+class Ack(_Msg):
+    """The final reports of session `epoch` the broker has committed (or had already)."""
+
+    type: Literal["ack"] = "ack"
+    epoch: int
+    seqs: list[Annotated[int, Field(ge=1)]]
+
+
 Message = Annotated[
-    Hello | Welcome | Summary | Offer | Accepted | Rejected | JobUpdate | Cancel | Heartbeat,
+    Hello | Welcome | Summary | Offer | Accepted | Rejected | JobUpdate | Cancel | Heartbeat | Ack,
     Field(discriminator="type"),
 ]
 MESSAGE = TypeAdapter(Message)
+_TYPES = frozenset(
+    get_args(model.model_fields["type"].annotation)[0]
+    for model in (
+        Hello,
+        Welcome,
+        Summary,
+        Offer,
+        Accepted,
+        Rejected,
+        JobUpdate,
+        Cancel,
+        Heartbeat,
+        Ack,
+    )
+)
+_TYPE = re.compile(r'"type"\s*:\s*"([a-z_]{1,32})"')
+
+
+def peek_type(text: str | bytes) -> str:
+    """The `type` a frame claims, for a log line about a frame that does not decode."""
+    match = _TYPE.search(text if isinstance(text, str) else text.decode("utf-8", "replace"))
+    return match.group(1) if match and match.group(1) in _TYPES else "unknown"
 
 
 def decode(text: str | bytes) -> Message:
-    """Parse one frame; raises pydantic.ValidationError on anything malformed."""
+    """Parse one frame; raises pydantic.ValidationError (or ValueError, RecursionError) on
+    anything malformed: the caller refuses the frame."""
     return MESSAGE.validate_json(text)
 
 

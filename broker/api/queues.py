@@ -10,6 +10,9 @@ job priorities; a job picks one with `spec.priorityClass`, else it gets its queu
 A file or PUT that cannot work is refused (guaranteed above limit, unknown priority class); a
 cohort whose guarantees exceed its GPUs is accepted with a warning (`warnings`), because
 capacity changes as clusters come and go.
+
+The queue mode (`QueueMode`, `--queue-mode`) says what a queue name nobody declared means:
+`open`, an open queue (`open_queue`); `declared`, a submit naming it is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +26,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from broker.api import jobs
 
 ANY_MODEL = "*"
+
+
+class QueueMode(StrEnum):
+    """What a job naming an undeclared queue gets (`broker.state.registry`)."""
+
+    OPEN = "open"  # accepted, in an open queue (no guarantee, no limit)
+    DECLARED = "declared"  # refused: a job must name a declared queue of its tenant
+
+
+class QueueSource(StrEnum):
+    """Where a declared queue comes from (what `DELETE /v1/queues/{name}` may remove)."""
+
+    FILE = "file"  # the queues file only: not deletable through the API
+    API = "api"  # stored through `PUT /v1/queues/{name}` only
+    OVERRIDE = "file+api"  # in the file, overridden by a PUT (the PUT's spec applies)
 
 
 class _Model(BaseModel):
@@ -78,8 +96,18 @@ class Queue(QueueSpec):
 
 
 def open_queue(name: str) -> Queue:
-    """A queue nobody declared: no guarantee, no limit, weight 1, cohort `default`."""
-    return Queue(name=name, tenant="*", quotas={ANY_MODEL: OPEN_QUOTA})
+    """A queue nobody declared: no guarantee, no limit, weight 1, cohort `default`.
+
+    `name` is taken as the jobs have it, not validated again: a job stored before queue names
+    were checked (`Team_A`) still gets a queue, never an error in a cycle or a listing."""
+    return Queue.model_construct(
+        name=name,
+        tenant="*",
+        cohort="default",
+        weight=1.0,
+        priority_class=None,
+        quotas={ANY_MODEL: OPEN_QUOTA},
+    )
 
 
 class PriorityClass(_Model):
@@ -221,6 +249,7 @@ class ReasonCode(StrEnum):
     WAITING_FOR_PREEMPTION = "WaitingForPreemption"
     MIN_RUN_TIME = "MinRunTime"
     PREEMPTION_BUDGET = "PreemptionBudget"
+    PLANNING_FAILED = "PlanningFailed"  # planning it raised: set aside, see the broker's log
 
 
 class WhyReason(_Model):
@@ -270,10 +299,16 @@ class QueueView(_Model):
     name: str
     spec: QueueSpec
     declared: bool = Field(True, description="false: not in the configuration (open queue)")
+    source: QueueSource | None = Field(
+        None, description="file, api or file+api (a PUT over the file's entry); null: undeclared"
+    )
     status: QueueStatus = Field(default_factory=QueueStatus)
     warnings: list[str] = Field(default_factory=list)
 
 
 class QueueList(_Model):
+    mode: QueueMode = Field(
+        QueueMode.OPEN, description="open: undeclared queues take jobs; declared: they do not"
+    )
     items: list[QueueView]
     warnings: list[str] = Field(default_factory=list)

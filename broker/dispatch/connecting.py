@@ -3,8 +3,9 @@
 `GET /v1/agents/connect` with an agent token. The first frame must be Hello for the token's
 cluster; the broker bumps the cluster's epoch (fencing), reconciles the jobs the agent holds,
 answers Welcome, and then handles summaries, acknowledgements and job status until the
-socket closes. A watchdog marks silent clusters Unreachable and, past a grace period, runs
-their jobs elsewhere.
+socket closes (final reports are acknowledged on the session they came on, once committed).
+A watchdog marks silent clusters Unreachable and, past a grace period, runs their jobs
+elsewhere, and withdraws offers left unanswered past the offer timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ from broker.state import records
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
+
+
+def describe(exc: Exception) -> str:
+    """One line of what was wrong with a message: the first field and why."""
+    if isinstance(exc, pydantic.ValidationError):
+        first = exc.errors(include_url=False)[0] if exc.errors() else None
+        if first is not None:
+            where = ".".join(str(part) for part in first["loc"])
+            return f"{where}: {first['msg']}" if where else str(first["msg"])
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc)[:200] or type(exc).__name__
 
 
 class SocketLink:
@@ -82,7 +95,7 @@ class Sessions:
         try:
             await link.send(messages.Welcome(epoch=epoch, heartbeat_seconds=self.heartbeat))
             await self.reports.hello(cluster, hello)
-            await self._receive(ws, cluster)
+            await self._receive(ws, cluster, epoch=epoch)
         finally:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -93,19 +106,42 @@ class Sessions:
             logger.info("agent of %s disconnected", cluster_name)
         return ws
 
-    async def _receive(self, ws: web.WebSocketResponse, cluster: fleet.Cluster) -> None:
+    async def _receive(
+        self, ws: web.WebSocketResponse, cluster: fleet.Cluster, *, epoch: int
+    ) -> None:
         async for frame in ws:
             if frame.type != WSMsgType.TEXT:
                 continue
             cluster.last_seen = time.monotonic()
             try:
                 message = messages.decode(frame.data)
-            except pydantic.ValidationError as exc:
-                logger.warning("bad message from %s: %s", cluster.name, exc.errors()[:1])
-                continue
-            await self._handle(cluster, message)
+            except (pydantic.ValidationError, ValueError, RecursionError) as exc:
+                await self._refuse(ws, cluster, frame.data, exc)
+                return
+            try:
+                await self._handle(cluster, message, epoch=epoch)
+            except Exception:  # one message's failure must not end the session
+                kind = type(message).__name__
+                self.meters.agent_messages_failed.labels(cluster=cluster.name, type=kind).inc()
+                logger.exception("handling %s from %s failed", kind, cluster.name)
 
-    async def _handle(self, cluster: fleet.Cluster, message: messages.Message) -> None:
+    async def _refuse(
+        self, ws: web.WebSocketResponse, cluster: fleet.Cluster, data: str, exc: Exception
+    ) -> None:
+        """A frame that does not decode: the cluster is Degraded (no new work) until a good
+        full summary, and the session is closed with the reason; the agent reconnects."""
+        kind = messages.peek_type(data)
+        reason = f"bad {kind} message: {describe(exc)}"
+        self.meters.agent_messages_refused.labels(cluster=cluster.name, type=kind).inc()
+        logger.warning("refused a message from %s: %s", cluster.name, reason)
+        cluster.degrade(reason)
+        self.fleet.changed.set()
+        await ws.close(code=4400, message=reason.encode()[:120])
+
+    async def _handle(
+        self, cluster: fleet.Cluster, message: messages.Message, *, epoch: int
+    ) -> None:
+        """One message of the session `epoch` (what it acknowledges is for that session)."""
         match message:
             case messages.Summary():
                 cluster.apply_summary(message)
@@ -116,7 +152,7 @@ class Sessions:
             case messages.Rejected():
                 await self.reports.rejected(cluster, message)
             case messages.JobUpdate():
-                await self.reports.job_update(cluster, message)
+                await self.reports.job_update(cluster, message, session=epoch)
             case messages.Heartbeat():
                 pass
             case _:
@@ -148,29 +184,39 @@ class Sessions:
                 return
 
     async def watch(self) -> None:
-        """Close silent sessions; requeue the jobs of clusters gone past their grace; export
-        each session's state."""
+        """Close silent sessions; withdraw offers unanswered past the offer timeout; requeue the
+        jobs of clusters gone past their grace; export each session's state. Runs until
+        cancelled: an error with one cluster is logged and counted, and the others (and the
+        next pass) go on."""
         while True:
             await asyncio.sleep(min(self.heartbeat, 1.0))
             now = time.monotonic()
             for cluster in list(self.fleet.clusters.values()):
-                link = cluster.link
-                if link is not None and now - cluster.last_seen > 3 * self.heartbeat:
-                    logger.warning(
-                        "agent of %s silent for %.1fs: closing its session",
-                        cluster.name,
-                        now - cluster.last_seen,
-                    )
-                    await link.close(reason="heartbeat timeout")
-                    self.fleet.detach(cluster.name, link)
-                if (
-                    cluster.link is None
-                    and not cluster.lost
-                    and cluster.disconnected_at is not None
-                    and now - cluster.disconnected_at > self.lost_after
-                ):
-                    cluster.lost = True
-                    moved = await self.reports.cluster_lost(cluster.name)
-                    logger.warning("cluster %s lost: %d jobs requeued", cluster.name, moved)
-                health = cluster.health(now=now, stale_after=self.fleet.stale_after)
-                self.meters.set_session_state(cluster.name, health)
+                try:
+                    await self._check(cluster, now=now)
+                except Exception:
+                    self.meters.background_errors.labels(task="sessions-watchdog").inc()
+                    logger.exception("watching the session of %s failed", cluster.name)
+
+    async def _check(self, cluster: fleet.Cluster, *, now: float) -> None:
+        link = cluster.link
+        if link is not None and now - cluster.last_seen > 3 * self.heartbeat:
+            logger.warning(
+                "agent of %s silent for %.1fs: closing its session",
+                cluster.name,
+                now - cluster.last_seen,
+            )
+            self.fleet.detach(cluster.name, link)
+            await link.close(reason="heartbeat timeout")
+        await self.reports.withdraw_unanswered(cluster, now=now)
+        if (
+            cluster.link is None
+            and not cluster.lost
+            and cluster.disconnected_at is not None
+            and now - cluster.disconnected_at > self.lost_after
+        ):
+            moved = await self.reports.cluster_lost(cluster.name)
+            cluster.lost = True
+            logger.warning("cluster %s lost: %d jobs requeued", cluster.name, moved)
+        health = cluster.health(now=now, stale_after=self.fleet.stale_after)
+        self.meters.set_session_state(cluster.name, health)

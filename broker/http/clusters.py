@@ -39,6 +39,7 @@ async def list_clusters(request: web.Request) -> web.Response:
                 last_seen_seconds=round(now - cluster.last_seen, 3) if cluster.last_seen else None,
                 models=models,
                 running_jobs=running.get(name, 0),
+                reason=cluster.reason,
             )
         )
     return web.json_response({"items": [v.model_dump(mode="json") for v in views]})

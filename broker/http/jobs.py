@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 import string
 from typing import Any
 
 import pydantic
-import yaml
 from aiohttp import web
 
 from broker.api import errors, jobs, queues, status
-from broker.http import auth, keys
+from broker.http import auth, documents, keys
 from broker.jobs import service, transitions
 from broker.planning import quotas
 from broker.state import registry
@@ -20,7 +18,6 @@ from broker.telemetry import jobspans, tracing
 
 MAX_BODY = 1024 * 1024
 _ID_CHARS = string.ascii_lowercase + string.digits
-YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
 
 
 def new_job_id(name: str) -> str:
@@ -28,28 +25,9 @@ def new_job_id(name: str) -> str:
 
 
 async def _read_document(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        raise errors.Malformed("the body must be a GPUJob in JSON or YAML", title="Empty body")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise errors.Malformed("the body is not UTF-8 text", title="Malformed body") from None
-    if request.content_type in YAML_TYPES:
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise errors.Malformed(
-                f"the body is not valid YAML{where}", title="Malformed YAML"
-            ) from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise errors.Malformed(
-            f"the body is not valid JSON: {exc.msg} at line {exc.lineno}", title="Malformed JSON"
-        ) from None
+    return documents.read_document(
+        await request.read(), content_type=request.content_type, what="a GPUJob"
+    )
 
 
 def _visible(request: web.Request, record: status.JobRecord | None) -> status.JobRecord:
@@ -68,7 +46,7 @@ async def submit(request: web.Request) -> web.Response:
     document = await _read_document(request)
     if not isinstance(document, dict):
         raise errors.Invalid("the body must be a GPUJob object", title="Invalid job")
-    job = jobs.GPUJob.model_validate(document)
+    job = jobs.validate_submitted(document)
     queue_registry = request.app.get(keys.QUEUES)
     if queue_registry is not None:
         queue_registry.check_job(principal.name, job)
@@ -81,7 +59,7 @@ async def submit(request: web.Request) -> web.Response:
             title="Bad Idempotency-Key",
         )
     if key:
-        existing = await book.find_idempotent(principal.name, key)
+        existing = await book.find_idempotent(principal.name, key, job)
         if existing is not None:
             return _submitted(existing, replayed=True)
     traceparent, parent = book.new_trace()

@@ -3,6 +3,8 @@
 Handlers raise the domain errors of `broker.api.errors` (or let pydantic and store errors
 through); this module alone maps them to a status. Every 4xx names the field or the reason;
 an unexpected error is a 500 that says so and logs the traceback, never a half-written job.
+Store faults say which: unreachable (503, `Retry-After`), full (507, `store-full`), read-only
+(503, `store-read-only`); nothing of the request was written in any of them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,23 @@ logger = logging.getLogger(__name__)
 PROBLEM_JSON = "application/problem+json"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+
+class StoreFull(errors.GpufedError):
+    """The store has no room: nothing was written, and nothing will be until space is freed."""
+
+    title = "Store full"
+    problem_type = "urn:gpufed:problem:store-full"
+
+
+class StoreReadOnly(errors.Unavailable):
+    """The store refuses writes: nothing was written; an operator must make it writable."""
+
+    title = "Store read-only"
+    problem_type = "urn:gpufed:problem:store-read-only"
+
+
 STATUS: dict[type[errors.GpufedError], int] = {
+    StoreFull: 507,  # Insufficient Storage: exactly this; not retried by generic clients
     errors.Malformed: 400,
     errors.Unauthenticated: 401,
     errors.Forbidden: 403,
@@ -45,7 +63,7 @@ def status_of(error: errors.GpufedError) -> int:
 def respond(error: errors.GpufedError, instance: str, *, status: int | None = None) -> web.Response:
     code = status if status is not None else status_of(error)
     body: dict[str, Any] = {
-        "type": "about:blank",
+        "type": error.problem_type,
         "title": error.title,
         "status": code,
         "detail": error.detail,
@@ -124,6 +142,18 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
             headers={"Retry-After": "1"},
         )
         return respond(unavailable, request.path)
+    except store_errors.StoreFullError as exc:
+        logger.error("store full, write refused: %s", exc)
+        full = StoreFull(
+            "the broker's store is full; nothing was written (an operator must free space)"
+        )
+        return respond(full, request.path)
+    except store_errors.StoreReadOnlyError as exc:
+        logger.error("store read-only, write refused: %s", exc)
+        read_only = StoreReadOnly(
+            "the broker's store refuses writes; nothing was written (an operator must act)"
+        )
+        return respond(read_only, request.path)
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         failed = errors.GpufedError("the broker failed; see its logs", title="Internal error")

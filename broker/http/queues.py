@@ -1,11 +1,22 @@
-"""Queue routes (admin token only): list, get and put queues with their usage and warnings.
+"""Queue routes (admin token only): list, get, put and delete queues with usage and warnings.
 
 `PUT /v1/queues/{name}` takes a queue spec in JSON or YAML (tenant, cohort, weight,
 priorityClass, quotas per GPU model with guaranteed and limit), validates it against the rest
-of the configuration (422 naming the field: guaranteed above limit, unknown priority class),
-stores it and applies it from the next scheduling cycle. What can work but will disappoint —
-a cohort guaranteeing more GPUs than it holds — is accepted, with the warnings in the body
-and in a `Warning` header.
+of the configuration (422 naming the field: guaranteed above limit, unknown priority class)
+and builds its answer before storing anything, then stores it and applies it from the next
+scheduling cycle. What can work but will disappoint — a cohort guaranteeing more GPUs than it
+holds — is accepted, with the warnings in the body and in a `Warning` header. In open queue
+mode a PUT declares that one queue; no other queue starts refusing jobs.
+
+`DELETE /v1/queues/{name}` removes what the API stored (`registry.QueueRegistry.delete`): a
+queue stored through the API only, once it has no unfinished job (409 naming how many it has
+otherwise), is gone (204); a queue of the file that a PUT overrode gets the file's definition
+back (200, the queue as it is now); a queue only in the file is 409 (edit the file); an unknown
+name is 404.
+
+The listing never fails because of a job: every queue with unfinished jobs is shown, declared
+or not, and in declared mode an undeclared one carries a warning (its jobs are scheduled as in
+an open queue, and nothing is stranded silently).
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ import pydantic
 import yaml
 from aiohttp import web
 
-from broker.api import errors, queues
+from broker.api import errors, jobs, queues
 from broker.http import auth, keys, problems
 from broker.planning import usage
 from broker.state import registry
@@ -37,15 +48,40 @@ def _fleet_gpus(request: web.Request) -> dict[str, int]:
     return request.app[keys.FLEET].snapshot(now=time.monotonic()).total_gpus()
 
 
-def build_views(request: web.Request) -> list[queues.QueueView]:
+def build_views(
+    request: web.Request, config: queues.QueuesConfig | None = None
+) -> list[queues.QueueView]:
+    """The queues of `config` (default: the registry's) and every queue with jobs."""
     book = request.app[keys.JOBS]
-    return usage.build_views(
-        _registry(request).config,
+    queue_registry = _registry(request)
+    views = usage.build_views(
+        config if config is not None else queue_registry.config,
         running=book.running_jobs(),
         pending=book.pending(),
         fleet_gpus=_fleet_gpus(request),
         preemptions=book.preemptions(),
     )
+    return [_annotated(queue_registry, view) for view in views]
+
+
+def _annotated(queue_registry: registry.QueueRegistry, view: queues.QueueView) -> queues.QueueView:
+    update: dict[str, Any] = {"source": queue_registry.source(view.name)}
+    if not view.declared and queue_registry.declared:
+        update["warnings"] = [*view.warnings, undeclared_warning(view)]
+    return view.model_copy(update=update)
+
+
+def undeclared_warning(view: queues.QueueView) -> str:
+    jobs_count = view.status.pending_jobs + view.status.running_jobs
+    text = (
+        f"queue {view.name} is not declared (queue mode declared) but has {jobs_count} "
+        "unfinished jobs: they are scheduled as in an open queue (no guarantee, no limit)"
+    )
+    try:
+        jobs.ObjectMeta._dns_label(view.name)
+    except ValueError:
+        return f"{text}; its name is not a DNS label, so cancel them and submit them again"
+    return f"{text}; declare it (PUT /v1/queues/{view.name}) or cancel them"
 
 
 def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
@@ -54,9 +90,11 @@ def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
 
 async def list_queues(request: web.Request) -> web.Response:
     _require_admin(request)
-    config = _registry(request).config
-    warnings = config.warnings(_fleet_gpus(request))
-    body = queues.QueueList(items=build_views(request), warnings=warnings)
+    queue_registry = _registry(request)
+    views = build_views(request)
+    warnings = queue_registry.config.warnings(_fleet_gpus(request))
+    warnings += [undeclared_warning(v) for v in views if not v.declared and queue_registry.declared]
+    body = queues.QueueList(mode=queue_registry.mode, items=views, warnings=warnings)
     return web.json_response(_dump(body))
 
 
@@ -86,11 +124,8 @@ async def _read_spec(request: web.Request, name: str) -> queues.Queue:
         raise problems.from_validation(exc, title=INVALID) from None
 
 
-async def put_queue(request: web.Request) -> web.Response:
-    _require_admin(request)
-    name = request.match_info["name"]
-    queue_registry = _registry(request)
-    queue = await _read_spec(request, name)
+def _validated(queue_registry: registry.QueueRegistry, queue: queues.Queue) -> queues.QueuesConfig:
+    """The configuration with `queue`; Invalid (naming the field) if it cannot work."""
     known = {c.name for c in queue_registry.config.priority_classes}
     if queue.priority_class is not None and queue.priority_class not in known:
         raise errors.Invalid(
@@ -99,19 +134,63 @@ async def put_queue(request: web.Request) -> web.Response:
             field="priorityClass",
             title=INVALID,
         )
+    try:
+        return queue_registry.config.with_queue(queue)
+    except pydantic.ValidationError as exc:
+        raise problems.from_validation(exc, title=INVALID) from None
+
+
+async def put_queue(request: web.Request) -> web.Response:
+    _require_admin(request)
+    name = request.match_info["name"]
+    queue_registry = _registry(request)
+    queue = await _read_spec(request, name)
+    candidate = _validated(queue_registry, queue)
+    # the answer is built before anything is stored: a PUT that fails stores nothing
+    view = next(v for v in build_views(request, candidate) if v.name == name)
     created = queue_registry.config.queue(name) is None
     try:
         await queue_registry.put(queue)
-    except pydantic.ValidationError as exc:
+    except pydantic.ValidationError as exc:  # the configuration changed meanwhile
         raise problems.from_validation(exc, title=INVALID) from None
-    view = next(v for v in build_views(request) if v.name == name)
+    view = view.model_copy(update={"source": queue_registry.source(name)})
     headers = {}
     if view.warnings:
         headers["Warning"] = ", ".join(f'299 gpufed "{w}"' for w in view.warnings)
     return web.json_response(_dump(view), status=201 if created else 200, headers=headers)
 
 
+async def delete_queue(request: web.Request) -> web.Response:
+    _require_admin(request)
+    name = request.match_info["name"]
+    queue_registry = _registry(request)
+    source = queue_registry.source(name)
+    if source is None:
+        raise errors.NotFound(f"no queue {name!r}")
+    if source == queues.QueueSource.FILE:
+        raise errors.Conflict(
+            f"queue {name!r} is declared in the queues file; the API deletes only what it "
+            "stored: remove it from the file and restart the broker",
+            title="Queue from the queues file",
+        )
+    if source == queues.QueueSource.API:
+        unfinished = request.app[keys.JOBS].unfinished_in_queue(name)
+        if unfinished:
+            states = ", ".join(f"{n} {state.value}" for state, n in sorted(unfinished.items()))
+            raise errors.Conflict(
+                f"queue {name!r} has {sum(unfinished.values())} unfinished jobs ({states}): "
+                "cancel them or wait until they finish",
+                title="Queue not empty",
+            )
+    await queue_registry.delete(name)
+    if source == queues.QueueSource.OVERRIDE:  # the file's definition applies again
+        view = next(v for v in build_views(request) if v.name == name)
+        return web.json_response(_dump(view))
+    return web.Response(status=204)
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/queues", list_queues)
     app.router.add_get("/v1/queues/{name}", get_queue)
     app.router.add_put("/v1/queues/{name}", put_queue)
+    app.router.add_delete("/v1/queues/{name}", delete_queue)

@@ -9,6 +9,12 @@ what the store says they are, and the next cycle plans them again.
 Applying a change updates the indices (queued, holding GPUs, per cluster) and then tells the
 observers (`observe`): telemetry, quota accounting and preemption follow the book this way,
 never the other way round. Read by `http/` through `broker.jobs.service.Jobs`.
+
+Idempotency: a key replays its job for `idempotency_window` seconds from the job's creation
+(24 h by default), and only for the same body (the digest stored with the key): another body
+is `IdempotencyKeyReused` (422). Past the window the key is forgotten and makes a new job;
+`expiring.sweep_keys` deletes expired keys in the background. A key stored before digests
+were kept replays its job whatever the body, as it always did.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
-from broker.api import status
+from broker.api import jobs, status
+from broker.api.errors import IdempotencyKeyReused
 from broker.api.status import JobState
 from broker.planning import planning
 from broker.state import errors, records
@@ -69,8 +77,14 @@ def draft_of(record: status.JobRecord) -> status.JobRecord:
 class JobBook:
     """Records and revisions, indices, and the commits that change them."""
 
-    def __init__(self, job_store: records.JobStore) -> None:
+    def __init__(
+        self,
+        job_store: records.JobStore,
+        *,
+        idempotency_window: float = records.IDEMPOTENCY_WINDOW_SECONDS,
+    ) -> None:
         self.store = job_store
+        self.idempotency_window = idempotency_window
         self.lock = asyncio.Lock()  # one writer at a time: collaborators hold it to decide
         self.wakeup = asyncio.Event()  # a job became queued
         self.flush_needed = asyncio.Event()
@@ -79,7 +93,8 @@ class JobBook:
         self._holding: set[str] = set()
         self._by_cluster: dict[str, set[str]] = {}
         self._soon: dict[str, status.JobRecord] = {}  # drafts waiting for the group commit
-        self._creating: list[tuple[status.JobRecord, asyncio.Future[status.JobRecord]]] = []
+        self._after: dict[str, list[Callable[[], None]]] = {}  # see `after_commit`
+        self._creating: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]] = []
         self._committer: asyncio.Task[None] | None = None
         self._observers: list[Observer] = []
         self._waiting: dict[str, Waiting] = {}
@@ -149,21 +164,31 @@ class JobBook:
 
     async def commit(self, drafts: Sequence[status.JobRecord]) -> None:
         """Write `drafts` now (compare-and-swap), then apply them; all or nothing per
-        transaction (`records.chunked`).
+        transaction (`JobStore.batches`: bounded in records and bytes).
 
-        On a store error nothing of the failed transaction is applied and the error is
-        raised; after a conflict the records involved are read again from the store.
+        Every transaction is tried; on a store error nothing of the failed one is applied,
+        the others are, and the first error is raised at the end; after a conflict the
+        records involved are read again from the store.
         """
-        for chunk in records.chunked(drafts):
-            changes = [(draft, self._revision(draft.id)) for draft in chunk]
+        failure: errors.StoreError | None = None
+        encoded = [records.Encoded(d, records.encode(d)) for d in drafts]
+        for batch in self.store.batches(encoded):
+            changes = [(item, self._revision(item.record.id)) for item in batch]
             try:
                 revision = await self.store.update(changes)
-            except errors.ConflictError:
-                await self.refresh(d.id for d in chunk)
-                raise
-            for draft in chunk:
-                self._soon.pop(draft.id, None)
-                self._apply(draft, revision)
+            except errors.ConflictError as exc:
+                await self.refresh(item.record.id for item in batch)
+                failure = failure or exc
+                continue
+            except errors.StoreError as exc:
+                failure = failure or exc
+                continue
+            for item in batch:
+                self._soon.pop(item.record.id, None)
+                self._apply(item.record, revision)
+                self._committed(item.record.id)
+        if failure is not None:
+            raise failure
 
     def commit_soon(self, draft: status.JobRecord) -> None:
         """Write `draft` with the next group commit (`flush`): for what agents report, many
@@ -172,14 +197,40 @@ class JobBook:
         self._soon[draft.id] = draft
         self.flush_needed.set()
 
+    def after_commit(self, job_id: str, callback: Callable[[], None]) -> None:
+        """Call `callback` once the job as `latest` shows it is in the store: now if nothing of
+        it waits for the group commit, else after the commit that writes it; never if that
+        write is dropped (a conflict: the record is read again). How agents' reports are
+        acknowledged only once committed."""
+        if job_id in self._soon:
+            self._after.setdefault(job_id, []).append(callback)
+        else:
+            self._call(job_id, [callback])
+
+    def _committed(self, job_id: str) -> None:
+        callbacks = self._after.pop(job_id, None)
+        if callbacks:
+            self._call(job_id, callbacks)
+
+    @staticmethod
+    def _call(job_id: str, callbacks: list[Callable[[], None]]) -> None:
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a callback's bug must not undo a commit
+                logger.exception("after-commit callback of job %s failed", job_id)
+
     async def flush(self) -> None:
         """Commit every draft of `commit_soon`. On a temporary store error they stay for the
         next flush; on a conflict they are dropped and the records read again."""
         if self._soon:
             await self.commit(list(self._soon.values()))
 
-    async def run_flusher(self, *, gather_seconds: float = 0.002) -> None:
-        """Group commit of what agents report, until cancelled; store errors are retried."""
+    async def run_flusher(
+        self, *, gather_seconds: float = 0.002, on_error: Callable[[], None] | None = None
+    ) -> None:
+        """Group commit of what agents report, until cancelled; store errors are retried
+        (`on_error` counts each)."""
         while True:
             await self.flush_needed.wait()
             self.flush_needed.clear()
@@ -189,8 +240,12 @@ class JobBook:
                     await self.flush()
                 except errors.ConflictError as exc:
                     logger.warning("group commit conflicted, records read again: %s", exc)
-                except errors.StoreError as exc:
+                    if self._soon:  # the drafts of the transactions not tried yet
+                        self.flush_needed.set()
+                except Exception as exc:  # the store, or a bug: the drafts wait, retried
                     logger.warning("group commit of %d jobs failed: %s", len(self._soon), exc)
+                    if on_error is not None:
+                        on_error()
                     self.flush_needed.set()
                     await asyncio.sleep(0.5)
 
@@ -198,6 +253,7 @@ class JobBook:
         """Read records again from the store (after a conflict: another writer won)."""
         for job_id in list(job_ids):
             self._soon.pop(job_id, None)
+            self._after.pop(job_id, None)
             try:
                 entry = await self.store.get(job_id)
             except errors.StoreError as exc:
@@ -208,19 +264,53 @@ class JobBook:
 
     # ---- new jobs -----------------------------------------------------------------------
 
-    async def find_idempotent(self, tenant: str, key: str) -> status.JobRecord | None:
-        job_id = await self.store.find_idempotent(tenant, key)
-        return self.get(job_id) if job_id is not None else None
+    async def find_idempotent(
+        self, tenant: str, key: str, job: jobs.GPUJob
+    ) -> status.JobRecord | None:
+        """The job `tenant` submitted with Idempotency-Key `key` within the window, to replay;
+        IdempotencyKeyReused if it was submitted with another body than `job`. A key past its
+        window is forgotten here (compare-and-delete), so the caller makes a new job."""
+        entry = await self.store.find_idempotent(tenant, key)
+        if entry is None:
+            return None
+        if self.idempotency_expired(entry, now=status.utcnow()):
+            await self.store.forget_idempotent([entry])
+            return None
+        record = self.get(entry.job_id) if entry.job_id is not None else None
+        if record is None:
+            return None  # a job the book cannot read: creating conflicts, and says so
+        if entry.digest is not None and entry.digest != records.body_digest(job):
+            raise IdempotencyKeyReused(
+                f"Idempotency-Key: {key!r} was used for job {record.id} with another body; "
+                f"use a new key for a new job (a key is kept {self.idempotency_window:g} s)",
+                field="Idempotency-Key",
+            )
+        return record
+
+    def idempotency_expired(self, entry: records.IdempotencyEntry, *, now: datetime) -> bool:
+        """True if `entry` no longer counts: past its window, or naming no job. A key of the
+        old format counts from its job's creation (and is kept while the job is unknown)."""
+        if entry.job_id is None:
+            return True
+        created = entry.created
+        if created is None:
+            record = self.get(entry.job_id)
+            if record is None:
+                return False
+            created = record.created
+        return (now - created).total_seconds() >= self.idempotency_window
 
     async def create(self, record: status.JobRecord) -> status.JobRecord:
-        """Store a new job; with an idempotency key already used, return that job instead.
+        """Store a new job; with an idempotency key already used, return that job instead
+        (IdempotencyKeyReused if it was used for another body).
 
         Submits that arrive together share one transaction (group commit): the first caller
         commits for everyone waiting, each gets its own answer, and a batch that fails as a
         whole is retried one job at a time so one conflict does not fail the others.
         """
+        encoded = self.store.encode(record)  # TooLarge for a job no transaction can carry
         done: asyncio.Future[status.JobRecord] = asyncio.get_running_loop().create_future()
-        self._creating.append((record, done))
+        self._creating.append((encoded, done))
         if self._committer is None or self._committer.done():
             # a task of its own: a submitter that goes away does not strand the others
             self._committer = asyncio.create_task(self._drain_creates())
@@ -229,27 +319,29 @@ class JobBook:
     async def _drain_creates(self) -> None:
         await asyncio.sleep(0)  # let the submits of this loop turn join the batch
         while self._creating:
-            batch = self._creating[: records.CREATE_BATCH]
-            del self._creating[: records.CREATE_BATCH]
-            await self._create_batch(batch)
+            waiting = self._creating
+            self._creating = []
+            futures = dict(zip((id(e) for e, _ in waiting), (f for _, f in waiting), strict=True))
+            for group in self.store.batches([e for e, _ in waiting], max_ops=records.CREATE_BATCH):
+                await self._create_batch([(item, futures[id(item)]) for item in group])
 
     async def _create_batch(
-        self, batch: list[tuple[status.JobRecord, asyncio.Future[status.JobRecord]]]
+        self, batch: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]]
     ) -> None:
         if len(batch) > 1:
             try:
-                revision = await self.store.create([record for record, _ in batch])
+                revision = await self.store.create([item for item, _ in batch])
             except (errors.StoreError, ValueError):
                 pass  # one of them conflicts (or repeats a key): one at a time below
             else:
-                for record, done in batch:
-                    self._apply(record, revision)
+                for item, done in batch:
+                    self._apply(item.record, revision)
                     if not done.done():
-                        done.set_result(record)
+                        done.set_result(item.record)
                 return
-        for record, done in batch:
+        for item, done in batch:
             try:
-                result = await self._create_one(record)
+                result = await self._create_one(item)
             except Exception as exc:  # the submitter's answer, raised in its handler
                 if not done.done():
                     done.set_exception(exc)
@@ -257,15 +349,19 @@ class JobBook:
                 if not done.done():
                     done.set_result(result)
 
-    async def _create_one(self, record: status.JobRecord) -> status.JobRecord:
+    async def _create_one(self, item: records.Encoded) -> status.JobRecord:
+        record = item.record
         try:
-            revision = await self.store.create([record])
+            revision = await self.store.create([item])
         except errors.ConflictError:
-            if record.idempotency_key:
-                existing = await self.find_idempotent(record.tenant, record.idempotency_key)
-                if existing is not None:
-                    return existing
-            raise
+            if not record.idempotency_key:
+                raise
+            existing = await self.find_idempotent(record.tenant, record.idempotency_key, record.job)
+            if existing is not None:
+                return existing
+            # the key had expired and is forgotten now: once more (a key naming a job the
+            # book cannot read conflicts again, and that is raised)
+            revision = await self.store.create([item])
         self._apply(record, revision)
         return record
 

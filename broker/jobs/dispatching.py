@@ -10,6 +10,7 @@ their GPUs are not taken from any cluster, and the next cycle plans them again.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from broker.api import jobs as jobs_api
@@ -122,8 +123,9 @@ class Dispatcher:
                 for draft, _, _ in chosen:
                     self.accounts.forget(draft.id)
             chosen = committed
+            sent_at = time.monotonic()
             for draft, fit, cluster in chosen:
-                cluster.inflight[draft.id] = fleet.InFlight(fit=fit)
+                cluster.inflight[draft.id] = fleet.InFlight(fit=fit, sent_at=sent_at)
         sent = 0
         for draft, _, cluster in chosen:
             offer = messages.Offer(

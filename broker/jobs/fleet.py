@@ -2,7 +2,9 @@
 
 Held by the job collaborators (the cycle reads summaries less in-flight offers; reports and
 cancels send through `send`) and kept current by `broker.dispatch.connecting`, which owns the
-agent sessions behind each `AgentLink`.
+agent sessions behind each `AgentLink`. An offer in flight keeps the time it went out: one
+neither accepted nor rejected within `offer_timeout` is withdrawn (`reports.withdraw_unanswered`,
+from the sessions' watchdog).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class AgentLink(Protocol):
 @dataclass
 class InFlight:
     fit: fitting.Fit
+    sent_at: float = 0.0  # monotonic: when the offer went out
     accepted: bool = False
 
 
@@ -45,22 +48,58 @@ class Cluster:
     inflight: dict[str, InFlight] = field(default_factory=dict)
     # job id -> summary seq at its rejection: excluded for that job until a newer summary
     rejected: dict[str, int] = field(default_factory=dict)
+    # why the broker refused what the agent sent (no new work until a good full summary)
+    degraded: str | None = None
+    # why the latest cycle set the cluster aside (planning it raised); tried again each cycle
+    planning_error: str | None = None
 
     @property
     def connected(self) -> bool:
         return self.link is not None
 
     def health(self, *, now: float, stale_after: float) -> str:
-        if self.link is None:
-            return "Lost" if self.lost else "Unreachable"
-        if now - self.last_seen > stale_after:
+        if self.lost:
+            return "Lost"
+        if self.degraded is not None:
+            return "Degraded"
+        if self.link is None or now - self.last_seen > stale_after:
             return "Unreachable"
         if self.summary is None:
             return "Connecting"
-        return "Ready"
+        return "Degraded" if self.planning_error is not None else "Ready"
+
+    @property
+    def reason(self) -> str | None:
+        """Why the cluster is Degraded, if it is."""
+        return self.degraded or self.planning_error
+
+    def plannable(self, *, now: float, stale_after: float) -> bool:
+        """May the next cycle plan on it? (A planning error is tried again each cycle.)"""
+        return (
+            self.link is not None
+            and not self.lost
+            and self.degraded is None
+            and self.summary is not None
+            and now - self.last_seen <= stale_after
+        )
+
+    def unanswered(self, *, now: float, timeout: float) -> list[str]:
+        """The jobs whose offers are neither accepted nor rejected `timeout` seconds on."""
+        return [
+            job_id
+            for job_id, flight in self.inflight.items()
+            if not flight.accepted and now - flight.sent_at > timeout
+        ]
+
+    def degrade(self, reason: str) -> None:
+        """The agent sent something the broker refused: no new work until it sends a good
+        full summary (at the start of its next session)."""
+        self.degraded = reason
 
     def apply_summary(self, message: messages.Summary) -> None:
         incoming = message.summary
+        if message.full:
+            self.degraded = None
         if message.full or self.summary is None:
             self.summary = incoming
         else:
@@ -82,10 +121,17 @@ class Cluster:
 class Fleet:
     """Every cluster the broker has heard of, connected or not."""
 
-    def __init__(self, *, stale_after: float = 15.0, cancel_grace_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        *,
+        stale_after: float = 15.0,
+        cancel_grace_seconds: float = 30.0,
+        offer_timeout_seconds: float = 30.0,
+    ) -> None:
         self.clusters: dict[str, Cluster] = {}
         self.stale_after = stale_after
         self.cancel_grace = cancel_grace_seconds
+        self.offer_timeout = offer_timeout_seconds  # an offer unanswered this long is withdrawn
         self.changed = asyncio.Event()
 
     async def send(self, cluster_name: str | None, message: messages._Msg) -> bool:
@@ -146,13 +192,21 @@ class Fleet:
         return cluster.health(now=now, stale_after=self.stale_after) == "Ready"
 
     def snapshot(self, *, now: float) -> snapshot.FleetSnapshot:
-        """Capacity of every ready cluster, in-flight offers deducted."""
+        """Capacity of every plannable cluster, in-flight offers deducted. A cluster whose
+        capacity cannot be built is left out, with the reason kept (`planning_error`)."""
         capacities = []
         for cluster in self.clusters.values():
-            if cluster.summary is None or not self.healthy(cluster, now=now):
+            if cluster.summary is None or not cluster.plannable(
+                now=now, stale_after=self.stale_after
+            ):
                 continue
-            capacity = snapshot.ClusterCapacity.from_summary(cluster.summary, healthy=True)
-            for flight in cluster.inflight.values():
-                fitting.assume(capacity, flight.fit)
+            try:
+                capacity = snapshot.ClusterCapacity.from_summary(cluster.summary, healthy=True)
+                for flight in cluster.inflight.values():
+                    fitting.assume(capacity, flight.fit)
+            except Exception as exc:
+                cluster.planning_error = f"its capacity cannot be computed: {exc!r}"[:300]
+                logger.exception("cluster %s left out of planning", cluster.name)
+                continue
             capacities.append(capacity)
         return snapshot.FleetSnapshot.build(capacities)

@@ -1,11 +1,14 @@
 """What agents report about the jobs the broker gave them. Called by `dispatch.connecting`.
 
 Accepted, Rejected, JobUpdate, the jobs an agent holds when it says hello (reconcile and
-fencing), and a cluster lost past its grace. Each handler drafts the changes under the book's
-lock and commits them; a commit the store refuses for now is handed to the group commit,
-which retries it, so a report is never dropped while the broker runs (and a broker that
-restarts learns it again from the agent's hello). Messages about an earlier attempt of a job
-are stale: they change nothing, and a copy still running is cancelled, that attempt only.
+fencing), offers left unanswered past the offer timeout, and a cluster lost past its grace.
+Each handler drafts the changes under the book's lock and commits them; a commit the store
+refuses for now is handed to the group commit, which retries it, so a report is never dropped
+while the broker runs (and a broker that restarts learns it again from the agent's hello).
+Messages about an earlier attempt of a job are stale: they change nothing, and a copy still
+running is cancelled, that attempt only. A final report with a `seq` is acknowledged once the
+job is committed as it left it (`acknowledging`), also when it changed nothing: the agent
+sends it until then, and a report sent twice is applied once.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Sequence
 
 from broker.api import messages, status
 from broker.api.status import JobState
-from broker.jobs import book, fleet, preempting, transitions
+from broker.jobs import acknowledging, book, fleet, preempting, transitions
 from broker.state import errors
 from broker.telemetry import jobspans, metrics
 
@@ -31,10 +34,12 @@ class AgentReports:
         victims: preempting.Preemptions,
         spans: jobspans.JobSpans,
         meters: metrics.BrokerMetrics,
+        acks: acknowledging.Acknowledgements,
     ) -> None:
         self.book = jobs
         self.fleet = clusters
         self.victims = victims
+        self.acks = acks
         self.spans = spans
         self.meters = meters
 
@@ -113,18 +118,27 @@ class AgentReports:
                 transitions.requeue(draft, "Rejected", "; ".join(reasons))
             await self._commit([draft])
 
-    async def job_update(self, cluster: fleet.Cluster, message: messages.JobUpdate) -> None:
+    async def job_update(
+        self, cluster: fleet.Cluster, message: messages.JobUpdate, *, session: int | None = None
+    ) -> None:
+        """Apply what the agent says of a job (group-committed); a report with a `seq` is
+        acknowledged on its `session` (the epoch it came on) once that is committed."""
+        session = cluster.epoch if session is None else session
         async with self.book.lock:
             record = self._owned(cluster.name, message.job_id)
             if record is None or transitions.is_stale(record, message.attempt):
+                # applied already (a report sent again), or about an attempt moved past
                 if not message.state.terminal:
                     await self._cancel_stale(
                         cluster.name, message.job_id, message.epoch, message.attempt
                     )
-                return
-            draft = book.draft_of(record)
-            if self._update(draft, message.state, message.reason, message.message, message.pods):
-                self.book.commit_soon(draft)
+            else:
+                draft = book.draft_of(record)
+                text = message.message
+                if self._update(draft, message.state, message.reason, text, message.pods):
+                    self.book.commit_soon(draft)
+            if message.seq is not None:
+                self.acks.after_commit(cluster.name, message.job_id, seq=message.seq, epoch=session)
 
     def _update(
         self,
@@ -208,6 +222,59 @@ class AgentReports:
                 await self.fleet.send_cancel(
                     cluster.name, job_id, epoch=cluster.epoch, reason="Cancelled", attempt=attempt
                 )
+
+    async def withdraw_unanswered(self, cluster: fleet.Cluster, *, now: float) -> int:
+        """Offers the agent neither accepted nor rejected within the fleet's offer timeout (a
+        hung agent that still heartbeats): each job is queued again (OfferTimeout) and the
+        cluster passed over for it until a newer summary, as after a rejection; once that is
+        committed the agent is sent a Cancel of that attempt (an answer that comes later is
+        about an attempt moved past: stale). Returns the offers withdrawn."""
+        timeout = self.fleet.offer_timeout
+        if not cluster.unanswered(now=now, timeout=timeout):
+            return 0
+        text = f"{cluster.name}: the offer was not answered within {timeout:g} s"
+        async with self.book.lock:
+            drafts = []
+            for job_id in cluster.unanswered(now=now, timeout=timeout):
+                record = self.book.latest(job_id)
+                if (
+                    record is None
+                    or record.status.cluster != cluster.name
+                    or record.status.state != JobState.DISPATCHED
+                ):
+                    cluster.inflight.pop(job_id, None)  # moved on meanwhile
+                    continue
+                draft = book.draft_of(record)
+                draft.status.reasons = [text]
+                if draft.status.cancel_requested:
+                    transitions.move(
+                        draft, JobState.CANCELLED, "Cancelled", "cancelled while offered"
+                    )
+                else:
+                    transitions.requeue(draft, transitions.OFFER_TIMEOUT, text)
+                drafts.append(draft)
+            try:
+                await self.book.commit(drafts)
+            except errors.StoreError as exc:  # what did not commit is tried again next pass
+                logger.warning("withdrawing %d offers not committed: %s", len(drafts), exc)
+            withdrawn = [draft for draft in drafts if self.book.get(draft.id) is draft]
+            for draft in withdrawn:
+                cluster.inflight.pop(draft.id, None)
+                cluster.rejected[draft.id] = cluster.summary.seq if cluster.summary else 0
+                self.spans.answered(draft.id, accepted=False, reasons=[text])
+                self.meters.placements.labels(result="timeout").inc()
+                await self.fleet.send_cancel(
+                    cluster.name,
+                    draft.id,
+                    epoch=draft.status.epoch,
+                    reason=transitions.OFFER_TIMEOUT,
+                    attempt=transitions.attempt_of(draft),
+                )
+        if withdrawn:
+            logger.warning(
+                "%s: %d offers unanswered in %g s withdrawn", cluster.name, len(withdrawn), timeout
+            )
+        return len(withdrawn)
 
     async def cluster_lost(self, name: str) -> int:
         """The cluster stayed away past its grace period: run its jobs elsewhere."""

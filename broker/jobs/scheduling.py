@@ -122,6 +122,7 @@ class Scheduler:
             self.last_plan_seconds = decided
             self.meters.decision_duration.observe(decided / len(pending))
             self.reservations = plan.reservations
+            self._note_set_aside(plan, fleet)
             await self.victims.preempt(plan.preemptions)
             outcome = await self.dispatcher.dispatch(plan)
             offers = outcome.sent
@@ -136,6 +137,19 @@ class Scheduler:
         self.meters.scheduling_cycles.inc()
         self.meters.cycle_duration.observe(time.perf_counter() - started)
         return offers
+
+    def _note_set_aside(self, plan: planning.CyclePlan, planned: snapshot.FleetSnapshot) -> None:
+        """Count and log what the cycle set aside; a cluster keeps its reason (shown by
+        `GET /v1/clusters`) until a cycle plans it again."""
+        aside = {item.name: item.reason for item in plan.set_aside if item.kind == "cluster"}
+        for cluster in self.fleet.clusters.values():
+            if cluster.name in aside:
+                cluster.planning_error = f"set aside by the scheduler: {aside[cluster.name]}"
+            elif cluster.name in planned.clusters:
+                cluster.planning_error = None
+        for item in plan.set_aside:
+            self.meters.set_aside.labels(kind=item.kind).inc()
+            logger.error("scheduling cycle set aside %s %s: %s", item.kind, item.name, item.reason)
 
     def _export_gauges(self) -> None:
         by_queue: Counter[str] = Counter()
@@ -201,6 +215,8 @@ class Scheduler:
             try:
                 await self.run_cycle()
             except Exception:
+                self.commit_failures += 1  # whatever broke, the next cycles wait longer
+                self.meters.background_errors.labels(task="scheduler").inc()
                 logger.exception("scheduling cycle failed")
             # long planning (a deep backlog) is followed by a pause as long (at most 0.1 s):
             # planning never takes more than half of the broker's time

@@ -1,7 +1,8 @@
 """The job collaborators around one book, and the small read API `http/` uses.
 
 `Jobs` wires the book's collaborators — `requests` (submit, cancel), `reports` (what agents
-say), `dispatcher` (a plan made real), `victims` (preemption), `accounts` (quota holdings) —
+say, acknowledged through `acks` once committed), `dispatcher` (a plan made real), `victims`
+(preemption), `accounts` (quota holdings) —
 and the observers that follow every committed change (telemetry, holdings, preemptions).
 Handlers read through the methods here, never through the collaborators' attributes.
 """
@@ -11,12 +12,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from broker.api import status
+from broker.api import jobs, status
 from broker.api.status import JobState
 from broker.jobs import (
     accounting,
+    acknowledging,
     book,
     dispatching,
+    expiring,
     fleet,
     observing,
     preempting,
@@ -30,9 +33,15 @@ from broker.telemetry import jobspans, metrics
 
 class Jobs:
     def __init__(
-        self, job_store: records.JobStore, clusters: fleet.Fleet, *, meters: metrics.BrokerMetrics
+        self,
+        job_store: records.JobStore,
+        clusters: fleet.Fleet,
+        *,
+        meters: metrics.BrokerMetrics,
+        idempotency_window: float = records.IDEMPOTENCY_WINDOW_SECONDS,
     ) -> None:
-        self.book = book.JobBook(job_store)
+        self.book = book.JobBook(job_store, idempotency_window=idempotency_window)
+        self.meters = meters
         self.fleet = clusters
         self.spans = jobspans.JobSpans()
         self.accounts = accounting.Accounting(
@@ -42,8 +51,14 @@ class Jobs:
             self.book, clusters, meters=meters, held_by=self.accounts.held_by
         )
         self.requests = requests.Requests(self.book, clusters, meters=meters)
+        self.acks = acknowledging.Acknowledgements(self.book, clusters)
         self.reports = reports.AgentReports(
-            self.book, clusters, victims=self.victims, spans=self.spans, meters=meters
+            self.book,
+            clusters,
+            victims=self.victims,
+            spans=self.spans,
+            meters=meters,
+            acks=self.acks,
         )
         self.dispatcher = dispatching.Dispatcher(
             self.book, clusters, accounts=self.accounts, spans=self.spans
@@ -86,6 +101,20 @@ class Jobs:
         items.sort(key=lambda r: r.created, reverse=True)
         return items[: max(0, limit)]
 
+    def unfinished_in_queue(self, queue: str) -> Counter[JobState]:
+        """The jobs of `queue` not finished yet, by state (what stops deleting the queue)."""
+        return Counter(
+            record.status.state
+            for record in self.book
+            if record.job.spec.queue == queue and not record.status.state.terminal
+        )
+
+    def unfinished_queues(self) -> Counter[str]:
+        """Jobs not finished yet per queue name."""
+        return Counter(
+            record.job.spec.queue for record in self.book if not record.status.state.terminal
+        )
+
     def waiting(self, job_id: str) -> book.Waiting | None:
         """Why a queued job was not placed in the latest cycle."""
         return self.book.waiting(job_id)
@@ -124,16 +153,26 @@ class Jobs:
     async def submit(self, record: status.JobRecord) -> status.JobRecord:
         return await self.requests.submit(record)
 
-    async def find_idempotent(self, tenant: str, key: str) -> status.JobRecord | None:
-        return await self.book.find_idempotent(tenant, key)
+    async def find_idempotent(
+        self, tenant: str, key: str, job: jobs.GPUJob
+    ) -> status.JobRecord | None:
+        """The job to replay for this Idempotency-Key; IdempotencyKeyReused (422) if the key
+        was used for another body within its window."""
+        return await self.book.find_idempotent(tenant, key, job)
 
     async def cancel(self, job_id: str) -> status.JobRecord | None:
         return await self.requests.cancel(job_id)
 
     async def run_flusher(self) -> None:
-        await self.book.run_flusher()
+        errors_seen = self.meters.background_errors.labels(task="group-commit")
+        await self.book.run_flusher(on_error=errors_seen.inc)
+
+    async def run_key_sweeper(self) -> None:
+        """Delete expired idempotency keys, until cancelled (`expiring`)."""
+        await expiring.run_sweeper(self.book, meters=self.meters)
 
     async def close(self) -> None:
         """Write what waits for the group commit (on the way out)."""
         async with self.book.lock:
             await self.book.flush()
+        await self.acks.close()

@@ -15,6 +15,8 @@ from broker.api.status import JobState
 INFRA_REASONS = frozenset({"NodeLost", "Evicted", "PodDeleted", "ClusterLost", "LostByAgent"})
 MAX_INFRA_RETRIES = 3
 PREEMPTED = "Preempted"
+# an offer neither accepted nor rejected in time: withdrawn, the job queued again
+OFFER_TIMEOUT = "OfferTimeout"
 
 
 def move(draft: status.JobRecord, state: JobState, reason: str, message: str = "") -> None:

@@ -5,6 +5,11 @@ copies with the victims' GPUs given back. Works on per-model histograms of nodes
 GPUs, so a check costs O(pods × GPUs per node), never O(nodes). A fit also says how to deduct
 the gang (`assume`), so later decisions in the cycle see it. `models` narrows the GPU models a
 fit may use (the ones the job's queue has quota for, less those held for a reservation).
+
+A GPU pod may use a model its node selection admits (`PodShape.admits_model`: the pod's
+`nodeSelector` and required node affinity on the GPU product label, with Kubernetes operators;
+requirements on other labels are the agent's to judge). A CPU-only pod is judged by its
+`models` alone: the broker does not see the CPU-only nodes such a selector may point at.
 """
 
 from __future__ import annotations
@@ -62,10 +67,17 @@ def _eligible_models(
     return [
         m
         for name, m in sorted(cluster.models.items())
-        if (not shape.models or name in shape.models)
+        if _admits(shape, name)
         and (allowed is None or name in allowed)
         and m.gpu_memory_mib >= shape.min_gpu_memory_mib
     ]
+
+
+def _admits(shape: jobs.PodShape, model: str) -> bool:
+    """A GPU pod: what its node selection admits; a CPU-only pod: its `models` alone."""
+    if shape.gpus:
+        return shape.admits_model(model)
+    return not shape.models or model in shape.models
 
 
 def _take_whole(hist: list[int], gpus: int, *, max_block: int | None = None) -> int | None:
@@ -130,11 +142,14 @@ def _fit_pods(
                     f"queue here ({'/'.join(m.model for m in _eligible_models(cluster, shape))})",
                     ReasonCode.QUOTA,
                 )
-            wanted = "/".join(shape.models) or "any"
+            if shape.selector is not None and shape.gpus:
+                wanted = f"matching {shape.selector.describe()}"
+            else:
+                wanted = f"of model {'/'.join(shape.models) or 'any'}"
             have = "/".join(sorted(cluster.models)) or "none"
             return takes, NoFit(
                 cluster.name,
-                f"no GPU of model {wanted} with enough memory (has {have})",
+                f"no GPU {wanted} with enough memory (has {have})",
                 ReasonCode.GPU_MODEL,
             )
         placed = False

@@ -19,8 +19,9 @@ WHOLE_GPU_MILLI = 1000
 
 
 def infer_models(request: jobs.GangRequest, cluster_models: Sequence[str]) -> dict[str, int]:
-    allowed = sorted({m for _, _, shape in request.tasks if shape.gpus for m in shape.models})
-    usable = [m for m in cluster_models if not allowed or m in allowed]
+    shapes = [shape for _, _, shape in request.tasks if shape.gpus]
+    allowed = sorted({m for shape in shapes for m in shape.models})
+    usable = [m for m in cluster_models if any(shape.admits_model(m) for shape in shapes)]
     model = usable[0] if usable else (allowed[0] if allowed else "unknown")
     return {model: request.gpus}
 

@@ -31,7 +31,15 @@ from datetime import datetime
 
 from broker.api import queues as queues_api
 from broker.api.queues import ReasonCode
-from broker.planning import fairshare, fitting, preemption, quotas, reservation, snapshot
+from broker.planning import (
+    containment,
+    fairshare,
+    fitting,
+    preemption,
+    quotas,
+    reservation,
+    snapshot,
+)
 
 FLEET = "fleet"  # the "cluster" of a reason that holds on every cluster
 ROOM_CODES = frozenset(
@@ -84,6 +92,8 @@ class CyclePlan:
     unplaceable: list[Unplaceable] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
     reservations: dict[str, reservation.Reservation] = field(default_factory=dict)
+    # jobs and clusters whose planning raised: left out of this cycle, with the reason
+    set_aside: list[containment.SetAside] = field(default_factory=list)
 
 
 def plan_cycle(
@@ -131,8 +141,15 @@ class _Cycle:
         now: datetime | None,
         max_assignments: int,
     ) -> None:
+        self.plan = CyclePlan()
         self.fleet = fleet
+        for name in sorted(fleet.clusters):
+            problem = containment.check_cluster(fleet.clusters[name])
+            if problem is not None:
+                self._set_aside_cluster(name, problem)
         self.pristine = fleet.copy()
+        self.strikes = containment.Strikes()
+        self.broken: dict[str, str] = {}  # job id -> why computing its order raised
         self.pending = {job.job_id: job for job in pending}
         self.tenancy = tenancy
         self.policy = tenancy.policy
@@ -170,7 +187,6 @@ class _Cycle:
         )
         self.taken_by: dict[str, set[str]] = {}
         self.reservations: dict[str, reservation.Reservation] = {}
-        self.plan = CyclePlan()
 
     # ---- the phases -------------------------------------------------------------------
 
@@ -207,26 +223,56 @@ class _Cycle:
             order.advance(head.queue)
 
     def _handle(self, job: snapshot.PendingJob) -> bool:
-        """Place or explain one job; False once the cycle may assign no more."""
+        """Place or explain one job; False once the cycle may assign no more. A job whose
+        planning raises is set aside (`containment`); the cycle goes on."""
         if len(self.plan.assignments) >= self.max_assignments:
             return False
-        if self._place(job):
+        broken = self.broken.get(job.job_id)
+        if broken is not None:
+            self._set_aside_job(job.job_id, broken)
+            return True
+        try:
+            placed = self._place(job)
+        except Exception as exc:
+            self._set_aside_job(job.job_id, containment.describe(exc))
+            return True
+        if placed:
             self.reservations.pop(job.job_id, None)
         return True
 
+    def _set_aside_job(self, job_id: str, reason: str) -> None:
+        self.plan.set_aside.append(containment.SetAside(containment.JOB, job_id, reason))
+        self.plan.preemptions = [p for p in self.plan.preemptions if p.preemptor != job_id]
+        self.plan.unplaceable = [u for u in self.plan.unplaceable if u.job_id != job_id]
+        message = f"planning this job failed ({reason}); it is set aside until the next cycle"
+        failed = Reason(FLEET, ReasonCode.PLANNING_FAILED, message)
+        self.plan.unplaceable.append(Unplaceable.of(job_id, [failed]))
+
+    def _set_aside_cluster(self, name: str, reason: str) -> None:
+        self.plan.set_aside.append(containment.SetAside(containment.CLUSTER, name, reason))
+        self.fleet.clusters.pop(name, None)
+
     def _priority(self, job: snapshot.PendingJob) -> int:
-        return self.tenancy.priority_of(job.queue, job.priority, job.priority_class)
+        try:
+            return self.tenancy.priority_of(job.queue, job.priority, job.priority_class)
+        except Exception as exc:  # ordered last, then set aside when its turn comes
+            self.broken.setdefault(job.job_id, containment.describe(exc))
+            return -(2**63)
 
     def _in_queue_order(self, job: snapshot.PendingJob) -> tuple[int, datetime, str]:
         return fairshare.order_in_queue(job, self._priority(job))
 
     def _queue_key(self, head: snapshot.PendingJob) -> tuple[int, float]:
-        gpus = head.request.gpus
-        within = any(
-            self.ledger.check(head.queue, model, gpus) is True
-            for model in quotas.allowed_models(head.request, self.fleet_models)
-        )
-        return (0 if within else 1, fairshare.dominant_share(self.ledger, head.queue))
+        try:
+            gpus = head.request.gpus
+            within = any(
+                self.ledger.check(head.queue, model, gpus) is True
+                for model in quotas.allowed_models(head.request, self.fleet_models)
+            )
+            return (0 if within else 1, fairshare.dominant_share(self.ledger, head.queue))
+        except Exception as exc:  # ordered last, then set aside when its turn comes
+            self.broken.setdefault(head.job_id, containment.describe(exc))
+            return (2, float("inf"))
 
     # ---- one job ----------------------------------------------------------------------
 
@@ -255,7 +301,8 @@ class _Cycle:
                     Reason(
                         name,
                         ReasonCode.REJECTED,
-                        "rejected the job; waiting for a fresh summary",
+                        "turned the job down (Rejected, or OfferTimeout: its offer unanswered); "
+                        "waiting for a fresh summary",
                     )
                 )
                 continue
@@ -273,7 +320,16 @@ class _Cycle:
                     )
                 )
                 continue
-            result = fitting.fit_gang(cluster, job.request, models=models)
+            try:
+                result = fitting.fit_gang(cluster, job.request, models=models)
+            except Exception as exc:
+                reason = containment.describe(exc)
+                reasons.append(
+                    Reason(name, ReasonCode.PLANNING_FAILED, f"planning here failed: {reason}")
+                )
+                if self.strikes.add(name, job.job_id):
+                    self._set_aside_cluster(name, reason)
+                continue
             if isinstance(result, fitting.NoFit):
                 reasons.append(Reason(name, result.code, result.reason))
             elif best is None or self._rank(result) < self._rank(best):
@@ -296,7 +352,10 @@ class _Cycle:
     def _assign(
         self, job: snapshot.PendingJob, fit: fitting.Fit, admission: quotas.Admission
     ) -> None:
-        fitting.assume(self.fleet.clusters[fit.cluster], fit)
+        # deducted on a copy, swapped in once whole: a deduction that raises changes nothing
+        cluster = self.fleet.clusters[fit.cluster].copy()
+        fitting.assume(cluster, fit)
+        self.fleet.clusters[fit.cluster] = cluster
         gpus = fit.gpus_by_model
         borrowing = any(model not in admission.within for model in gpus)
         self.ledger.charge(job.queue, gpus)

@@ -128,12 +128,16 @@ class Admission:
 
 
 def allowed_models(request: jobs.GangRequest, fleet_models: Iterable[str]) -> frozenset[str]:
-    """The models of the fleet any GPU pod of the job may use."""
+    """The models of the fleet any GPU pod of the job may use: those its node selection
+    admits (`PodShape.admits_model`: `In`, `NotIn`, `Exists`, `DoesNotExist`, `Gt`, `Lt` on
+    the GPU product label decide; a requirement on a label the broker does not see excludes
+    nothing, the agent decides it)."""
     present = frozenset(fleet_models)
+    shapes = [shape for _, _, shape in request.tasks if shape.gpus]
+    if any(shape.selector is not None for shape in shapes):
+        return frozenset(m for m in present if any(s.admits_model(m) for s in shapes))
     wanted: set[str] = set()
-    for _, _, shape in request.tasks:
-        if shape.gpus == 0:
-            continue
+    for shape in shapes:
         if not shape.models:
             return present
         wanted.update(shape.models)

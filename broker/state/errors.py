@@ -13,6 +13,30 @@ class TemporaryStoreError(StoreError):
     """The store is unreachable or timed out; the same call may succeed later."""
 
 
+class StoreFullError(StoreError):
+    """The store has no room for the write (SQLite: the disk or its size cap is full).
+
+    Not temporary: the same write fails until an operator frees space. Nothing of the failed
+    transaction was written.
+    """
+
+
+class StoreReadOnlyError(StoreError):
+    """The store refuses writes (SQLite: the file, its directory or the connection is
+    read-only, or the file was moved away under the broker). Not temporary: an operator must
+    act. Nothing of the failed transaction was written."""
+
+
+class StoreDamagedError(StoreError):
+    """The store's data is damaged (SQLite: the integrity check failed, or the file is not a
+    database); the broker refuses to start on it. Restore from a backup."""
+
+
+class RecordDamagedError(StoreError):
+    """One stored record does not parse. `load` sets such records aside (`quarantine`);
+    a single read raises this, naming the key."""
+
+
 class ConflictError(StoreError):
     """A compare-and-swap lost: a key's revision was not the expected one.
 

@@ -9,6 +9,12 @@ consumer sees every event exactly once; a compacted start revision raises Compac
 Leases are plain: `grant_lease`, `keep_alive` (one refresh; call it from a task of your own),
 `revoke_lease`. aetcd and gRPC errors become `broker.state.errors` types, chained:
 unreachable or timed out is TemporaryStoreError.
+
+Given several endpoints (`etcd://A,B,C`), the store talks to one member at a time and fails
+over to the next member that answers when a call to the current one cannot get through (at
+most one attempt a second, so a whole-cluster outage answers fast). A read is then tried once
+more on the new member; a transaction is not (it may have landed): its caller gets the
+TemporaryStoreError and decides again from fresh state, as for any failed commit.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import builtins
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import aetcd
@@ -31,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 5.0
 PROBE_TIMEOUT = 2.0
+FAILOVER_EVERY = 1.0  # seconds between two attempts to find another member
 LIST_PAGE_SIZE = 1_000
 WATCH_BACKOFF_INITIAL = 0.05
 WATCH_BACKOFF_MAX = 2.0
@@ -143,40 +151,87 @@ class EtcdStore(store.Shortcuts):
     """The Store on an etcd cluster; create it with `await EtcdStore.connect(endpoints)`."""
 
     def __init__(
-        self, client: aetcd.Client, *, endpoint: str, rpc_timeout: float = DEFAULT_TIMEOUT
+        self,
+        client: aetcd.Client,
+        *,
+        endpoint: str,
+        rpc_timeout: float = DEFAULT_TIMEOUT,
+        endpoints: Sequence[tuple[str, int]] = (),
     ) -> None:
         self.endpoint = endpoint
         self._client = client
         self._timeout = rpc_timeout
         self._closing = asyncio.Event()
+        self._endpoints = list(endpoints)
+        self._switching = asyncio.Lock()
+        self._tried_at = 0.0
 
     @classmethod
     async def connect(
         cls, endpoints: Sequence[tuple[str, int]], *, rpc_timeout: float = DEFAULT_TIMEOUT
     ) -> EtcdStore:
-        """A store on the first of `endpoints` (host, port) that answers.
+        """A store on the first of `endpoints` (host, port) that answers; it fails over to
+        the others later.
 
         `rpc_timeout` bounds each unary call (seconds); watches are not bounded by it.
         """
         failures: builtins.list[str] = []
         temporary = False
         for host, port in endpoints:
-            client = aetcd.Client(
-                host=host, port=port, timeout=rpc_timeout, options=CHANNEL_OPTIONS
-            )
-            self = cls(client, endpoint=f"{host}:{port}", rpc_timeout=rpc_timeout)
             try:
-                with translating_errors(f"connect {self.endpoint}"):
-                    await client.connect()
-                await self._read_range(b"gpufed-probe", None, rpc_timeout=PROBE_TIMEOUT)
+                client = await _open_client(host, port, rpc_timeout=rpc_timeout)
             except errors.StoreError as exc:
-                failures.append(f"{self.endpoint} ({exc})")
+                failures.append(f"{host}:{port} ({exc})")
                 temporary = temporary or isinstance(exc, errors.TemporaryStoreError)
-                await client.close()
                 continue
-            return self
+            return cls(
+                client, endpoint=f"{host}:{port}", rpc_timeout=rpc_timeout, endpoints=endpoints
+            )
         error = errors.TemporaryStoreError if temporary else errors.StoreError
         raise error(f"no etcd endpoint answers: {'; '.join(failures)}")
+
+    async def _fail_over(self, failed: aetcd.Client) -> bool:
+        """Move to the next member that answers, after `failed` could not be reached; True
+        if the store now talks to another member."""
+        async with self._switching:
+            if self._client is not failed:
+                return True  # another call has moved on already
+            if len(self._endpoints) < 2 or self._closing.is_set():
+                return False
+            now = time.monotonic()
+            if now - self._tried_at < FAILOVER_EVERY:
+                return False
+            self._tried_at = now
+            current = self.endpoint
+            names = [f"{host}:{port}" for host, port in self._endpoints]
+            start = names.index(current) + 1 if current in names else 0
+            for step in range(len(names) - 1):
+                host, port = self._endpoints[(start + step) % len(names)]
+                try:
+                    client = await _open_client(host, port, rpc_timeout=self._timeout)
+                except errors.StoreError as exc:
+                    log.warning("etcd member %s:%s does not answer either: %s", host, port, exc)
+                    continue
+                self._client, self.endpoint = client, f"{host}:{port}"
+                log.warning("etcd member %s unreachable: now using %s", current, self.endpoint)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(failed.close(), 1.0)
+                return True
+            return False
+
+    async def _call(self, what: str, call: Callable[[aetcd.Client], Awaitable[Any]], *,
+                    retry: bool) -> Any:  # fmt: skip
+        """`call` on the current member; after a TemporaryStoreError, fail over (and, for a
+        call that may run twice, `retry` it once on the new member)."""
+        client = self._client
+        try:
+            return await call(client)
+        except errors.TemporaryStoreError:
+            moved = await self._fail_over(client)
+            if not (moved and retry):
+                raise
+            log.info("etcd %s: trying again on %s", what, self.endpoint)
+        return await call(self._client)
 
     # -- the Store protocol ------------------------------------------------------------------
 
@@ -195,11 +250,14 @@ class EtcdStore(store.Shortcuts):
 
     async def commit(self, txn: store.Txn) -> int:
         store.check_txn(txn)
-        stub = self._stub("txn")
-        with translating_errors("txn"):
-            response = await stub.Txn(
-                build_txn_request(txn), timeout=self._timeout, metadata=self._client.metadata
-            )
+        request = build_txn_request(txn)
+
+        async def send(client: aetcd.Client) -> Any:
+            stub = self._stub("txn", client)
+            with translating_errors("txn"):
+                return await stub.Txn(request, timeout=self._timeout, metadata=client.metadata)
+
+        response = await self._call("txn", send, retry=False)
         if not response.succeeded:
             failed = {}
             for compare, op in zip(txn.compares, response.responses, strict=True):
@@ -227,14 +285,22 @@ class EtcdStore(store.Shortcuts):
 
     async def grant_lease(self, ttl: int) -> int:
         self._check_open("grant lease")
-        with translating_errors("grant lease"):
-            lease = await self._client.lease(ttl)
+
+        async def grant(client: aetcd.Client) -> Any:
+            with translating_errors("grant lease"):
+                return await client.lease(ttl)
+
+        lease = await self._call("grant lease", grant, retry=False)
         return int(lease.id)
 
     async def keep_alive(self, lease: int) -> int:
         self._check_open("keep lease alive")
-        with translating_errors(f"keep lease {lease} alive"):
-            reply = await self._client.refresh_lease(lease)
+
+        async def refresh(client: aetcd.Client) -> Any:
+            with translating_errors(f"keep lease {lease} alive"):
+                return await client.refresh_lease(lease)
+
+        reply = await self._call("keep lease alive", refresh, retry=True)
         if reply is None:
             raise errors.TemporaryStoreError(f"etcd keep lease {lease} alive: no reply")
         if reply.TTL <= 0:
@@ -257,11 +323,12 @@ class EtcdStore(store.Shortcuts):
         if self._closing.is_set():
             raise errors.StoreError(f"etcd {what}: the store is closed")
 
-    def _stub(self, what: str) -> Any:
+    def _stub(self, what: str, client: aetcd.Client | None = None) -> Any:
         self._check_open(what)
-        if self._client.kvstub is None:
+        client = client or self._client
+        if client.kvstub is None:
             raise errors.StoreError(f"etcd {what}: the client is not connected")
-        return self._client.kvstub
+        return client.kvstub
 
     async def _read_range(
         self,
@@ -272,14 +339,18 @@ class EtcdStore(store.Shortcuts):
         revision: int = 0,
         rpc_timeout: float | None = None,
     ) -> Any:
-        stub = self._stub("range")
         request = rpc.RangeRequest(key=key, limit=limit, revision=revision)
         if range_end is not None:
             request.range_end = range_end
-        with translating_errors("range"):
-            return await stub.Range(
-                request, timeout=rpc_timeout or self._timeout, metadata=self._client.metadata
-            )
+
+        async def read(client: aetcd.Client) -> Any:
+            stub = self._stub("range", client)
+            with translating_errors("range"):
+                return await stub.Range(
+                    request, timeout=rpc_timeout or self._timeout, metadata=client.metadata
+                )
+
+        return await self._call("range", read, retry=True)
 
     async def _read_pages(self, start: bytes, end: bytes) -> tuple[builtins.list[store.Entry], int]:
         """Every entry in [start, end), sorted by key, read page by page at one revision."""
@@ -301,9 +372,10 @@ class EtcdStore(store.Shortcuts):
         delay = WATCH_BACKOFF_INITIAL
         while not self._closing.is_set():
             watch = None
+            client = self._client
             try:
                 with translating_errors(f"watch {prefix!r} from {next_revision}"):
-                    watch = await self._client.watch(
+                    watch = await client.watch(
                         key, range_end=range_end, start_revision=next_revision
                     )
                     async for event in watch:
@@ -322,6 +394,7 @@ class EtcdStore(store.Shortcuts):
                 if self._closing.is_set():
                     return
                 log.warning("%s; resuming in %.2f s", exc, delay)
+                await self._fail_over(client)  # another member, if this one is gone
             finally:
                 if watch is not None:
                     with contextlib.suppress(Exception):
@@ -330,3 +403,17 @@ class EtcdStore(store.Shortcuts):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closing.wait(), delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, WATCH_BACKOFF_MAX)
+
+
+async def _open_client(host: str, port: int, *, rpc_timeout: float) -> aetcd.Client:
+    """A connected client of the member at host:port that has answered a read."""
+    client = aetcd.Client(host=host, port=port, timeout=rpc_timeout, options=CHANNEL_OPTIONS)
+    try:
+        with translating_errors(f"connect {host}:{port}"):
+            await client.connect()
+            request = rpc.RangeRequest(key=b"gpufed-probe")
+            await client.kvstub.Range(request, timeout=PROBE_TIMEOUT, metadata=client.metadata)
+    except errors.StoreError:
+        await client.close()
+        raise
+    return client

@@ -15,10 +15,14 @@ ETCD_SCHEME = "etcd://"
 ETCD_DEFAULT_PORT = 2379
 
 
-async def open_store(url: str) -> store.DurableStore:
-    """The store `url` names, opened; ValueError naming the URL if it names none."""
+async def open_store(url: str, *, read_only: bool = False) -> store.DurableStore:
+    """The store `url` names, opened; ValueError naming the URL if it names none.
+
+    `read_only` (the admin commands): an SQLite file is read without being locked, beside a
+    running broker, and never created; etcd is opened as always (the caller only reads).
+    """
     if url.startswith(SQLITE_SCHEME):
-        return await sqlite.SqliteStore.open(parse_sqlite_path(url))
+        return await sqlite.SqliteStore.open(parse_sqlite_path(url), read_only=read_only)
     if url.startswith(ETCD_SCHEME):
         return await etcd.EtcdStore.connect(parse_etcd_endpoints(url))
     raise ValueError(

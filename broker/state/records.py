@@ -4,18 +4,27 @@ No cache here: `broker.jobs.book.JobBook` keeps the records in memory and calls 
 persist its changes. Every update is a compare-and-swap on the revision the book last saw, so
 two broker replicas (or a stale task) never overwrite each other's decision. A new job and its
 idempotency key are stored in one transaction: the same key never makes a second job.
+
+An idempotency entry (`/gpufed/idempotency/<sha256 of tenant and key>`) holds JSON: the job's
+id, the sha256 of the job's canonical body (`body_digest`) and the job's creation time. Whether
+a key still counts (its window) and what a different body means is the book's decision
+(`broker.jobs.book`); entries written before digests were kept hold just the job id and decode
+with `digest` and `created` None.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
-from broker.api import status
-from broker.state import errors, store
+from broker.api import errors as api_errors
+from broker.api import jobs, status
+from broker.state import errors, quarantine, store
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +33,11 @@ IDEMPOTENCY = "/gpufed/idempotency/"
 CLUSTERS = "/gpufed/clusters/"
 MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
 CREATE_BATCH = MAX_TXN_OPS // 2  # a job and its idempotency key
+DEFAULT_MAX_REQUEST_BYTES = 1536 * 1024  # etcd's default --max-request-bytes (1.5 MiB)
+REQUEST_HEADROOM = 16 * 1024  # what a transaction's framing and compares add, at most
+OP_OVERHEAD = 64  # bytes of framing per compare and put
+IDEMPOTENCY_ENTRY_BYTES = 1024  # an idempotency entry with its key and compare, at most
+IDEMPOTENCY_WINDOW_SECONDS = 24 * 3600.0  # how long a key replays its job (BrokerSettings)
 
 
 @dataclass(frozen=True)
@@ -43,26 +57,123 @@ def idempotency_key(tenant: str, key: str) -> str:
     return f"{IDEMPOTENCY}{digest}"
 
 
+@dataclass(frozen=True)
+class IdempotencyEntry:
+    """An Idempotency-Key as the store has it. `digest` and `created` are None for an entry
+    written before they were kept (the body is unknown); `job_id` is None for an entry that
+    does not decode (it names no job)."""
+
+    key: str  # the store key
+    job_id: str | None
+    digest: str | None
+    created: datetime | None
+    revision: int
+
+
+def body_digest(job: jobs.GPUJob) -> str:
+    """sha256 of the job's canonical JSON (by alias, keys sorted, defaults left out): one
+    digest for the same job sent as JSON or YAML, in any key order, with its defaults spelt out
+    or not — and the same after an upgrade that adds a field with a default."""
+    canonical = json.dumps(
+        job.model_dump(mode="json", by_alias=True, exclude_defaults=True),
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def encode_idempotency(record: status.JobRecord) -> bytes:
+    value = {
+        "job": record.id,
+        "digest": body_digest(record.job),
+        "created": record.created.isoformat(),
+    }
+    return json.dumps(value, sort_keys=True).encode()
+
+
+def decode_idempotency(key: str, value: bytes, revision: int) -> IdempotencyEntry:
+    text = value.decode("utf-8", errors="replace").strip()
+    if not text.startswith("{"):  # the format before digests: the job id alone
+        return IdempotencyEntry(key, text or None, None, None, revision)
+    try:
+        data = json.loads(text)
+        job_id, digest = str(data["job"]), data.get("digest")
+        created = datetime.fromisoformat(data["created"]) if data.get("created") else None
+    except (ValueError, TypeError, KeyError) as exc:
+        logger.warning("idempotency entry %s does not decode, ignored: %s", key, exc)
+        return IdempotencyEntry(key, None, None, None, revision)
+    return IdempotencyEntry(
+        key, job_id, str(digest) if digest is not None else None, created, revision
+    )
+
+
 def encode(record: status.JobRecord) -> bytes:
     return record.model_dump_json(by_alias=True).encode()
 
 
-def chunked(
-    items: Sequence[status.JobRecord], size: int = MAX_TXN_OPS
-) -> Iterator[Sequence[status.JobRecord]]:
-    """Pieces of `items` small enough for one transaction each."""
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+@dataclass(frozen=True)
+class Encoded:
+    """A record with its bytes in the store, encoded once."""
+
+    record: status.JobRecord
+    value: bytes
+
+    @property
+    def cost(self) -> int:
+        """Bytes it adds to a transaction request (key twice: the compare and the put)."""
+        cost = len(self.value) + 2 * len(self.record.id) + 2 * len(JOBS) + OP_OVERHEAD
+        if self.record.idempotency_key:  # its entry, written in the same transaction
+            cost += IDEMPOTENCY_ENTRY_BYTES
+        return cost
+
+
+def batches(
+    items: Sequence[Encoded], *, max_ops: int = MAX_TXN_OPS, max_bytes: int
+) -> Iterator[list[Encoded]]:
+    """`items` in order, in pieces of at most `max_ops` records and `max_bytes` bytes each
+    (a record larger than `max_bytes` alone: the store refuses it, and only it)."""
+    batch: list[Encoded] = []
+    size = 0
+    for item in items:
+        if batch and (len(batch) >= max_ops or size + item.cost > max_bytes):
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += item.cost
+    if batch:
+        yield batch
 
 
 class JobStore:
     """Reads and writes job records; the caller keeps the revisions it compares against."""
 
     def __init__(
-        self, backing: store.Store, *, observe: Callable[[str, float], None] | None = None
+        self,
+        backing: store.Store,
+        *,
+        observe: Callable[[str, float], None] | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         self.backing = backing
         self._observe = observe
+        # what one transaction may carry: the store's request limit less its framing
+        self.budget = max(64 * 1024, max_request_bytes - REQUEST_HEADROOM)
+
+    def encode(self, record: status.JobRecord) -> Encoded:
+        """The record's bytes; TooLarge if it could never be committed."""
+        encoded = Encoded(record, encode(record))
+        if encoded.cost > self.budget:
+            raise api_errors.TooLarge(
+                f"the job would take {encoded.cost} bytes in the store, over the "
+                f"{self.budget} a transaction may carry (--max-request-bytes)",
+                title="Job too large",
+            )
+        return encoded
+
+    def batches(
+        self, items: Sequence[Encoded], *, max_ops: int = MAX_TXN_OPS
+    ) -> Iterator[list[Encoded]]:
+        return batches(items, max_ops=max_ops, max_bytes=self.budget)
 
     async def _commit(self, op: str, txn: store.Txn) -> int:
         started = time.perf_counter()
@@ -73,40 +184,84 @@ class JobStore:
                 self._observe(op, time.perf_counter() - started)
 
     async def load(self) -> tuple[list[Stored], int]:
-        """Every job record and the revision they were read at."""
+        """Every job record and the revision they were read at. A record that does not parse
+        is set aside (`quarantine`), not loaded: one bad record never stops the broker."""
         entries, revision = await self.backing.list(JOBS)
-        return [Stored(_decode(e.value), e.mod_revision) for e in entries], revision
+        loaded = []
+        for entry in entries:
+            try:
+                loaded.append(Stored(_decode(entry), entry.mod_revision))
+            except ValueError as exc:  # pydantic's ValidationError is one
+                await quarantine.set_aside(self.backing, entry, exc)
+        return loaded, revision
 
     async def get(self, job_id: str) -> Stored | None:
+        """The job as stored; RecordDamagedError if it does not parse (the next load sets it
+        aside)."""
         entry = await self.backing.get(job_key(job_id))
-        return Stored(_decode(entry.value), entry.mod_revision) if entry is not None else None
+        if entry is None:
+            return None
+        try:
+            return Stored(_decode(entry), entry.mod_revision)
+        except ValueError as exc:
+            raise errors.RecordDamagedError(
+                f"job record {entry.key} does not parse: {quarantine.describe(exc)}"
+            ) from exc
 
-    async def find_idempotent(self, tenant: str, key: str) -> str | None:
-        """The id of the job `tenant` submitted with Idempotency-Key `key`, if any."""
+    async def find_idempotent(self, tenant: str, key: str) -> IdempotencyEntry | None:
+        """The entry of the Idempotency-Key `key` of `tenant`, if any (expired or not)."""
         entry = await self.backing.get(idempotency_key(tenant, key))
-        return entry.value.decode() if entry is not None else None
+        if entry is None:
+            return None
+        return decode_idempotency(entry.key, entry.value, entry.mod_revision)
 
-    async def create(self, records: Sequence[status.JobRecord]) -> int:
+    async def list_idempotent(self, shard: str = "") -> list[IdempotencyEntry]:
+        """The idempotency entries whose key digest starts with `shard` (hex digits; "": all).
+        The sweep of expired keys reads one shard at a time, a bounded read."""
+        entries, _ = await self.backing.list(f"{IDEMPOTENCY}{shard}")
+        return [decode_idempotency(e.key, e.value, e.mod_revision) for e in entries]
+
+    async def forget_idempotent(self, entries: Sequence[IdempotencyEntry]) -> int:
+        """Delete `entries`, each only if unchanged since read (a key used again meanwhile is
+        kept); returns how many were deleted. Store errors other than conflicts are raised."""
+        deleted = 0
+        for start in range(0, len(entries), MAX_TXN_OPS):
+            chunk = entries[start : start + MAX_TXN_OPS]
+            try:
+                await self._commit("forget", _forgetting(chunk))
+            except errors.ConflictError:
+                for entry in chunk:  # one of them changed: the others one at a time
+                    try:
+                        await self._commit("forget", _forgetting([entry]))
+                    except errors.ConflictError:
+                        continue
+                    deleted += 1
+            else:
+                deleted += len(chunk)
+        return deleted
+
+    async def create(self, records: Sequence[Encoded]) -> int:
         """Store new jobs (and their idempotency keys) in one transaction, all or nothing.
 
         ConflictError if one of them exists already or repeats a key in use.
         """
         compares: list[store.Compare] = []
         puts: list[tuple[str, bytes]] = []
-        for record in records:
+        for item in records:
+            record = item.record
             compares.append(store.Compare(job_key(record.id), 0))
-            puts.append((job_key(record.id), encode(record)))
+            puts.append((job_key(record.id), item.value))
             if record.idempotency_key:
                 key = idempotency_key(record.tenant, record.idempotency_key)
                 compares.append(store.Compare(key, 0))
-                puts.append((key, record.id.encode()))
+                puts.append((key, encode_idempotency(record)))
         return await self._commit("create", store.Txn(compares=compares, puts=puts))
 
-    async def update(self, changes: Sequence[tuple[status.JobRecord, int]]) -> int:
+    async def update(self, changes: Sequence[tuple[Encoded, int]]) -> int:
         """Write changed records, each compared with the revision it was read at (0: new);
-        all or nothing. At most MAX_TXN_OPS records (see `chunked`)."""
-        compares = [store.Compare(job_key(r.id), revision) for r, revision in changes]
-        puts = [(job_key(r.id), encode(r)) for r, _ in changes]
+        all or nothing. One of `batches` at a time."""
+        compares = [store.Compare(job_key(e.record.id), revision) for e, revision in changes]
+        puts = [(job_key(e.record.id), e.value) for e, _ in changes]
         return await self._commit("update", store.Txn(compares=compares, puts=puts))
 
     async def next_epoch(self, cluster: str) -> int:
@@ -127,5 +282,15 @@ class JobStore:
             return current + 1
 
 
-def _decode(value: bytes) -> status.JobRecord:
-    return status.JobRecord.model_validate_json(value)
+def _forgetting(entries: Sequence[IdempotencyEntry]) -> store.Txn:
+    return store.Txn(
+        compares=[store.Compare(e.key, e.revision) for e in entries],
+        deletes=[e.key for e in entries],
+    )
+
+
+def _decode(entry: store.Entry) -> status.JobRecord:
+    record = status.JobRecord.model_validate_json(entry.value)
+    if job_key(record.id) != entry.key:
+        raise ValueError(f"the record's id {record.id!r} does not match its key")
+    return record

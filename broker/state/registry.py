@@ -7,17 +7,32 @@ wins over the file's entry of the same name, and survives restarts). `follow` wa
 prefix so every replica sees every PUT. The scheduling shell reads `config` each cycle; the
 submit handler calls `check_job`.
 
-Jobs and queues: without any declared queue (no file, nothing PUT) every queue name is an
-*open* queue — no guarantee, no limit, weight 1, cohort `default` — and nothing is preempted
-or reserved, as before tenancy existed. Once queues are declared, a job must name a declared
-queue of its own tenant (else 422 / 403 on `spec.queue`); a job stored earlier whose queue
-has gone is scheduled as in an open queue (it may only borrow).
+Jobs and queues depend on the queue mode (`--queue-mode`), said once at start and never
+changed by a PUT:
+
+- `open` (the default without a queues file): a job may name any queue. A queue nobody
+  declared is an *open* queue — no guarantee, no limit, weight 1, cohort `default`. A declared
+  queue (file or PUT) gets its quotas and weight, and belongs to its tenant: another tenant's
+  job naming it is refused (403). Declaring one queue locks no other.
+- `declared` (the default with a queues file): a job must name a declared queue of its own
+  tenant (else 422 / 403 on `spec.queue`).
+
+Switching to `declared` never strands a job silently: a job stored earlier whose queue is not
+declared (or has gone) is scheduled as in an open queue (it may only borrow); at start
+`report_undeclared` logs those queues with their counts, and `GET /v1/queues` lists each with
+a warning.
+
+`delete` removes what the API stored, nothing else: a queue stored only through the API is
+gone (the HTTP layer first checks it has no unfinished job); a queue of the file that a PUT
+overrode gets the file's definition back; a queue only in the file cannot be deleted through
+the API (edit the file and restart).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import pydantic
@@ -25,7 +40,7 @@ import yaml
 
 from broker.api import errors, jobs, queues
 from broker.state import errors as store_errors
-from broker.state import store
+from broker.state import quarantine, store
 
 logger = logging.getLogger(__name__)
 
@@ -70,20 +85,64 @@ def read_file(path: Path) -> queues.QueuesConfig:
 
 
 class QueueRegistry:
-    def __init__(self, config: queues.QueuesConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: queues.QueuesConfig | None = None,
+        *,
+        mode: queues.QueueMode = queues.QueueMode.OPEN,
+    ) -> None:
         self.base = config or queues.QueuesConfig()
         self.config = self.base
+        self.mode = mode
         self.revision = 0
         self.backing: store.Store | None = None
+        self.stored: set[str] = set()  # the queues stored through the API
 
     @classmethod
-    def from_file(cls, path: Path | None) -> QueueRegistry:
-        return cls(read_file(path) if path is not None else None)
+    def from_file(cls, path: Path | None, *, mode: queues.QueueMode | None = None) -> QueueRegistry:
+        """The registry of a queues file (None: no file). The mode defaults to `declared`
+        with a file, `open` without."""
+        if mode is None:
+            mode = queues.QueueMode.DECLARED if path is not None else queues.QueueMode.OPEN
+        return cls(read_file(path) if path is not None else None, mode=mode)
 
     @property
     def declared(self) -> bool:
-        """True once any queue is declared: jobs must then name one."""
-        return bool(self.config.queues)
+        """True in declared mode: jobs must name a declared queue of their tenant."""
+        return self.mode == queues.QueueMode.DECLARED
+
+    def source(self, name: str) -> queues.QueueSource | None:
+        """Where the declared queue `name` comes from; None: not declared."""
+        if self.config.queue(name) is None:
+            return None
+        in_file = self.base.queue(name) is not None
+        if name in self.stored:
+            return queues.QueueSource.OVERRIDE if in_file else queues.QueueSource.API
+        return queues.QueueSource.FILE if in_file else None
+
+    def undeclared(self, unfinished: Mapping[str, int]) -> dict[str, int]:
+        """In declared mode, the queues of `unfinished` (jobs per queue) nobody declared."""
+        if not self.declared:
+            return {}
+        return {
+            name: count
+            for name, count in sorted(unfinished.items())
+            if count and self.config.queue(name) is None
+        }
+
+    def report_undeclared(self, unfinished: Mapping[str, int]) -> dict[str, int]:
+        """Log the queues `undeclared` finds (at start): their jobs run as in open queues."""
+        found = self.undeclared(unfinished)
+        if found:
+            logger.warning(
+                "queue mode declared: %d unfinished jobs name %d undeclared queues (%s); "
+                "they are scheduled as in open queues (no guarantee, no limit) — declare "
+                "the queues (PUT /v1/queues/NAME) or cancel the jobs",
+                sum(found.values()),
+                len(found),
+                ", ".join(f"{name}: {count}" for name, count in found.items()),
+            )
+        return found
 
     # ---- jobs ---------------------------------------------------------------------------
 
@@ -100,9 +159,9 @@ class QueueRegistry:
                 "spec.priorityClass",
                 f"no priority class {spec.priority_class!r} ({known})",
             )
-        if not self.declared:
-            return
         queue = self.config.queue(spec.queue)
+        if queue is None and not self.declared:
+            return  # open mode: an undeclared queue is an open queue
         if queue is None:
             mine = sorted(q.name for q in self.config.queues if q.tenant == tenant)
             raise _refusal(
@@ -124,7 +183,13 @@ class QueueRegistry:
         self.backing = backing
         entries, revision = await backing.list(QUEUES)
         config = self.base
+        self.stored = set()
         for entry in entries:
+            try:
+                queues.Queue.model_validate_json(entry.value)
+            except pydantic.ValidationError as exc:  # does not parse: set aside, not lost
+                await quarantine.set_aside(backing, entry, exc)
+                continue
             config = self._with_stored(config, entry.key, entry.value)
         self.config = config
         self.revision = revision
@@ -134,10 +199,13 @@ class QueueRegistry:
         self, config: queues.QueuesConfig, key: str, value: bytes
     ) -> queues.QueuesConfig:
         try:
-            return config.with_queue(queues.Queue.model_validate_json(value))
+            queue = queues.Queue.model_validate_json(value)
+            changed = config.with_queue(queue)
         except pydantic.ValidationError as exc:
             logger.warning("stored queue %s ignored: %s", key, exc.errors()[:1])
             return config
+        self.stored.add(queue.name)
+        return changed
 
     async def put(self, queue: queues.Queue) -> queues.QueuesConfig:
         """Validate `queue` against the rest of the configuration, store it, apply it.
@@ -151,18 +219,34 @@ class QueueRegistry:
             f"{QUEUES}{queue.name}", queue.model_dump_json(by_alias=True).encode()
         )
         self.config = config
+        self.stored.add(queue.name)
         self.revision = max(self.revision, revision)
         return config
 
+    async def delete(self, name: str) -> queues.QueuesConfig:
+        """Delete what the API stored of queue `name`: the queue is gone, or back to the
+        file's definition. NotFound if the API stored nothing of that name."""
+        if self.backing is None:
+            raise errors.Unavailable("the queues are not loaded from the store yet")
+        if name not in self.stored:
+            raise errors.NotFound(f"no queue {name!r} stored through the API")
+        revision = await self.backing.delete(f"{QUEUES}{name}")
+        self._forget(name)
+        self.revision = max(self.revision, revision)
+        return self.config
+
+    def _forget(self, name: str) -> None:
+        self.stored.discard(name)
+        kept = [q for q in self.config.queues if q.name != name]
+        from_file = self.base.queue(name)
+        restored = sorted(kept + ([from_file] if from_file is not None else []), key=_by_name)
+        self.config = self.config.model_copy(update={"queues": restored})
+
     def _apply(self, event: store.WatchEvent) -> None:
-        name = event.key.removeprefix(QUEUES)
         if event.type == store.EventType.PUT:
             self.config = self._with_stored(self.config, event.key, event.value)
         else:
-            kept = [q for q in self.config.queues if q.name != name]
-            from_file = self.base.queue(name)
-            queues = kept + ([from_file] if from_file is not None else [])
-            self.config = self.config.model_copy(update={"queues": queues})
+            self._forget(event.key.removeprefix(QUEUES))
         self.revision = max(self.revision, event.revision)
 
     async def follow(self, backing: store.Store) -> None:
@@ -173,7 +257,15 @@ class QueueRegistry:
                     self._apply(event)
                 await asyncio.sleep(1.0)  # the watch ended (store closing): try again later
             except store_errors.CompactedError:
-                await self.load(backing)
-            except store_errors.StoreError as exc:
+                try:
+                    await self.load(backing)
+                except Exception as exc:  # the store went away while relisting: later
+                    logger.warning("relisting queues failed, retrying: %s", exc)
+                    await asyncio.sleep(1.0)
+            except Exception as exc:  # never dies of an error: the next watch resumes
                 logger.warning("watching queues failed, retrying: %s", exc)
                 await asyncio.sleep(1.0)
+
+
+def _by_name(queue: queues.Queue) -> str:
+    return queue.name

@@ -10,7 +10,18 @@ Every sqlite call runs on one dedicated thread (a single-worker executor) that o
 connection, so the event loop never blocks and calls are serialised. The database is in WAL
 mode with synchronous=NORMAL: a commit returns only after sqlite committed it, and survives a
 crash of the process (an OS crash or power cut may lose the last commits; pass
-`synchronous="FULL"` for that). The file is locked exclusively: one process per database.
+`synchronous="FULL"` for that). One broker per database: the store holds an exclusive lock on
+`<file>.lock` while open, so a second broker is refused; readers of other processes (`backup`,
+`open(read_only=True)`) may read alongside it.
+
+Faults, each its own error (`broker.state.errors`): a full disk is `StoreFullError`, a file or
+connection that refuses writes `StoreReadOnlyError` — in both cases nothing of the failed
+transaction is written. At open the file is checked (`PRAGMA quick_check`, about 0.2 s for
+100,000 job records) and a damaged one refused with `StoreDamagedError`, one line naming the
+file and the first problem. A broker that stopped without closing the file (a crash) leaves
+its `-wal` beside it; if the next open finds the file marked open but no `-wal`, commits made
+after the last checkpoint may be lost (the file was copied alone): it logs a warning. Copy a
+store with `backup` (`gpufed broker backup`), never the file alone.
 
 Watchers are woken in-process on every commit; nothing polls. Leases are in memory only:
 keys attached to a lease are deleted when it is revoked and when the store is next opened
@@ -22,11 +33,16 @@ from __future__ import annotations
 import asyncio
 import builtins
 import concurrent.futures
+import contextlib
+import errno
+import fcntl
 import itertools
 import logging
 import os
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -42,7 +58,7 @@ WATCH_BATCH_REVISIONS = 1_000
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
-INSERT OR IGNORE INTO meta (name, value) VALUES ('revision', 1), ('oldest', 1);
+INSERT OR IGNORE INTO meta (name, value) VALUES ('revision', 1), ('oldest', 1), ('open', 0);
 CREATE TABLE IF NOT EXISTS kv (
     key TEXT PRIMARY KEY,
     value BLOB NOT NULL,
@@ -59,6 +75,68 @@ CREATE TABLE IF NOT EXISTS changes (
     PRIMARY KEY (revision, seq)
 ) WITHOUT ROWID;
 """
+
+
+CHECK_PROBLEMS = 5  # quick_check stops after this many
+
+
+def store_error(path: str, exc: sqlite3.Error) -> errors.StoreError:
+    """The store's error for what sqlite raised: retryable, full, read-only, damaged or other."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    primary = code & 0xFF if isinstance(code, int) else None
+    if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return errors.TemporaryStoreError(f"sqlite {path}: {exc}")
+    if primary == sqlite3.SQLITE_FULL:
+        return errors.StoreFullError(f"sqlite store {path} is full: {exc}")
+    if primary == sqlite3.SQLITE_READONLY:
+        return errors.StoreReadOnlyError(f"sqlite store {path} is read-only: {exc}")
+    if primary in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+        return errors.StoreDamagedError(
+            f"sqlite store {path} is damaged ({exc}); restore it from a backup"
+        )
+    if primary == sqlite3.SQLITE_CANTOPEN:
+        return errors.StoreError(f"sqlite store {path} cannot be opened: {exc}")
+    return errors.StoreError(f"sqlite {path}: {exc}")
+
+
+def check_integrity(conn: sqlite3.Connection, path: str) -> None:
+    """StoreDamagedError naming the first problem `PRAGMA quick_check` finds, if any.
+
+    quick_check reads every page of every table (O(size)); integrity_check would also compare
+    indexes with their tables, and our tables have none beyond their keys: on a store of
+    100,000 job records (195 MiB) it took 0.21 s against integrity_check's 0.24-0.26 s.
+    """
+    try:
+        rows = conn.execute(f"PRAGMA quick_check({CHECK_PROBLEMS})").fetchall()
+    except sqlite3.DatabaseError as exc:  # some damage stops the check itself
+        if not isinstance(store_error(path, exc), errors.StoreDamagedError):
+            raise
+        rows = [(str(exc),)]
+    problems = [str(row[0]) for row in rows]
+    if problems == ["ok"]:
+        return
+    first = " ".join(problems[0].replace("*** in database main ***", "").split())
+    more = f", and {len(problems) - 1} more problems" if len(problems) > 1 else ""
+    raise errors.StoreDamagedError(
+        f"sqlite store {path} is damaged (quick_check: {first}{more}); restore it from a backup"
+    )
+
+
+def connect_reader(path: str) -> sqlite3.Connection:
+    """A read-only connection to the store at `path` that neither locks a broker out nor
+    checkpoints: it may read beside a running broker. On read-only media (where its `-shm`
+    cannot be made) a file without a `-wal` is complete and nobody writes it: it is read as
+    immutable."""
+    uri = Path(path).resolve().as_uri()
+    conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, isolation_level=None, timeout=0.2)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError as exc:
+        conn.close()
+        if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_CANTOPEN or os.path.exists(f"{path}-wal"):
+            raise
+        return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, isolation_level=None)
+    return conn
 
 
 def end_of_prefix(prefix: str) -> str | None:
@@ -85,9 +163,15 @@ class SqliteStore(store.Shortcuts):
     """The Store on one sqlite file (or `:memory:`); create it with `await SqliteStore.open()`."""
 
     def __init__(
-        self, path: str, *, synchronous: str = "NORMAL", keep_revisions: int = KEEP_REVISIONS
+        self,
+        path: str,
+        *,
+        synchronous: str = "NORMAL",
+        keep_revisions: int = KEEP_REVISIONS,
+        read_only: bool = False,
     ) -> None:
         self.path = path
+        self.read_only = read_only
         self._synchronous = synchronous
         self._keep_revisions = keep_revisions
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sqlite")
@@ -96,6 +180,7 @@ class SqliteStore(store.Shortcuts):
         self._closed = False
         # Owned by the executor thread:
         self._conn: sqlite3.Connection | None = None
+        self._lock: int | None = None  # the fd of `<file>.lock`, locked while open
         self._revision = 0
         self._oldest = 0
         self._leases: dict[int, int] = {}
@@ -108,12 +193,25 @@ class SqliteStore(store.Shortcuts):
         *,
         synchronous: str = "NORMAL",
         keep_revisions: int = KEEP_REVISIONS,
+        read_only: bool = False,
     ) -> SqliteStore:
-        """Open (creating if needed) the database at `path`; `":memory:"` for a throwaway one."""
+        """Open (creating if needed) the database at `path`; `":memory:"` for a throwaway one.
+
+        `read_only`: read an existing store without locking it, also while a broker has it
+        open (writes raise StoreReadOnlyError). Raises StoreError (one line naming the file)
+        when the file cannot be used: in use, damaged, read-only, not there (`read_only`).
+        """
         path = os.fspath(path)
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self = cls(path, synchronous=synchronous, keep_revisions=keep_revisions)
+        if path != ":memory:" and not read_only:
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise errors.StoreError(
+                    f"sqlite store {path}: cannot create its folder: {exc.strerror}"
+                ) from exc
+        self = cls(
+            path, synchronous=synchronous, keep_revisions=keep_revisions, read_only=read_only
+        )
         self._loop = asyncio.get_running_loop()
         try:
             await self._run(self._connect)
@@ -169,12 +267,8 @@ class SqliteStore(store.Shortcuts):
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, fn, *args)
-        except sqlite3.OperationalError as exc:
-            if "locked" in str(exc) or "busy" in str(exc):
-                raise errors.TemporaryStoreError(f"sqlite {self.path}: {exc}") from exc
-            raise errors.StoreError(f"sqlite {self.path}: {exc}") from exc
         except sqlite3.Error as exc:
-            raise errors.StoreError(f"sqlite {self.path}: {exc}") from exc
+            raise store_error(self.path, exc) from exc
 
     def _wake_watchers(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
@@ -201,29 +295,113 @@ class SqliteStore(store.Shortcuts):
         return self._conn
 
     def _connect(self) -> None:
-        conn = sqlite3.connect(self.path, isolation_level=None, timeout=0.2)
+        if self.read_only:
+            self._connect_reader()
+            return
+        on_disk = self.path != ":memory:"
+        wal_left = on_disk and os.path.exists(f"{self.path}-wal")
+        if on_disk:
+            self._take_lock()
         try:
-            conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=0.2)
+        except sqlite3.Error:
+            self._release_lock()
+            raise
+        try:
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+            if on_disk:
+                started = time.perf_counter()
+                check_integrity(conn, self.path)
+                log.info(
+                    "sqlite store %s checked in %.2f s (quick_check: ok)",
+                    self.path,
+                    time.perf_counter() - started,
+                )
             conn.executescript(f"BEGIN IMMEDIATE; {SCHEMA} COMMIT;")
-        except sqlite3.OperationalError as exc:
+            meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+            if on_disk:
+                self._mark_open(conn, was_open=bool(meta.get("open")), wal_left=wal_left)
+        except BaseException:
             conn.close()
-            if "locked" in str(exc):
-                raise errors.StoreError(f"{self.path} is in use by another process") from exc
+            self._release_lock()
             raise
         self._conn = conn
-        meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
         self._revision, self._oldest = int(meta["revision"]), int(meta["oldest"])
         orphans = [row[0] for row in conn.execute("SELECT key FROM kv WHERE lease != 0")]
         if orphans:
             log.info("deleting %d keys of leases held by a previous process", len(orphans))
             self._write(compares=(), puts=(), deletes=orphans, lease=0)
 
+    def _connect_reader(self) -> None:
+        if not os.path.isfile(self.path):
+            raise errors.StoreError(f"sqlite store {self.path}: no such file")
+        conn = connect_reader(self.path)
+        try:
+            meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+        except sqlite3.OperationalError as exc:
+            conn.close()
+            if "no such table" in str(exc):
+                raise errors.StoreError(f"{self.path} is not a gpufed store") from exc
+            raise
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        self._revision, self._oldest = int(meta["revision"]), int(meta["oldest"])
+
+    def _take_lock(self) -> None:
+        """Lock `<file>.lock` (one broker per database) or raise StoreError."""
+        lock_path = f"{self.path}.lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise errors.StoreReadOnlyError(
+                    f"sqlite store {self.path} is read-only: cannot create {lock_path}: "
+                    f"{exc.strerror}"
+                ) from exc
+            raise errors.StoreError(f"sqlite store {self.path}: {lock_path}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise errors.StoreError(f"{self.path} is in use by another process") from exc
+        self._lock = fd
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor releases the lock
+            self._lock = None
+
+    def _mark_open(self, conn: sqlite3.Connection, *, was_open: bool, wal_left: bool) -> None:
+        """Mark the file open (in the file itself, past a checkpoint); warn if the previous
+        broker did not close it and its `-wal` is gone (the file was copied alone)."""
+        if was_open and not wal_left:
+            log.warning(
+                "sqlite store %s was not closed by the broker that last had it, and its -wal"
+                " file is missing: commits made after the last checkpoint may be lost (was the"
+                " file copied alone? copy a store with `gpufed broker backup`)",
+                self.path,
+            )
+        conn.execute("UPDATE meta SET value = 1 WHERE name = 'open'")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
     def _disconnect(self) -> None:
         if self._conn is not None:
-            self._conn.close()
+            if self._lock is not None:  # closed as it should be: the next open knows
+                try:
+                    self._conn.execute("UPDATE meta SET value = 0 WHERE name = 'open'")
+                except sqlite3.Error as exc:
+                    log.warning(
+                        "sqlite store %s could not be marked closed (%s): its next open may"
+                        " warn of a missing -wal, wrongly",
+                        self.path,
+                        exc,
+                    )
+            self._conn.close()  # the last connection: sqlite checkpoints and removes the -wal
             self._conn = None
+        self._release_lock()
 
     def _read_entry(self, key: str) -> store.Entry | None:
         row = self._db.execute(
@@ -357,3 +535,64 @@ class SqliteStore(store.Shortcuts):
             return
         keys = [row[0] for row in self._db.execute("SELECT key FROM kv WHERE lease = ?", (lease,))]
         self._write(compares=(), puts=(), deletes=keys, lease=0)
+
+
+@dataclass(frozen=True)
+class Backup:
+    """What `backup` copied."""
+
+    path: str
+    revision: int
+    keys: int
+    size: int  # bytes
+
+
+def backup(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> Backup:
+    """Copy the store at `source` to `target` with sqlite's online backup, also while a broker
+    writes to it: the copy is one consistent revision (read in one read transaction), checked,
+    marked closed (restoring it warns of nothing), and appears at `target` whole or not at all.
+
+    Blocking (call it from a thread, or from the CLI); StoreError naming the file if the
+    source cannot be read or the copy does not check.
+    """
+    source, target = os.fspath(source), os.fspath(target)
+    if not os.path.isfile(source):
+        raise errors.StoreError(f"sqlite store {source}: no such file")
+    if os.path.exists(target) and os.path.samefile(source, target):
+        raise errors.StoreError(f"cannot back up {source} onto itself")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(target))):
+        raise errors.StoreError(f"backup of {source} to {target}: no such folder")
+    partial = f"{target}.partial"
+    for leftover in (partial, f"{partial}-wal", f"{partial}-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(leftover)
+    try:
+        reader = connect_reader(source)
+        try:
+            copy = sqlite3.connect(partial, isolation_level=None)
+            try:
+                reader.backup(copy)  # every page in one step: one read transaction
+                check_integrity(copy, source)
+                copy.execute("UPDATE meta SET value = 0 WHERE name = 'open'")
+                meta = dict(copy.execute("SELECT name, value FROM meta").fetchall())
+                (keys,) = copy.execute("SELECT count(*) FROM kv").fetchone()
+            finally:
+                copy.close()  # the only connection: the copy's -wal goes into the file
+        finally:
+            reader.close()
+        with open(partial, "rb+") as written:
+            os.fsync(written.fileno())
+        os.replace(partial, target)
+    except sqlite3.Error as exc:
+        raise store_error(source, exc) from exc
+    except OSError as exc:
+        raise errors.StoreError(f"backup of {source} to {target}: {exc}") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+    directory = os.open(os.path.dirname(os.path.abspath(target)), os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return Backup(target, int(meta["revision"]), int(keys), os.path.getsize(target))

@@ -3,10 +3,12 @@ several brokers in one process)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # the states `fleet.Cluster.health` gives an agent session, exported one-hot
-SESSION_STATES = ("Connecting", "Ready", "Unreachable", "Lost")
+SESSION_STATES = ("Connecting", "Ready", "Degraded", "Unreachable", "Lost")
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -107,7 +109,45 @@ class BrokerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.store_quarantined = Gauge(
+            "gpufed_store_quarantined_records",
+            "Stored records set aside because they do not parse, by kind (jobs, queues);"
+            " list them with `gpufed broker quarantine`",
+            ["kind"],
+            registry=r,
+        )
         self._add_queue_metrics(r)
+        self._add_fault_metrics(r)
+
+    def _add_fault_metrics(self, r: CollectorRegistry) -> None:
+        """Failures kept local: what was refused or set aside, and what went on regardless."""
+        self.agent_messages_refused = Counter(
+            "gpufed_agent_messages_refused",
+            "Agent messages refused as malformed or inconsistent (the session is closed)",
+            ["cluster", "type"],
+            registry=r,
+        )
+        self.agent_messages_failed = Counter(
+            "gpufed_agent_messages_failed",
+            "Agent messages whose handling raised (logged; the session goes on)",
+            ["cluster", "type"],
+            registry=r,
+        )
+        self.set_aside = Counter(
+            "gpufed_planning_set_aside",
+            "Jobs or clusters a scheduling cycle set aside because planning them raised",
+            ["kind"],
+            registry=r,
+        )
+        self.store_up = Gauge(
+            "gpufed_store_up", "1 while the broker's store answers its probe", registry=r
+        )
+        self.background_errors = Counter(
+            "gpufed_background_errors",
+            "Errors a background task survived (retried with backoff)",
+            ["task"],
+            registry=r,
+        )
 
     def _add_queue_metrics(self, r: CollectorRegistry) -> None:
         """Tenancy: per queue (and GPU model) usage against guarantee and fair share."""
@@ -147,6 +187,11 @@ class BrokerMetrics:
         self.reservations = Gauge(
             "gpufed_reservations", "Jobs holding a reservation against starvation", registry=r
         )
+
+    def set_quarantined(self, counts: Mapping[str, int]) -> None:
+        """Export the records in the store's quarantine per kind (jobs and queues always)."""
+        for kind in sorted({"jobs", "queues", *counts}):
+            self.store_quarantined.labels(kind=kind).set(counts.get(kind, 0))
 
     def set_session_state(self, cluster: str, state: str) -> None:
         """Export `state` as the cluster's session state (1) and every other state as 0."""

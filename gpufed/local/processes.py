@@ -107,6 +107,7 @@ class LocalFleet:
     peak: dict[str, int] = field(default_factory=dict)
     queues: Path | None = None  # the broker's queues file (--queues)
     cycle_interval: float | None = None  # the broker's --cycle-interval
+    offer_timeout: float | None = None  # the broker's --offer-timeout
 
     @property
     def url(self) -> str:
@@ -150,6 +151,11 @@ class LocalFleet:
                 *(
                     ["--cycle-interval", str(self.cycle_interval)]
                     if self.cycle_interval is not None
+                    else []
+                ),
+                *(
+                    ["--offer-timeout", str(self.offer_timeout)]
+                    if self.offer_timeout is not None
                     else []
                 ),
             ],

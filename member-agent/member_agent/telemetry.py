@@ -2,9 +2,11 @@
 
 `gpufed_agent_session_connected`, `gpufed_agent_sessions_total`,
 `gpufed_agent_offers_total{result}`, `gpufed_agent_pods{phase}`, `gpufed_agent_jobs{state}`,
-`gpufed_agent_summaries_total`, `gpufed_agent_placement_duration_seconds` (the handler's
-histogram). A collector of its own reads them from the handler, the connector and the reporter,
-so nothing has to remember to update a gauge. Every family carries the `cluster` label.
+`gpufed_agent_summaries_total`, `gpufed_agent_final_reports_unacknowledged`,
+`gpufed_agent_final_reports_resent_total`, `gpufed_agent_placement_duration_seconds` (the
+handler's histogram). A collector of its own reads them from the handler, the connector and
+the reporter, so nothing has to remember to update a gauge. Every family carries the `cluster`
+label.
 """
 
 from __future__ import annotations
@@ -79,6 +81,20 @@ class AgentCollector(Collector):
         )
         summaries.add_metric([self.cluster], self.reporter.sent)
         yield summaries
+        unacknowledged = GaugeMetricFamily(
+            "gpufed_agent_final_reports_unacknowledged",
+            "Final job reports kept until the broker acknowledges them",
+            labels=labels,
+        )
+        unacknowledged.add_metric([self.cluster], len(self.handler.updates.pending))
+        yield unacknowledged
+        resent = CounterMetricFamily(
+            "gpufed_agent_final_reports_resent",
+            "Final job reports sent again, unanswered on a live session",
+            labels=labels,
+        )
+        resent.add_metric([self.cluster], self.handler.updates.resent)
+        yield resent
         for family in self.handler.placement_duration.collect():
             yield label_cluster(family, self.cluster)
 

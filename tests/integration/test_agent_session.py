@@ -36,8 +36,10 @@ class FakeBroker:
         self.attempts = 0
         self.hellos: list[messages.Hello] = []
         self.received: asyncio.Queue[messages.Message] = asyncio.Queue()
+        self.log: list[messages.Message] = []  # every message, hellos too, in order
         self.ws: web.WebSocketResponse | None = None
         self.silent = False
+        self.version = messages.PROTOCOL_VERSION  # the welcome's: 1 is a broker without acks
         self.app = web.Application()
         self.app.router.add_get("/v1/agents/connect", self.connect)
 
@@ -50,9 +52,12 @@ class FakeBroker:
         hello = messages.decode(await ws.receive_str())
         assert isinstance(hello, messages.Hello)
         self.hellos.append(hello)
+        self.log.append(hello)
         self.epoch += 1
         await ws.send_str(
-            messages.encode(messages.Welcome(epoch=self.epoch, heartbeat_seconds=self.heartbeat))
+            messages.encode(
+                messages.Welcome(epoch=self.epoch, heartbeat_seconds=self.heartbeat, v=self.version)
+            )
         )
         self.ws = ws
         beat = asyncio.create_task(self._beat(ws))
@@ -62,6 +67,7 @@ class FakeBroker:
                     message = messages.decode(frame.data)
                     if not isinstance(message, messages.Heartbeat):
                         self.received.put_nowait(message)
+                        self.log.append(message)
         finally:
             beat.cancel()
         return ws
@@ -72,7 +78,7 @@ class FakeBroker:
             if not self.silent:
                 await ws.send_str(messages.encode(messages.Heartbeat()))
 
-    async def send(self, message: messages.Offer | messages.Cancel) -> None:
+    async def send(self, message: messages.Offer | messages.Cancel | messages.Ack) -> None:
         assert self.ws is not None
         await self.ws.send_str(messages.encode(message))
 
@@ -431,3 +437,53 @@ async def test_stop_does_not_wait_for_a_welcome_that_never_comes(tmp_path: Path)
     async with asyncio.timeout(1):
         await task
     await server.close()
+
+
+async def test_a_final_report_is_sent_on_every_session_until_acknowledged(
+    broker: tuple[FakeBroker, TestServer], agent: Agent
+) -> None:
+    fake, _ = broker
+    await fake.wait_for_hellos(1)
+    await fake.send(offer(fake, "short", gpus=1, duration=0.1))
+    done = await fake.expect(messages.JobUpdate, lambda u: u.state.terminal)
+    assert (done.state, done.seq) == (status.JobState.SUCCEEDED, 1)
+    # no ack (the broker went down before committing it): the next session has it again
+    assert fake.ws is not None
+    await fake.ws.close()
+    hello = await fake.wait_for_hellos(2)
+    assert [(j.job_id, j.state) for j in hello.jobs] == [("short", status.JobState.SUCCEEDED)]
+    again = await fake.expect(messages.JobUpdate, lambda u: u.state.terminal)
+    assert (again.job_id, again.state, again.seq) == ("short", status.JobState.SUCCEEDED, 1)
+    # an ack for another session changes nothing; one for this session is the end of it
+    await fake.send(messages.Ack(epoch=fake.epoch - 1, seqs=[1]))
+    await fake.ws.close()
+    hello = await fake.wait_for_hellos(3)
+    assert [j.job_id for j in hello.jobs] == ["short"]
+    await fake.expect(messages.JobUpdate, lambda u: u.seq == 1)
+    await fake.send(messages.Ack(epoch=fake.epoch, seqs=[1]))
+    await fake.send(offer(fake, "marker", gpus=1))  # the ack was read before this answer
+    await fake.expect(messages.Accepted, lambda a: a.job_id == "marker")
+    await fake.ws.close()
+    hello = await fake.wait_for_hellos(4)
+    assert [j.job_id for j in hello.jobs] == ["marker"]
+    await fake.send(offer(fake, "marker2", gpus=1))
+    await fake.expect(messages.Accepted, lambda a: a.job_id == "marker2")
+    since = fake.log[fake.log.index(hello) :]
+    assert not [m for m in since if isinstance(m, messages.JobUpdate) and m.job_id == "short"]
+
+
+async def test_a_broker_without_acks_gets_no_seq_and_a_written_report_counts(
+    broker: tuple[FakeBroker, TestServer], agent: Agent
+) -> None:
+    fake, _ = broker
+    fake.version = 1
+    await fake.wait_for_hellos(1)
+    assert fake.ws is not None
+    await fake.ws.close()  # the agent reconnects to the broker of protocol 1
+    await fake.wait_for_hellos(2)
+    await fake.send(offer(fake, "short", gpus=1, duration=0.1))
+    done = await fake.expect(messages.JobUpdate, lambda u: u.state.terminal)
+    assert (done.job_id, done.seq) == ("short", None)
+    await fake.ws.close()
+    hello = await fake.wait_for_hellos(3)
+    assert hello.jobs == []

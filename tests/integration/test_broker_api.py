@@ -14,7 +14,7 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from broker import app as broker_app
-from tests.builders import make_job
+from tests.builders import expr, make_job
 
 TEAM_A = {"Authorization": "Bearer dev-team-a"}
 TEAM_B = {"Authorization": "Bearer dev-team-b"}
@@ -226,3 +226,86 @@ async def test_concurrent_submits_share_commits_and_keep_their_answers(
     )
     assert len({(await a.json())["id"] for a in answers}) == 1
     assert await count_jobs(api) == 31
+
+
+def _affinity(*expressions: dict[str, Any]) -> dict[str, Any]:
+    return make_job("aff", gpus=1).node_affinity(list(expressions)).document()
+
+
+def _limits(**limits: Any) -> dict[str, Any]:
+    doc = make_job("res", gpus=1).document()
+    doc["spec"]["tasks"][0]["template"]["spec"]["containers"][0]["resources"]["limits"].update(
+        limits
+    )
+    return doc
+
+
+PRODUCT = "nvidia.com/gpu.product"
+EXPRESSION = "nodeSelectorTerms[0].matchExpressions[0]"
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "says"),
+    [
+        pytest.param(_with("spec.queue", "Team_A"), "spec.queue", "DNS label", id="queue Team_A"),
+        pytest.param(_with("spec.priority", 2**31), "spec.priority", "1000000000", id="int32"),
+        pytest.param(
+            _with("spec.priority", 10**19), "spec.priority", "", id="priority of 20 digits"
+        ),
+        pytest.param(
+            _affinity(expr(PRODUCT, "In")), f"{EXPRESSION}.values", "In", id="In without values"
+        ),
+        pytest.param(
+            _affinity(expr("example.com/gen", "Gt", "eight")),
+            f"{EXPRESSION}.values[0]",
+            "integers",
+            id="Gt with a non-integer",
+        ),
+        pytest.param(
+            _affinity(expr(PRODUCT, "Near", "x")),
+            f"{EXPRESSION}.operator",
+            "'Near' is not supported",
+            id="unknown operator",
+        ),
+        pytest.param(_limits(cpu="inf"), "resources", "quantity", id="cpu infinite"),
+        pytest.param(_limits(memory=-1), "limits[memory]", "at least 0", id="memory negative"),
+        pytest.param(
+            _with("spec.tasks.0.template.metadata.annotations", {"a b": "x"}),
+            "annotations",
+            "label key",
+            id="annotation key",
+        ),
+    ],
+)
+async def test_a_submit_breaking_a_rule_is_a_422_naming_the_field(
+    api: TestClient[Any, Any], body: Any, field: str, says: str
+) -> None:
+    response = await submit(api, body)
+    assert response.status == 422, await response.text()
+    problem = await response.json()
+    assert field in problem["field"], problem
+    assert says in problem["detail"], problem
+    assert await count_jobs(api) == 0
+
+
+async def test_every_node_affinity_operator_is_accepted(api: TestClient[Any, Any]) -> None:
+    doc = _affinity(
+        expr(PRODUCT, "NotIn", "NVIDIA-H100-80GB-HBM3"),
+        expr(PRODUCT, "Exists"),
+        expr("example.com/legacy", "DoesNotExist"),
+        expr("example.com/gen", "Gt", "7"),
+        expr("example.com/gen", "Lt", "10"),
+        expr("topology.kubernetes.io/zone", "In", "a", "b"),
+    )
+    response = await submit(api, doc)
+    assert response.status == 202, await response.text()
+
+
+async def test_a_method_a_route_does_not_take_is_405_with_allow(
+    api: TestClient[Any, Any],
+) -> None:
+    response = await api.put("/v1/jobs", headers=TEAM_A)
+    assert response.status == 405
+    assert set(response.headers["Allow"].split(",")) >= {"GET", "POST"}
+    problem = await response.json(content_type=None)
+    assert problem["status"] == 405 and problem["title"]

@@ -121,9 +121,10 @@ def test_the_broker_is_started_with_flags_the_cli_accepts() -> None:
         ("etcd-0.etcd.gpufed-system.svc", 2379),
         ("etcd-1.etcd.gpufed-system.svc", 2379),
     ]
-    assert (args.heartbeat, args.lost_after) == (
+    assert (args.heartbeat, args.lost_after, args.offer_timeout) == (
         EXAMPLE["heartbeatSeconds"],
         EXAMPLE["lostAfterSeconds"],
+        EXAMPLE["offerTimeoutSeconds"],
     )
     assert args.log_level == EXAMPLE["logLevel"].upper()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from broker.api import errors as errors_api
 from broker.api import messages, status
 from broker.jobs import fleet, scheduling, service
 from broker.state import errors, opening, records, sqlite, store
@@ -190,3 +191,64 @@ async def test_a_failed_dispatch_commit_leaves_memory_as_the_store_has_it(
     assert broker.scheduler.commit_failures == 0
     assert set(broker.cluster.inflight) == set(broker.ids)
     await assert_memory_is_the_store(broker)
+
+
+@pytest.mark.parametrize(
+    ("jobs", "annotation_kib"),
+    [
+        pytest.param(4, 900, id="4 jobs of 900 KiB"),
+        pytest.param(100, 24, id="100 jobs of 24 KiB"),
+    ],
+)
+async def test_dispatch_commits_are_split_to_fit_the_store_request_limit(
+    backend: Backend, jobs: int, annotation_kib: int
+) -> None:
+    """Together far over etcd's default 1.5 MiB request limit, each within it: every job is
+    stored and dispatched, and what the store holds is what the broker believes."""
+    job_store = records.JobStore(backend.store)
+    clusters = fleet.Fleet()
+    meters = metrics.BrokerMetrics()
+    book = service.Jobs(job_store, clusters, meters=meters)
+    scheduler = scheduling.Scheduler(
+        book.book,
+        clusters,
+        dispatcher=book.dispatcher,
+        accounts=book.accounts,
+        victims=book.victims,
+        meters=meters,
+    )
+    link = RecordingLink()
+    cluster = await clusters.attach("east", link, epoch=1)
+    summary = make_summary("east", make_model_summary(H100, nodes_by_free=[0] * 8 + [jobs]))
+    cluster.apply_summary(messages.Summary(summary=summary, full=True))
+    run = secrets.token_hex(4)
+    payload = "x" * (annotation_kib * 1024)
+    ids = []
+    for i in range(jobs):
+        job = make_job(f"big{i}", gpus=8).model(H100).annotate("notes", payload).build()
+        stored = await book.submit(status.JobRecord(id=f"{run}-big-{i}", tenant="team-a", job=job))
+        ids.append(stored.id)
+    for _ in range(20):
+        await scheduler.run_cycle()
+        if len(link.offers) >= jobs:
+            break
+    assert sorted(o.job_id for o in link.offers) == sorted(ids)
+    assert scheduler.commit_failures == 0
+    for job_id in ids:
+        stored_now = await job_store.get(job_id)
+        assert stored_now is not None
+        assert stored_now.record.status.state == State.DISPATCHED
+        assert book.get(job_id) == stored_now.record
+
+
+async def test_a_job_no_transaction_could_carry_is_refused_before_it_is_stored(
+    backend: Backend,
+) -> None:
+    job_store = records.JobStore(backend.store, max_request_bytes=256 * 1024)
+    book = service.Jobs(job_store, fleet.Fleet(), meters=metrics.BrokerMetrics())
+    job = make_job("huge", gpus=1).annotate("notes", "x" * 300 * 1024).build()
+    job_id = f"{secrets.token_hex(4)}-huge"
+    with pytest.raises(errors_api.TooLarge, match="max-request-bytes"):
+        await book.submit(status.JobRecord(id=job_id, tenant="team-a", job=job))
+    assert await job_store.get(job_id) is None
+    assert book.get(job_id) is None

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
     "path", sorted((REPO / "config" / "examples").glob("*.yaml")), ids=lambda p: p.name
 )
 def test_shipped_examples_are_valid_jobs(path: Path) -> None:
-    job = jobs.GPUJob.model_validate(yaml.safe_load(path.read_text()))
+    job = jobs.validate_submitted(yaml.safe_load(path.read_text()))
     assert jobs.gang_request("x", job).gpus > 0
 
 

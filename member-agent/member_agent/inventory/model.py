@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from broker.api import status
+from broker.api import jobs, status
 
 GPU_MILLI = 1000
 
@@ -32,6 +32,8 @@ class Node:
     nvlink_island: int = 0
     ready: bool = True
     schedulable: bool = True
+    # the node's labels, as placement matches node selectors and affinity on them; the GPU
+    # product label always says `model` (what the broker knows the node by)
     labels: dict[str, str] = field(default_factory=dict)
     # free milli per GPU index; set from gpu_count when left empty
     gpu_free: list[int] = field(default_factory=list)
@@ -39,6 +41,8 @@ class Node:
     memory_free: int = -1
 
     def __post_init__(self) -> None:
+        if self.model and self.labels.get(jobs.GPU_PRODUCT_LABEL) != self.model:
+            self.labels = {**self.labels, jobs.GPU_PRODUCT_LABEL: self.model}
         if not self.gpu_free:
             self.gpu_free = [GPU_MILLI] * self.gpu_count
         if self.cpu_free < 0:

@@ -9,7 +9,8 @@ ResourceQuotas, `placement.limits.check_gpus`), place (`_place`: `placement.gang
 the live inventory, through `placing.Placer`), bind (`_bind`: `binding.create_gang`,
 all-or-nothing) and reply (`_accept` / `_reject`). Pod events move jobs through Running,
 Succeeded and Failed; a failed gang has its remaining pods deleted (`deleting.Deleter`). No
-socket here: replies leave through `reply`, job updates through `updating.Updater`.
+socket here: replies leave through `reply`, job updates through `updating.Updater`, which
+keeps final reports until the broker acknowledges them.
 
 Attempts: an offer of the attempt the table holds is a re-send, answered with the same pods
 (and the final state, if reached); one of a later attempt (the broker runs the job again: a
@@ -372,23 +373,16 @@ class JobHandler:
                 self.deleter.spawn(self.deleter.delete(record.job_id, record.namespace, earlier))
             if record.state == status.JobState.FAILED:
                 self.deleter.spawn(self.deleter.delete_live(record))
+            if record.state.terminal:  # finished while the agent was away: report it
+                self.updates.hold_final(record)
         if adopted:
             self.on_change()
         return len(adopted)
 
-    def hello_jobs(self) -> tuple[list[messages.AgentJob], Callable[[], None]]:
-        """The jobs for `hello`, and what to call once it went out (the terminal ones among
-        them are then known to the broker)."""
-        records = self.table.for_hello(now=self.clock())
-        terminal = [r for r in records if r.state.terminal]
-
-        def mark() -> None:
-            now = self.clock()
-            for record in terminal:
-                if record.reported_at is None:
-                    record.reported_at = now
-
-        return [r.agent_job() for r in records], mark
+    def hello_jobs(self) -> list[messages.AgentJob]:
+        """The jobs for `hello`: every one not finished, and the finished ones whose final
+        report the broker has not acknowledged (sent again once it welcomes the session)."""
+        return [r.agent_job() for r in self.table.for_hello(now=self.clock())]
 
     def pods_by_phase(self) -> Counter[str]:
         return Counter(p.phase.value for r in self.table for p in r.pods.values())

@@ -6,11 +6,10 @@ events and lists it in `hello` after every (re)connect; `adopting` fills it at s
 
 A job is `Dispatched` once its pods are created, `Running` when at least `min_member` pods run
 (or ran), `Succeeded` when every pod succeeded and `Failed` (with the pod's reason) when any pod
-fails or disappears while it runs. States only move forward. Terminal records are kept until
-their final state went out on a live session (then `keep_reported` seconds more, so a re-sent
-offer stays idempotent) or, unreported, `keep_unreported` seconds. `hello` lists them until
-sent, and `relist_reported` seconds after: a message written just before a session dropped
-may never have arrived, and the protocol has no acknowledgement.
+fails or disappears while it runs. States only move forward. A terminal record is kept until
+the broker acknowledged its final report (`updating.Updater`), however long the broker is
+away, and `keep_reported` seconds more, so a re-sent offer stays idempotent; `hello` lists it
+until acknowledged, so the broker never takes a finished job for a lost one.
 
 The table holds one record per job, of the job's latest attempt (`TrackedJob.attempt`, the
 broker's dispatch count): an offer of a later attempt replaces the record (`supersede`), one of
@@ -27,9 +26,6 @@ from broker.api import messages, status
 _RAN = frozenset({status.PodPhase.RUNNING, status.PodPhase.SUCCEEDED})
 _LIVE = frozenset({status.PodPhase.PENDING, status.PodPhase.RUNNING})
 KEEP_REPORTED_SECONDS = 60.0
-KEEP_UNREPORTED_SECONDS = 600.0
-# a final state written shortly before a session drops may never have reached the broker
-RELIST_REPORTED_SECONDS = 20.0
 
 
 @dataclass
@@ -54,7 +50,8 @@ class TrackedJob:
     failure_message: str = ""
     terminal_at: float | None = None
     running_since_ns: int | None = None  # wall clock, for the job.running span
-    reported_at: float | None = None
+    report_seq: int | None = None  # its final report's seq, while not acknowledged
+    acked_at: float | None = None  # when the broker acknowledged its final report
 
     def set_phase(self, pod: status.PodStatus, phase: status.PodPhase, *, reason: str = "") -> None:
         """Move one pod to `phase`, keeping the counters right."""
@@ -161,8 +158,6 @@ class TrackedJob:
 class JobTable:
     records: dict[str, TrackedJob] = field(default_factory=dict)
     keep_reported: float = KEEP_REPORTED_SECONDS
-    keep_unreported: float = KEEP_UNREPORTED_SECONDS
-    relist_reported: float = RELIST_REPORTED_SECONDS
 
     def __iter__(self) -> Iterator[TrackedJob]:
         return iter(self.records.values())
@@ -197,29 +192,18 @@ class JobTable:
         )
 
     def prune(self, *, now: float) -> list[str]:
-        """Forget terminal records the broker has seen (or that are too old)."""
+        """Forget terminal records whose final report the broker acknowledged a while ago."""
         gone = [
             r.job_id
             for r in self.records.values()
-            if r.terminal_at is not None
-            and (
-                now - r.reported_at > self.keep_reported
-                if r.reported_at is not None
-                else now - r.terminal_at > self.keep_unreported
-            )
+            if r.state.terminal and r.acked_at is not None and now - r.acked_at > self.keep_reported
         ]
         for job_id in gone:
             del self.records[job_id]
         return gone
 
     def for_hello(self, *, now: float) -> list[TrackedJob]:
-        """Every job the broker should hear about in `hello`: non-terminal ones and terminal
-        ones whose final state it may not have seen (unsent, or sent just before a drop)."""
+        """Every job the broker should hear about in `hello`: the ones not finished, and the
+        finished ones whose final report it has not acknowledged."""
         self.prune(now=now)
-        return [
-            r
-            for r in self.records.values()
-            if not r.state.terminal
-            or r.reported_at is None
-            or now - r.reported_at < self.relist_reported
-        ]
+        return [r for r in self.records.values() if not r.state.terminal or r.acked_at is None]

@@ -1,17 +1,24 @@
-"""The job updates the agent sends the broker, and when a final state counts as reported.
+"""The job updates the agent sends the broker, and the final ones kept until acknowledged.
 
 `handling.JobHandler` hands every state a job reaches to `Updater`: the steps its pods imply,
-a final state sent again (a re-sent offer, a cancel of a finished job), a cancel's outcome.
-An update of a final state is marked reported (`TrackedJob.reported_at`) once it was written
-on a live session; `table.JobTable` keeps and relists records by that mark. The `job.running`
-span, from the gang running to its final state, is recorded here, in the job's trace. No
-socket here: updates leave through `send` (the session's router).
+a final state sent again (a re-sent offer, a cancel of a finished job), a cancel's outcome, the
+final state of a job adopted after it finished. A final report (Succeeded, Failed, Cancelled)
+gets a `seq` and stays in `pending` until the broker acknowledges it (`acknowledge`), however
+long that takes: it is sent again on every session the broker welcomes (`session_started`)
+and, on a live session, when no ack came within `resend_seconds` (`resend_overdue`). The broker
+applies a report once however often it arrives, so a job never runs again because its report
+was lost; `table.JobTable` keeps (and lists in hello) a finished job until acknowledged. A
+broker of protocol 1 does not acknowledge: with it a report counts as delivered once written.
+Updates that are not final are sent once (hello tells a broker that missed one). The
+`job.running` span, from the gang running to its final state, is recorded here, in the job's
+trace. No socket here: updates leave through `send` (the session's router).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from opentelemetry import propagate, trace
@@ -21,6 +28,9 @@ from member_agent.jobs import table
 
 tracer = trace.get_tracer("member_agent.jobs")
 
+# a final report not acknowledged this long after it was written is sent again
+RESEND_SECONDS = 10.0
+
 
 class Send(Protocol):
     def __call__(
@@ -28,25 +38,51 @@ class Send(Protocol):
     ) -> None: ...
 
 
+@dataclass
+class Pending:
+    """A final report the broker has not acknowledged yet."""
+
+    record: table.TrackedJob
+    update: messages.JobUpdate
+    written_at: float | None = None  # on the current session; None: to send (again)
+
+
 class Updater:
-    def __init__(self, send: Send, *, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, send: Send, *, clock: Callable[[], float], resend_seconds: float = RESEND_SECONDS
+    ) -> None:
         self.send = send
         self.clock = clock
+        self.resend_seconds = resend_seconds
+        self.pending: dict[int, Pending] = {}  # seq -> the report
+        self.resent = 0
+        self._seq = 0
+        self._acked_on_write = False  # the broker of this session does not acknowledge
+
+    # -- what the handler says -------------------------------------------------------------
 
     def send_state(self, record: table.TrackedJob, state: status.JobState, reason: str) -> None:
         """The job reached `state` (or it is said again): the update, traced."""
         self._trace_running(record, state, reason)
         update = record.update(state, reason)
-        self.send(update, on_sent=self.reported(record) if state.terminal else None)
+        if state.terminal:
+            self._deliver(record, update)
+        else:
+            self.send(update)
 
     def send_final(self, record: table.TrackedJob, *, message: str) -> None:
         """The record's final state, with a message of its own (a cancel's outcome)."""
         update = record.update()
         update.message = message
-        self.send(update, on_sent=self.reported(record))
+        self._deliver(record, update)
+
+    def hold_final(self, record: table.TrackedJob) -> None:
+        """The final state of a job found finished at start: sent with the next session."""
+        self._keep(record, record.update())
 
     def send_cancelled(self, cancel: messages.Cancel) -> None:
-        """A cancel of an attempt the table does not hold: it is stopped."""
+        """A cancel of an attempt the table does not hold: it is stopped. Not kept: a broker
+        that misses it finds the job gone from the next hello, with the same outcome."""
         self.send(
             messages.JobUpdate(
                 job_id=cancel.job_id,
@@ -58,13 +94,75 @@ class Updater:
             )
         )
 
-    def reported(self, record: table.TrackedJob) -> Callable[[], None]:
-        """What to call once the record's final state went out on a live session."""
+    # -- delivery --------------------------------------------------------------------------
 
-        def mark() -> None:
-            record.reported_at = self.clock()
+    def _keep(self, record: table.TrackedJob, update: messages.JobUpdate) -> int:
+        """Keep `update` as the record's final report until acknowledged; its seq. A final
+        state said again replaces the report still pending, under the same seq."""
+        seq = record.report_seq
+        if seq is None or seq not in self.pending:
+            self._seq += 1
+            seq = self._seq
+        record.report_seq = seq
+        record.acked_at = None
+        update.seq = seq
+        self.pending[seq] = Pending(record, update)
+        return seq
 
-        return mark
+    def _deliver(self, record: table.TrackedJob, update: messages.JobUpdate) -> None:
+        self._send_pending(self._keep(record, update))
+
+    def _send_pending(self, seq: int) -> None:
+        entry = self.pending[seq]
+        entry.written_at = None
+
+        def written() -> None:
+            if self.pending.get(seq) is entry:
+                entry.written_at = self.clock()
+                if self._acked_on_write:
+                    self.acknowledge([seq])
+
+        self.send(entry.update, on_sent=written)
+
+    def acknowledge(self, seqs: Iterable[int]) -> int:
+        """The broker has these reports (committed): forget them. Returns how many were
+        pending (an ack may repeat one, or name one of an earlier process: ignored)."""
+        now = self.clock()
+        done = 0
+        for seq in seqs:
+            entry = self.pending.pop(seq, None)
+            if entry is None:
+                continue
+            entry.record.acked_at = now
+            entry.record.report_seq = None
+            done += 1
+        return done
+
+    def session_started(self, *, acks: bool) -> int:
+        """A session the broker welcomed, after a hello that listed every finished job not
+        acknowledged: their reports are sent again on it (returns how many). A broker that
+        does not acknowledge (`acks` False: protocol 1) has them from the hello: delivered."""
+        self._acked_on_write = not acks
+        if not acks:
+            self.acknowledge(list(self.pending))
+            return 0
+        for seq in sorted(self.pending):
+            self._send_pending(seq)
+        return len(self.pending)
+
+    def resend_overdue(self) -> int:
+        """Send again the reports written on this session and not acknowledged within
+        `resend_seconds` (the broker may have dropped one: a conflict, a restart)."""
+        now = self.clock()
+        due = [
+            seq
+            for seq, entry in self.pending.items()
+            if entry.written_at is not None and now - entry.written_at >= self.resend_seconds
+        ]
+        for seq in due:
+            self._send_pending(seq)
+        self.resent += len(due)
+        return len(due)
 
     @staticmethod
     def _trace_running(record: table.TrackedJob, state: status.JobState, reason: str) -> None:

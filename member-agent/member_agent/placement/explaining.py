@@ -2,8 +2,8 @@
 
 Called by `gang.place_gang` only after every topology group failed; the reasons go back to
 the broker in a rejection and to the user through `gpufed why`. It walks the filters in the
-order a user thinks of them (ready nodes, GPU model, GPU memory, GPUs, CPU, memory) and names
-the first one that leaves too few nodes.
+order a user thinks of them (ready nodes, GPU model, node affinity, GPU memory, GPUs, CPU,
+memory) and names the first one that leaves too few nodes.
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ def _nodes_built_for(
             return [], (
                 f"gpu model: no node of model {'|'.join(demand.models)} "
                 f"(cluster has {', '.join(present) or 'no GPUs'})"
+            )
+    selector = demand.selector
+    if selector is not None:
+        nodes = [entry for entry in nodes if selector.matches(entry.labels, entry.name)]
+        if not nodes:
+            return [], (
+                f"node affinity: no ready node{' with GPUs' if demand.gpus else ''} matches "
+                f"{selector.describe()} (cluster has {', '.join(present) or 'no GPUs'})"
             )
     if demand.min_gpu_memory_mib:
         largest = max((entry.gpu_memory_mib for entry in nodes), default=0)

@@ -2,16 +2,19 @@
 
 Called by `gang.place_gang` for every candidate node and by `explaining` to say why nothing
 fits. A node fits a pod when it is ready and schedulable, its GPU model is among the pod's
-models (if any), its GPUs have enough memory, it has the CPU and memory free, and it has
-`gpus` GPUs wholly free (a whole-GPU pod, all on this node, inside one NVLink island when the
-pod requires NVLink) or one GPU with `gpu_milli` free (a sharing pod).
+models (if any), its labels and name match the pod's node selector and required node affinity
+(`broker.api.affinity`, Kubernetes semantics: terms ORed, expressions ANDed, `In`, `NotIn`,
+`Exists`, `DoesNotExist`, `Gt`, `Lt`), its GPUs have enough memory, it has the CPU and memory
+free, and it has `gpus` GPUs wholly free (a whole-GPU pod, all on this node, inside one NVLink
+island when the pod requires NVLink) or one GPU with `gpu_milli` free (a sharing pod).
+Preferred node affinity is not weighed (see `broker.api.affinity`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker.api import jobs
+from broker.api import affinity, jobs
 from member_agent.placement import indexing
 
 GPU_MILLI = indexing.GPU_MILLI
@@ -28,6 +31,8 @@ class Demand:
     models: tuple[str, ...] = ()
     min_gpu_memory_mib: int = 0
     nvlink: bool = False  # all GPUs inside one NVLink island
+    # node selection beyond `models` (None: every node of those models)
+    selector: affinity.NodeSelector | None = None
 
     @property
     def sharing(self) -> bool:
@@ -61,6 +66,7 @@ def demand_of(shape: jobs.PodShape, *, nvlink: bool = False) -> Demand:
         models=tuple(shape.models),
         min_gpu_memory_mib=shape.min_gpu_memory_mib,
         nvlink=nvlink and gpus > 1,
+        selector=shape.selector,
     )
 
 
@@ -74,7 +80,10 @@ def fits(entry: indexing.Entry, demand: Demand) -> bool:
         return False
     if entry.cpu_free < demand.cpu_milli or entry.mem_free < demand.memory_mib:
         return False
-    return fits_gpus(entry, demand)
+    if not fits_gpus(entry, demand):
+        return False
+    # last: the dearest check, on the nodes with room only
+    return demand.selector is None or demand.selector.matches(entry.labels, entry.name)
 
 
 def fits_gpus(entry: indexing.Entry, demand: Demand) -> bool:

@@ -145,7 +145,10 @@ def choose_node(
 ) -> indexing.Entry | None:
     """The best feasible node for one pod (scratch copies override indexed entries)."""
     candidates = free_index.candidates(
-        models=demand.models, gpus=demand.gpus, gpu_milli=demand.gpu_milli
+        models=demand.models,
+        gpus=demand.gpus,
+        gpu_milli=demand.gpu_milli,
+        selector=demand.selector,
     )
     fits = filtering.fits
     if scorer.randomised:
@@ -194,7 +197,10 @@ class _Ranking:
         self.names = names
         items = []
         for entry in free_index.candidates(
-            models=demand.models, gpus=demand.gpus, gpu_milli=demand.gpu_milli
+            models=demand.models,
+            gpus=demand.gpus,
+            gpu_milli=demand.gpu_milli,
+            selector=demand.selector,
         ):
             if (names is None or entry.name in names) and filtering.fits(entry, demand):
                 items.append((-scorer.score(entry, demand), entry.rank, entry.name, entry))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+from broker.api import affinity
 from member_agent.inventory import model
 
 GPU_MILLI = model.GPU_MILLI
@@ -36,6 +37,7 @@ class Entry:
         "gpu_free",
         "gpu_memory_mib",
         "island",
+        "labels",
         "max_free",
         "mem_free",
         "model",
@@ -56,6 +58,7 @@ class Entry:
         self.domain = node.nvlink_domain
         self.island = node.nvlink_island if node.nvlink_island > 1 else 1
         self.available = node.available
+        self.labels = node.labels  # shared, never changed by placement
         self.gpu_free: list[int] = list(node.gpu_free)
         self.cpu_free = node.cpu_free
         self.mem_free = node.memory_free
@@ -151,6 +154,7 @@ class FreeIndex:
             self._remove(old)
             entry = old
             entry.available = node.available
+            entry.labels = node.labels
             entry.gpu_free = list(node.gpu_free)
             entry.cpu_free = node.cpu_free
             entry.mem_free = node.memory_free
@@ -159,18 +163,31 @@ class FreeIndex:
         self._insert(entry)
 
     def candidates(
-        self, *, models: Sequence[str] = (), gpus: int = 0, gpu_milli: int = 0
+        self,
+        *,
+        models: Sequence[str] = (),
+        gpus: int = 0,
+        gpu_milli: int = 0,
+        selector: affinity.NodeSelector | None = None,
     ) -> Iterator[Entry]:
-        """Available nodes that may have the GPUs asked (CPU, memory and the rest unchecked)."""
+        """Available nodes that may have the GPUs asked, of a model `models` and `selector`
+        allow (CPU, memory and the rest, the selector's other labels included, unchecked)."""
         if gpus <= 0:
             need_whole, need_partial = 0, 0
         elif gpu_milli >= GPU_MILLI:
             need_whole, need_partial = gpus, -1
         else:
             need_whole, need_partial = 1, gpu_milli // 100
+        admitted: dict[str, bool] = {}
         for (bucket_model, whole, decile), bucket in self.buckets.items():
             if models and bucket_model not in models:
                 continue
+            if selector is not None:
+                allowed = admitted.get(bucket_model)
+                if allowed is None:
+                    allowed = admitted[bucket_model] = selector.admits_model(bucket_model)
+                if not allowed:
+                    continue
             if whole >= need_whole or (need_partial >= 0 and decile >= need_partial):
                 yield from bucket.values()
 

@@ -8,7 +8,12 @@ drops the session; it is opened again with exponential backoff and jitter. A 401
 permanent until the token changes: it is logged and retried slowly.
 
 Messages are routed through `Router`: while no session is live they are dropped, and `hello`
-carries the current state of every job on the next one.
+carries the current state of every job on the next one. Final reports are the exception: the
+job handler's `updating.Updater` keeps them until the broker acknowledges them (`ack`, for
+this session's epoch), sends them again once a broker of protocol 2 welcomes a session, and
+again on a live one while unanswered (checked with every heartbeat). A broker of protocol 1
+does not acknowledge: `seq` is left out of what is written to it, and a write counts as
+delivered.
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class Link:
         self.heartbeat_seconds = 5.0
         self.closed = False
         self.welcomed = False
+        self.acks = False  # the broker acknowledges final reports (its welcome's protocol)
 
     def send(
         self, message: messages.Message, /, *, on_sent: Callable[[], None] | None = None
@@ -254,10 +260,9 @@ class Connector:
 
     async def _greet(self, ws: aiohttp.ClientWebSocketResponse, link: Link) -> None:
         async with self.handler.lock:  # no offer half-bound while the jobs are listed
-            jobs, mark_reported = self.handler.hello_jobs()
+            jobs = self.handler.hello_jobs()
         hello = messages.Hello(cluster=self.settings.cluster, jobs=jobs)
         await ws.send_str(messages.encode(hello))
-        mark_reported()
         wait = max(self.settings.connect_timeout_seconds, 3 * self.settings.heartbeat_seconds)
         async with asyncio.timeout(wait):
             while True:
@@ -269,12 +274,16 @@ class Connector:
                 logger.warning("ignoring %s before the broker's welcome", message.type)
         link.epoch = message.epoch
         link.heartbeat_seconds = message.heartbeat_seconds
+        link.acks = message.v >= messages.ACKS_SINCE
         link.welcomed = True
 
     async def _serve(
         self, ws: aiohttp.ClientWebSocketResponse, link: Link, stop: asyncio.Event
     ) -> None:
         first = self.reporter.attach(link.send_summary)
+        resent = self.handler.updates.session_started(acks=link.acks)
+        if resent:
+            logger.info("sending %d final reports not acknowledged yet", resent)
         tasks = {
             asyncio.create_task(self._read(ws, link), name="agent-read"),
             asyncio.create_task(self._write(ws, link, first), name="agent-write"),
@@ -311,6 +320,9 @@ class Connector:
                 return
             if isinstance(message, messages.Offer | messages.Cancel):
                 link.work.put_nowait(message)
+            elif isinstance(message, messages.Ack):
+                if message.epoch == link.epoch:  # an ack of another session is not for us
+                    self.handler.updates.acknowledge(message.seqs)
             elif not isinstance(message, messages.Heartbeat):
                 logger.warning("ignoring an unexpected %s message", message.type)
 
@@ -339,6 +351,12 @@ class Connector:
         await ws.send_str(messages.encode(first))
         while True:
             message, on_sent = await link.outbox.get()
+            if (
+                not link.acks
+                and isinstance(message, messages.JobUpdate)
+                and message.seq is not None
+            ):
+                message = message.model_copy(update={"seq": None})  # protocol 1 forbids it
             await ws.send_str(messages.encode(message))
             if on_sent is not None:
                 on_sent()
@@ -349,6 +367,8 @@ class Connector:
             await asyncio.sleep(link.heartbeat_seconds)
             seq += 1
             link.send(messages.Heartbeat(seq=seq))
+            if link.acks:
+                self.handler.updates.resend_overdue()
 
     async def _work(self, link: Link) -> None:
         """Offers and cancels of this session, one at a time, in arrival order."""

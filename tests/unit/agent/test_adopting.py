@@ -164,7 +164,7 @@ async def test_hello_after_a_restart_lists_the_jobs_still_running(restart: Resta
     await restart.pump(restart.before, lambda: state_of(restart.before, "long") == "Running")
 
     after = restart.restart()
-    jobs, _ = after.hello_jobs()
+    jobs = after.hello_jobs()
     assert sorted((j.job_id, j.epoch, j.state.value, len(j.pods)) for j in jobs) == [
         ("long", 3, "Running", 2),
         ("short", 3, "Succeeded", 1),
@@ -266,7 +266,7 @@ async def test_a_restarted_agent_deletes_the_pods_of_earlier_attempts(restart: R
     assert any(p.phase == Phase.FAILED for p in restart.backend.pods_of("j1"))
 
     after = restart.restart()
-    jobs, _ = after.hello_jobs()
+    jobs = after.hello_jobs()
     assert [(j.job_id, j.attempt, j.state.value, sorted(p.name for p in j.pods)) for j in jobs] == [
         ("j1", 2, "Running", ["j1-worker-0-a2", "j1-worker-1-a2"])
     ]

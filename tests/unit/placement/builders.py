@@ -21,6 +21,7 @@ def node(
     domain: str = "",
     island: int = 0,
     ready: bool = True,
+    labels: dict[str, str] | None = None,
 ) -> model.Node:
     """A node whose GPU i has `used[i]` milli taken."""
     free = [model.GPU_MILLI] * gpus
@@ -37,6 +38,7 @@ def node(
         nvlink_domain=domain,
         nvlink_island=island,
         ready=ready,
+        labels=dict(labels or {}),
         gpu_free=free,
         cpu_free=cpu_free,
         memory_free=memory_free,

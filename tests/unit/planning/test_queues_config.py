@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from broker.api import errors as api_errors
 from broker.api import queues as api
 from broker.state import registry, sqlite
 from tests.builders import make_job
@@ -105,18 +106,52 @@ def test_over_guaranteed_cohort_is_a_warning(
         assert f"guaranteed {sum(guarantees)} {H100} GPUs" in warnings[0]
 
 
+OPEN, DECLARED = api.QueueMode.OPEN, api.QueueMode.DECLARED
+
+
 @pytest.mark.parametrize(
-    ("declared", "tenant", "edit", "error"),
+    ("mode", "declared", "tenant", "edit", "error"),
     [
-        pytest.param(False, "team-a", {"queue": "anything"}, None, id="no queues: any name"),
-        pytest.param(True, "team-a", {"queue": "q"}, None, id="own queue"),
+        pytest.param(OPEN, False, "team-a", {"queue": "anything"}, None, id="open: any name"),
         pytest.param(
-            True, "team-a", {"queue": "nope"}, registry.UnknownQueueError, id="undeclared"
+            OPEN, True, "team-a", {"queue": "other"}, None, id="open: a declared queue locks none"
+        ),
+        pytest.param(OPEN, True, "team-a", {"queue": "q"}, None, id="open: own declared queue"),
+        pytest.param(
+            OPEN,
+            True,
+            "team-b",
+            {"queue": "q"},
+            registry.ForeignQueueError,
+            id="open: another tenant's declared queue",
+        ),
+        pytest.param(DECLARED, True, "team-a", {"queue": "q"}, None, id="declared: own queue"),
+        pytest.param(
+            DECLARED,
+            True,
+            "team-a",
+            {"queue": "nope"},
+            registry.UnknownQueueError,
+            id="declared: undeclared",
         ),
         pytest.param(
-            True, "team-b", {"queue": "q"}, registry.ForeignQueueError, id="another tenant's"
+            DECLARED,
+            False,
+            "team-a",
+            {"queue": "anything"},
+            registry.UnknownQueueError,
+            id="declared: no queue yet",
         ),
         pytest.param(
+            DECLARED,
+            True,
+            "team-b",
+            {"queue": "q"},
+            registry.ForeignQueueError,
+            id="declared: another tenant's",
+        ),
+        pytest.param(
+            OPEN,
             False,
             "team-a",
             {"queue": "q", "priorityClass": "gold"},
@@ -126,17 +161,50 @@ def test_over_guaranteed_cohort_is_a_warning(
     ],
 )
 def test_which_jobs_may_use_which_queue(
-    declared: bool, tenant: str, edit: dict[str, str], error: type[Exception] | None
+    mode: api.QueueMode,
+    declared: bool,
+    tenant: str,
+    edit: dict[str, str],
+    error: type[Exception] | None,
 ) -> None:
     config = api.QueuesConfig.model_validate({"queues": [queue("q")] if declared else []})
     builder = make_job(gpus=1)
     builder.doc["spec"].update(edit)
-    queues = registry.QueueRegistry(config)
+    queues = registry.QueueRegistry(config, mode=mode)
     if error is None:
         queues.check_job(tenant, builder.build())
     else:
         with pytest.raises(error):
             queues.check_job(tenant, builder.build())
+
+
+@pytest.mark.parametrize(
+    ("path", "mode", "expected"),
+    [
+        pytest.param(None, None, OPEN, id="no file: open"),
+        pytest.param("config/queues.yaml", None, DECLARED, id="a file: declared"),
+        pytest.param(None, DECLARED, DECLARED, id="declared without a file"),
+        pytest.param("config/queues.yaml", OPEN, OPEN, id="open with a file"),
+    ],
+)
+def test_queue_mode_defaults_to_declared_with_a_file(
+    path: str | None, mode: api.QueueMode | None, expected: api.QueueMode
+) -> None:
+    queues = registry.QueueRegistry.from_file(REPO / path if path else None, mode=mode)
+    assert queues.mode == expected
+
+
+def test_undeclared_queues_with_jobs_are_reported_in_declared_mode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = api.QueuesConfig.model_validate({"queues": [queue("q")]})
+    unfinished = {"q": 2, "Team_A": 3, "gone": 1, "empty": 0}
+    assert registry.QueueRegistry(config, mode=OPEN).report_undeclared(unfinished) == {}
+    declared = registry.QueueRegistry(config, mode=DECLARED)
+    with caplog.at_level("WARNING", logger="broker.state.registry"):
+        assert declared.report_undeclared(unfinished) == {"Team_A": 3, "gone": 1}
+    [line] = caplog.messages
+    assert "4 unfinished jobs name 2 undeclared queues (Team_A: 3, gone: 1)" in line
 
 
 async def test_put_queues_are_stored_win_over_the_file_and_reach_other_replicas() -> None:
@@ -160,5 +228,38 @@ async def test_put_queues_are_stored_win_over_the_file_and_reach_other_replicas(
         restarted = registry.QueueRegistry(base)
         await restarted.load(backing)
         assert [(q.name, q.weight) for q in restarted.config.queues] == [("new", 1.0), ("q", 3.0)]
+    finally:
+        await backing.close()
+
+
+async def test_delete_removes_what_the_api_stored_on_every_replica() -> None:
+    backing = await sqlite.SqliteStore.open(":memory:")
+    try:
+        base = api.QueuesConfig.model_validate({"queues": [queue("q", weight=1)]})
+        first = registry.QueueRegistry(base)
+        second = registry.QueueRegistry(base)
+        await first.load(backing)
+        await second.load(backing)
+        following = asyncio.create_task(second.follow(backing))
+        await first.put(api.Queue.model_validate(queue("q", weight=3)))
+        await first.put(api.Queue.model_validate(queue("new")))
+        assert [first.source(n) for n in ("q", "new", "nope")] == ["file+api", "api", None]
+        with pytest.raises(api_errors.NotFound):
+            await first.delete("nope")
+        await first.delete("new")
+        await first.delete("q")
+        assert first.source("q") == "file" and first.config.queue("new") is None
+        assert first.config.queue("q").weight == 1  # type: ignore[union-attr]
+        with pytest.raises(api_errors.NotFound):  # the file's queue is not the API's to delete
+            await first.delete("q")
+        async with asyncio.timeout(5):
+            while second.config.queue("new") is not None or second.source("q") != "file":
+                await asyncio.sleep(0.01)
+        following.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await following
+        restarted = registry.QueueRegistry(base)
+        await restarted.load(backing)
+        assert [(q.name, q.weight) for q in restarted.config.queues] == [("q", 1.0)]
     finally:
         await backing.close()
