@@ -36,6 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from broker.api import inventory, jobs, status
 
+# every number on the wire is bounded (int64): a frame with a larger one is refused
+WireInt = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Positive = Annotated[int, Field(ge=1, le=2**63 - 1)]
 PROTOCOL_VERSION = 2
 ACKS_SINCE = 2  # the protocol version from which brokers acknowledge final reports
 
@@ -43,7 +46,7 @@ ACKS_SINCE = 2  # the protocol version from which brokers acknowledge final repo
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    v: int = PROTOCOL_VERSION
+    v: Annotated[int, Field(ge=0, le=1000)] = PROTOCOL_VERSION
     traceparent: str | None = None
 
 
@@ -53,12 +56,12 @@ class AgentJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     job_id: str
-    epoch: int
+    epoch: WireInt
     state: status.JobState
     pods: list[status.PodStatus] = Field(default_factory=list)
     # why it reached its final state (NodeLost, OOMKilled, ...); None while it runs
     reason: str | None = None
-    attempt: Annotated[int, Field(ge=1)] = 1
+    attempt: Positive = 1
 
 
 class Hello(_Msg):
@@ -70,7 +73,7 @@ class Hello(_Msg):
 
 class Welcome(_Msg):
     type: Literal["welcome"] = "welcome"
-    epoch: int
+    epoch: WireInt
     heartbeat_seconds: float = 5.0
 
 
@@ -85,27 +88,27 @@ class Summary(_Msg):
 class Offer(_Msg):
     type: Literal["offer"] = "offer"
     job_id: str
-    epoch: int
+    epoch: WireInt
     tenant: str
     job: jobs.GPUJob
     # the broker's dispatch count of the job: 2 and up when it runs again
-    attempt: Annotated[int, Field(ge=1)] = 1
+    attempt: Positive = 1
 
 
 class Accepted(_Msg):
     type: Literal["accepted"] = "accepted"
     job_id: str
-    epoch: int
+    epoch: WireInt
     pods: list[status.PodPlacement]
-    attempt: Annotated[int, Field(ge=1)] = 1
+    attempt: Positive = 1
 
 
 class Rejected(_Msg):
     type: Literal["rejected"] = "rejected"
     job_id: str
-    epoch: int
+    epoch: WireInt
     reasons: list[str]
-    attempt: Annotated[int, Field(ge=1)] = 1
+    attempt: Positive = 1
 
 
 class JobUpdate(_Msg):
@@ -113,37 +116,37 @@ class JobUpdate(_Msg):
 
     type: Literal["job_status"] = "job_status"
     job_id: str
-    epoch: int
+    epoch: WireInt
     state: status.JobState
     reason: str = ""
     message: str = ""
     pods: list[status.PodStatus] = Field(default_factory=list)
-    attempt: Annotated[int, Field(ge=1)] = 1
+    attempt: Positive = 1
     # a final report's sequence number, kept by the agent until acked (protocol 2)
-    seq: Annotated[int, Field(ge=1)] | None = None
+    seq: Positive | None = None
 
 
 class Cancel(_Msg):
     type: Literal["cancel"] = "cancel"
     job_id: str
-    epoch: int
+    epoch: WireInt
     reason: str = "Cancelled"
     grace_seconds: float = 30.0
     # the attempt to stop: an agent holding a later one keeps it
-    attempt: Annotated[int, Field(ge=1)] = 1
+    attempt: Positive = 1
 
 
 class Heartbeat(_Msg):
     type: Literal["heartbeat"] = "heartbeat"
-    seq: int = 0
+    seq: WireInt = 0
 
 
 class Ack(_Msg):
     """The final reports of session `epoch` the broker has committed (or had already)."""
 
     type: Literal["ack"] = "ack"
-    epoch: int
-    seqs: list[Annotated[int, Field(ge=1)]]
+    epoch: WireInt
+    seqs: list[Positive]
 
 
 Message = Annotated[
