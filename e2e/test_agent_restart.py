@@ -142,7 +142,7 @@ async def test_a_job_moved_while_its_agent_was_down_is_fenced_when_it_comes_back
     async with (
         gpu_cluster(tmp_path, "east") as (east, east_config),
         gpu_cluster(tmp_path, "west") as (west, west_config),
-        fleet_of(tmp_path, lost_after=2.0) as fleet,
+        fleet_of(tmp_path, lost_after=4.0) as fleet,  # the least above 5 heartbeats + 1 s
     ):
         fleet.write_tokens(tenants=["team-a"], clusters=["east", "west"])
         await fleet.start_broker()

@@ -92,11 +92,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="the store's request limit (etcd's --max-request-bytes, default 1.5 MiB): "
         "commits are split to stay under it; a job that could never fit is refused (413)",
     )
+    broker.add_argument(
+        "--advertise-url",
+        help="the URL other replicas send agents to, and `gpufed status` shows "
+        "(default http://HOST:PORT)",
+    )
+    broker.add_argument(
+        "--leader-lease-seconds",
+        type=int,
+        default=5,
+        help="several replicas on etcd: the leader's lease; a leader killed with -9 is "
+        "replaced within it (SIGTERM hands over at once)",
+    )
     broker.add_argument("--log-level", default="INFO")
     _add_store_commands(broker)
 
     agent = sub.add_parser("agent", help="run a member agent")
-    agent.add_argument("--broker", required=True, help="broker URL")
+    agent.add_argument(
+        "--broker",
+        required=True,
+        help="broker URL, or the replicas' URLs comma-separated (URL1,URL2,URL3): the agent "
+        "tries the next on a connection failure and follows the leader a follower names",
+    )
     agent.add_argument("--cluster", required=True)
     agent.add_argument("--token-file", required=True)
     agent.add_argument("--backend", choices=["simulated", "kubernetes"], default="simulated")
@@ -109,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         dest="namespaces",
         help="kubernetes backend: a namespace pods may be created in (repeat)",
+    )
+    agent.add_argument(
+        "--fence-after",
+        type=float,
+        help="seconds without word from the broker after which the agent fences itself: no "
+        "new pods, and the pods of jobs whose failurePolicy.clusterLost is requeue deleted "
+        "(default: as late as the grace the broker says allows, a quarter of it or 2 "
+        "heartbeats + 1 s before its --lost-after, 45 s of the default 60 s; 30 s with a "
+        "broker that does not say it); a value makes it sooner, never later",
+    )
+    agent.add_argument(
+        "--sim-journal",
+        help="simulated backend: append a JSON line to this file each time a pod starts or "
+        "stops running",
     )
     agent.add_argument("--metrics-port", type=int, default=0)
     agent.add_argument("--log-level", default="INFO")
@@ -126,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--queue")
     listing.add_argument("--state")
     _user_parser(sub, "clusters", "member clusters and their GPUs")
+    _user_parser(
+        sub, "status", "the broker replicas (--broker URL1,URL2,...): role, leader, term, synced"
+    )
     queues = _user_parser(sub, "queues", "queues: quotas, usage, fair share (admin token)")
     queues.add_argument("name", nargs="?", help="one queue; `delete NAME`: delete queue NAME")
     queues.add_argument("target", nargs="?", help=argparse.SUPPRESS)
@@ -352,33 +386,55 @@ async def _queues_command(args: argparse.Namespace, api: client.BrokerClient) ->
     return 0
 
 
+async def _status_command(args: argparse.Namespace) -> int:
+    """Each replica's own account of itself; 1 if one does not answer or none leads."""
+    urls = client.split_urls(args.broker)
+    answers = await asyncio.gather(*(client.replica_status(url) for url in urls))
+    rows: list[list[Any]] = []
+    for url, answer in zip(urls, answers, strict=True):
+        if isinstance(answer, client.BrokerError):
+            rows.append([url, "-", "unreachable", "-", "-", "-", answer.detail])
+            continue
+        synced = "yes" if answer.get("synced") else "no"
+        leader = answer.get("leader") or "(none)"
+        replica = answer.get("replica", "-")
+        rows.append([url, replica, answer.get("role"), leader, answer.get("term"), synced, ""])
+    seen = [a for a in answers if not isinstance(a, client.BrokerError)]
+    notes = []
+    leaders = {(a.get("leader"), a.get("term")) for a in seen}
+    if not any(a.get("role") == "leader" for a in seen):
+        notes.append("no replica leads")
+    elif len(leaders) > 1:
+        notes.append("the replicas do not agree on the leader yet")
+    table = tables.render(["BROKER", "REPLICA", "ROLE", "LEADER", "TERM", "SYNCED", "ERROR"], rows)
+    data = [
+        {"broker": url, **(a if not isinstance(a, client.BrokerError) else {"error": a.detail})}
+        for url, a in zip(urls, answers, strict=True)
+    ]
+    _print(args, data, table)
+    for note in notes:
+        print(f"gpufed status: {note}", file=sys.stderr)
+    return 1 if notes or len(seen) < len(urls) else 0
+
+
 def _run_broker(args: argparse.Namespace) -> int:
+    import pydantic
     from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
 
     from broker import app
     from broker.telemetry import tracing
 
     logs.setup(service="gpufed-broker", level=args.log_level)
+    try:
+        settings = _broker_settings(args)
+    except pydantic.ValidationError as exc:  # e.g. a --lost-after too short to fence in
+        print(f"gpufed broker: {_settings_problem(exc)}", file=sys.stderr)
+        return 2
     tracing.setup("gpufed-broker")
     # before any Application is created: the instrumentor patches the class
     AioHttpServerInstrumentor().instrument()
     from aiohttp import web
 
-    settings = app.BrokerSettings(
-        store=args.store,
-        tokens_file=Path(args.tokens),
-        host=args.host,
-        port=args.port,
-        heartbeat_seconds=args.heartbeat,
-        lost_after_seconds=args.lost_after,
-        offer_timeout_seconds=args.offer_timeout,
-        freeze_gc=True,
-        queues_file=Path(args.queues) if args.queues else None,
-        queue_mode=args.queue_mode,
-        idempotency_window_seconds=args.idempotency_window,
-        cycle_interval_seconds=args.cycle_interval,
-        max_request_bytes=args.max_request_bytes,
-    )
     from broker.state import registry
 
     try:
@@ -405,13 +461,68 @@ def _run_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _broker_settings(args: argparse.Namespace) -> Any:
+    from broker import app
+
+    return app.BrokerSettings(
+        store=args.store,
+        tokens_file=Path(args.tokens),
+        host=args.host,
+        port=args.port,
+        heartbeat_seconds=args.heartbeat,
+        lost_after_seconds=args.lost_after,
+        offer_timeout_seconds=args.offer_timeout,
+        freeze_gc=True,
+        queues_file=Path(args.queues) if args.queues else None,
+        queue_mode=args.queue_mode,
+        idempotency_window_seconds=args.idempotency_window,
+        cycle_interval_seconds=args.cycle_interval,
+        max_request_bytes=args.max_request_bytes,
+        advertise_url=args.advertise_url,
+        leader_lease_seconds=args.leader_lease_seconds,
+    )
+
+
+def _settings_problem(exc: Exception) -> str:
+    """The first complaint of a settings model, in one line."""
+    import pydantic
+
+    if not isinstance(exc, pydantic.ValidationError) or not exc.errors():
+        return str(exc)
+    first = exc.errors()[0]
+    text = str(first["msg"]).removeprefix("Value error, ")
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {text}" if where else text
+
+
 def _run_agent(args: argparse.Namespace) -> int:
+    import pydantic
+
     from broker.telemetry import tracing
     from member_agent import app as agent_app
+    from member_agent.session import brokers
 
     logs.setup(service="gpufed-agent", level=args.log_level)
+    try:
+        settings = _agent_settings(args)
+    except pydantic.ValidationError as exc:
+        print(f"gpufed agent: {_settings_problem(exc)}", file=sys.stderr)
+        return 2
     tracing.setup("gpufed-agent", cluster=args.cluster)
-    settings = agent_app.AgentSettings.model_validate(
+    try:
+        asyncio.run(agent_app.run_agent(settings))
+    except brokers.AuthError as exc:  # before any session: a wrong token or token file
+        print(f"gpufed agent: the broker refused cluster {args.cluster}: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        tracing.shutdown()
+    return 0
+
+
+def _agent_settings(args: argparse.Namespace) -> Any:
+    from member_agent import app as agent_app
+
+    return agent_app.AgentSettings.model_validate(
         {
             "broker_url": args.broker,
             "cluster": args.cluster,
@@ -424,13 +535,10 @@ def _run_agent(args: argparse.Namespace) -> int:
             "kube_context": args.context,
             "namespaces": args.namespaces,
             "freeze_gc": True,
+            "fence_after_seconds": args.fence_after,
+            "journal_file": args.sim_journal,
         }
     )
-    try:
-        asyncio.run(agent_app.run_agent(settings))
-    finally:
-        tracing.shutdown()
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -454,6 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return simulating.run(args)
     try:
+        if args.command == "status":  # no token needed
+            return asyncio.run(_status_command(args))
         return asyncio.run(_user_command(args))
     except KeyboardInterrupt:
         return 130

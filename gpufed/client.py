@@ -1,4 +1,9 @@
-"""A small async client of the broker's HTTP API, used by the CLI, the demo and the tests."""
+"""A small async client of the broker's HTTP API, used by the CLI, the demo and the tests.
+
+Given several replicas (`URL1,URL2,...`, as GPUFED_BROKER may hold them), a request that cannot
+connect to one is sent to the next: nothing reached the first, so nothing is done twice. Any
+replica answers the API (followers serve it from their cache, submits and cancels included).
+"""
 
 from __future__ import annotations
 
@@ -18,9 +23,32 @@ class BrokerError(Exception):
         self.body = body or {}
 
 
+def split_urls(urls: str) -> list[str]:
+    """`URL1,URL2,...` as a list (no trailing slashes, no empty items)."""
+    return [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+
+
+async def replica_status(url: str, *, timeout: float = 5.0) -> dict[str, Any] | BrokerError:
+    """`GET /v1/status` of one replica (no token), or the error that stopped it."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(f"{url.rstrip('/')}/v1/status") as response,
+        ):
+            text = await response.text()
+            body = json.loads(text) if text else {}
+            if response.status >= 400:
+                return BrokerError(response.status, str(body.get("detail") or text), body)
+            result: dict[str, Any] = body
+            return result
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return BrokerError(0, f"cannot reach {url}: {str(exc) or type(exc).__name__}")
+
+
 class BrokerClient:
     def __init__(self, url: str, token: str, *, timeout: float = 30.0) -> None:
-        self.url = url.rstrip("/")
+        self.urls = split_urls(url) or [url.rstrip("/")]
+        self.url = self.urls[0]
         self.token = token
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {token}"},
@@ -45,18 +73,25 @@ class BrokerClient:
         headers: dict[str, str] | None = None,
         params: dict[str, str] | None = None,
     ) -> Any:
-        try:
-            async with self._session.request(
-                method, f"{self.url}{path}", data=data, headers=headers, params=params
-            ) as response:
-                text = await response.text()
-                body = json.loads(text) if text else {}
-                if response.status >= 400:
-                    detail = body.get("detail") or body.get("title") or text
-                    raise BrokerError(response.status, str(detail), body)
-                return body
-        except aiohttp.ClientConnectionError as exc:
-            raise BrokerError(0, f"cannot reach the broker at {self.url}: {exc}") from exc
+        for _ in range(len(self.urls)):
+            try:
+                async with self._session.request(
+                    method, f"{self.url}{path}", data=data, headers=headers, params=params
+                ) as response:
+                    text = await response.text()
+                    body = json.loads(text) if text else {}
+                    if response.status >= 400:
+                        detail = body.get("detail") or body.get("title") or text
+                        raise BrokerError(response.status, str(detail), body)
+                    return body
+            except aiohttp.ClientConnectorError as exc:  # nothing was sent: the next replica
+                if len(self.urls) == 1:
+                    raise BrokerError(0, f"cannot reach the broker at {self.url}: {exc}") from exc
+                failed = exc
+                self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+            except aiohttp.ClientConnectionError as exc:
+                raise BrokerError(0, f"cannot reach the broker at {self.url}: {exc}") from exc
+        raise BrokerError(0, f"cannot reach any broker of {', '.join(self.urls)}: {failed}")
 
     async def submit(
         self, document: str, *, yaml: bool = False, idempotency_key: str | None = None

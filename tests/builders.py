@@ -77,6 +77,11 @@ class JobBuilder:
         self.doc["spec"]["topology"] = {"nvlink": nvlink, "rack": rack}
         return self
 
+    def cluster_lost(self, policy: str) -> JobBuilder:
+        """`spec.failurePolicy.clusterLost`: requeue or wait."""
+        self.doc["spec"].setdefault("failurePolicy", {})["clusterLost"] = policy
+        return self
+
     def min_member(self, count: int) -> JobBuilder:
         self.doc["spec"]["gang"] = {"minMember": count}
         return self

@@ -26,6 +26,7 @@ class GpufedError(Exception):
         title: str | None = None,
         errors: Sequence[Mapping[str, Any]] = (),
         headers: Mapping[str, str] | None = None,
+        extensions: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(detail)
         self.detail = detail
@@ -34,6 +35,8 @@ class GpufedError(Exception):
             self.title = title
         self.errors = [dict(e) for e in errors]
         self.headers = dict(headers or {})
+        # members of the problem body beyond the standard ones (RFC 9457 extensions)
+        self.extensions = dict(extensions or {})
 
 
 class Malformed(GpufedError):
@@ -77,6 +80,18 @@ class Conflict(GpufedError):
     """The request contradicts the current state."""
 
     title = "Conflict"
+
+
+class NotLeader(Conflict):
+    """This broker replica does not lead: agents connect to the leader. The problem body's
+    `leader` is the leader's advertise URL (null while none is known); `Retry-After: 1`."""
+
+    title = "Not the leader"
+    problem_type = "urn:gpufed:problem:not-leader"
+
+    def __init__(self, detail: str, *, leader: str | None) -> None:
+        super().__init__(detail, headers={"Retry-After": "1"}, extensions={"leader": leader})
+        self.leader = leader
 
 
 class TooLarge(GpufedError):

@@ -220,6 +220,40 @@ class Topology(_Strict):
     rack: TopologyMode = TopologyMode.NONE
 
 
+class ClusterLostPolicy(StrEnum):
+    """What happens to a job whose cluster is lost (its agent away past the broker's grace)."""
+
+    REQUEUE = "requeue"  # its agent deletes the pods (fencing); the broker runs it elsewhere
+    WAIT = "wait"  # its pods keep running; the broker waits for the cluster to return
+
+
+class FailurePolicy(_Strict):
+    """What the broker and the agent do when something fails under a job (more to come:
+    retries, deadlines)."""
+
+    cluster_lost: Annotated[
+        ClusterLostPolicy,
+        Field(
+            alias="clusterLost",
+            description=(
+                "requeue (default): once its cluster is away past the broker's --lost-after "
+                "grace the job runs elsewhere, its agent having deleted the pods first; wait: "
+                "the pods keep running through the partition and the job stays on its cluster "
+                "until it returns (a long training run that would rather wait than restart)"
+            ),
+        ),
+    ] = ClusterLostPolicy.REQUEUE
+
+    @field_validator("cluster_lost", mode="before")
+    @classmethod
+    def _cluster_lost(cls, value: object, info: ValidationInfo) -> object:
+        # a stored record or offer with a value this version does not know: the safe default
+        known = {policy.value for policy in ClusterLostPolicy}
+        if not _at_submit(info) and isinstance(value, str) and value not in known:
+            return ClusterLostPolicy.REQUEUE
+        return value
+
+
 class JobSpec(_Strict):
     queue: Annotated[
         str,
@@ -242,6 +276,18 @@ class JobSpec(_Strict):
     tasks: Annotated[list[Task], Field(min_length=1, max_length=64)]
     gang: Gang = Field(default_factory=Gang)
     topology: Topology = Field(default_factory=Topology)
+    # None: the defaults, and left out of offers (agents of protocol 2 do not know the field)
+    failure_policy: FailurePolicy | None = Field(
+        None,
+        alias="failurePolicy",
+        description="what happens when something fails under the job; absent: the defaults",
+    )
+
+    @property
+    def cluster_lost(self) -> ClusterLostPolicy:
+        """The job's `failurePolicy.clusterLost`, the default when it gives none."""
+        policy = self.failure_policy
+        return ClusterLostPolicy.REQUEUE if policy is None else policy.cluster_lost
 
     @field_validator("queue")
     @classmethod

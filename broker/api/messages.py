@@ -25,6 +25,12 @@ Versions: `v` is the sender's protocol version. A broker of protocol 2 acks only
 carry a `seq`, so agents of protocol 1 never see an `ack`. An agent of protocol 2 sends `seq`
 only once a welcome with `v` >= `ACKS_SINCE` said the broker acks; with an older broker it
 counts a final report delivered once written, as protocol 1 did.
+
+The cluster lease (protocol 3, `leases`): every message of the broker on a live session renews
+the agent's lease, and an agent that hears nothing for its fence time fences itself (no new
+pods; the pods of jobs whose `clusterLost` policy is `requeue` deleted). A broker welcomes an
+agent whose hello says `v` >= `LEASE_SINCE` with its grace (`lost_after_seconds`), from which
+the agent takes its fence time; an older agent is not sent the field, which it would refuse.
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ from broker.api import inventory, jobs, status
 # every number on the wire is bounded (int64): a frame with a larger one is refused
 WireInt = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, Field(ge=1, le=2**63 - 1)]
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 ACKS_SINCE = 2  # the protocol version from which brokers acknowledge final reports
+LEASE_SINCE = 3  # the protocol version from which agents read the broker's grace in welcome
 
 
 class _Msg(BaseModel):
@@ -75,6 +82,8 @@ class Welcome(_Msg):
     type: Literal["welcome"] = "welcome"
     epoch: WireInt
     heartbeat_seconds: float = 5.0
+    # the broker's lost-cluster grace (protocol 3): the agent fences itself before it ends
+    lost_after_seconds: Annotated[float, Field(gt=0, le=10**9)] | None = None
 
 
 class Summary(_Msg):
@@ -187,6 +196,18 @@ def decode(text: str | bytes) -> Message:
 def encode(message: _Msg) -> str:
     return message.model_dump_json(
         by_alias=True, exclude_none=True, exclude=_first_attempts(message)
+    )
+
+
+def welcome_for(
+    hello: Hello, *, epoch: int, heartbeat_seconds: float, lost_after_seconds: float
+) -> Welcome:
+    """The welcome of a session opened by `hello`: the broker's grace only to an agent that
+    reads it (see the module docstring)."""
+    return Welcome(
+        epoch=epoch,
+        heartbeat_seconds=heartbeat_seconds,
+        lost_after_seconds=lost_after_seconds if hello.v >= LEASE_SINCE else None,
     )
 
 

@@ -6,6 +6,10 @@ answers Welcome, and then handles summaries, acknowledgements and job status unt
 socket closes (final reports are acknowledged on the session they came on, once committed).
 A watchdog marks silent clusters Unreachable and, past a grace period, runs their jobs
 elsewhere, and withdraws offers left unanswered past the offer timeout.
+
+Only the leader holds sessions (`http.clusters` refuses agents elsewhere with 409 and the
+leader's URL); the epoch bump is fenced by the leader's term, and a replica that stops leading
+closes every session (`close_all`): its agents reconnect to the new leader.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from aiohttp import WSMsgType, web
 
 from broker.api import messages
 from broker.jobs import fleet, reports
-from broker.state import records
+from broker.state import electing, errors, records
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,7 @@ class Sessions:
         meters: metrics.BrokerMetrics,
         heartbeat_seconds: float = 5.0,
         lost_after_seconds: float = 60.0,
+        leadership: electing.Leadership | None = None,
     ) -> None:
         self.reports = agent_reports
         self.fleet = clusters
@@ -72,6 +77,16 @@ class Sessions:
         self.meters = meters
         self.heartbeat = heartbeat_seconds
         self.lost_after = lost_after_seconds
+        self.leadership = leadership
+        self._links: set[SocketLink] = set()
+
+    async def close_all(self, *, reason: str) -> int:
+        """Close every agent session (this replica stops leading); returns how many."""
+        links = list(self._links)
+        for link in links:
+            with contextlib.suppress(Exception):
+                await link.close(reason=reason)
+        return len(links)
 
     async def serve(self, request: web.Request, cluster_name: str) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(max_msg_size=16 * 1024 * 1024)
@@ -85,7 +100,15 @@ class Sessions:
             await ws.close(code=4003, message=b"first message must be hello for this token")
             return ws
         link = SocketLink(ws)
-        epoch = await self.job_store.next_epoch(cluster_name)
+        try:
+            fence = self.leadership.fence() if self.leadership is not None else None
+            epoch = await self.job_store.next_epoch(cluster_name, fence=fence)
+        except errors.ConflictError as exc:  # this replica stopped leading meanwhile
+            if self.leadership is not None:
+                self.leadership.lost_fence(exc)
+            await ws.close(code=4009, message=b"not the leader: connect to the leader")
+            return ws
+        self._links.add(link)
         cluster = await self.fleet.attach(cluster_name, link, epoch=epoch)
         self.meters.agent_connected.labels(cluster=cluster_name).set(1)
         logger.info(
@@ -93,13 +116,21 @@ class Sessions:
         )
         beating = asyncio.create_task(self._beat(link))
         try:
-            await link.send(messages.Welcome(epoch=epoch, heartbeat_seconds=self.heartbeat))
+            if self.leadership is not None and not self.leadership.is_leader:
+                await link.close(reason="not the leader: connect to the leader")
+                return ws  # it stopped leading while the session opened (close_all missed it)
+            grace = self.lost_after  # the agent fences itself before it ends (api.leases)
+            welcome = messages.welcome_for(
+                hello, epoch=epoch, heartbeat_seconds=self.heartbeat, lost_after_seconds=grace
+            )
+            await link.send(welcome)
             await self.reports.hello(cluster, hello)
             await self._receive(ws, cluster, epoch=epoch)
         finally:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beating
+            self._links.discard(link)
             self.fleet.detach(cluster_name, link)
             if cluster.link is None:
                 self.meters.agent_connected.labels(cluster=cluster_name).set(0)

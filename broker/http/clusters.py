@@ -1,47 +1,26 @@
-"""Cluster routes: the fleet view for users, the agents' session endpoint, health probes."""
+"""Cluster routes: the fleet view for users, the agents' session endpoint, the replica's
+status, health probes.
+
+Agents follow the leader: on a replica whose leader work does not run (a follower, or a
+leader still syncing), `GET /v1/agents/connect` is 409 `urn:gpufed:problem:not-leader` with
+the leader's URL in `leader` (null if none is known) and `Retry-After: 1`. `GET /v1/clusters`
+on a follower shows what the leader published (`dispatch.leading`). `GET /v1/status` needs no
+token (probes, `gpufed status`): who this replica is, who leads, the term, whether the job
+cache is synced.
+"""
 
 from __future__ import annotations
 
-import time
-
 from aiohttp import web
 
-from broker.api import errors, inventory
+from broker.api import errors, replicas
 from broker.http import auth, keys
 
 
 async def list_clusters(request: web.Request) -> web.Response:
     auth.require_user(request)
-    fleet = request.app[keys.FLEET]
     running = request.app[keys.JOBS].holding_per_cluster()
-    now = time.monotonic()
-    views = []
-    for name in sorted(fleet.clusters):
-        cluster = fleet.clusters[name]
-        models = []
-        if cluster.summary is not None:
-            for m in cluster.summary.models:
-                models.append(
-                    inventory.ModelTotals(
-                        model=m.model,
-                        total=m.total_gpus,
-                        free=m.free_gpus,
-                        allocated=m.total_gpus - m.free_gpus - m.unavailable_gpus,
-                        unavailable=m.unavailable_gpus,
-                    )
-                )
-        views.append(
-            inventory.ClusterView(
-                name=name,
-                health=cluster.health(now=now, stale_after=fleet.stale_after),
-                connected=cluster.connected,
-                epoch=cluster.epoch,
-                last_seen_seconds=round(now - cluster.last_seen, 3) if cluster.last_seen else None,
-                models=models,
-                running_jobs=running.get(name, 0),
-                reason=cluster.reason,
-            )
-        )
+    views = await request.app[keys.LEADER_WORK].cluster_views(running)
     return web.json_response({"items": [v.model_dump(mode="json") for v in views]})
 
 
@@ -49,7 +28,33 @@ async def connect_agent(request: web.Request) -> web.StreamResponse:
     principal = auth.principal_of(request)
     if principal.kind != "agent":
         raise errors.Forbidden("only agent tokens open agent sessions")
+    if not request.app[keys.LEADER_WORK].active:
+        leader = request.app[keys.LEADERSHIP].leader_url
+        raise errors.NotLeader(
+            f"this broker replica does not lead: connect to the leader ({leader or 'none yet'})",
+            leader=leader,
+        )
     return await request.app[keys.SESSIONS].serve(request, principal.name)
+
+
+def replica_status(app: web.Application) -> replicas.ReplicaStatus:
+    leadership = app[keys.LEADERSHIP]
+    work = app.get(keys.LEADER_WORK)
+    return replicas.ReplicaStatus(
+        replica=leadership.replica,
+        role=replicas.Role.LEADER if leadership.is_leader else replicas.Role.FOLLOWER,
+        leader=leadership.leader_url,
+        term=leadership.term,
+        synced=app[keys.READY].get("synced", False),
+        active=work is not None and work.active,
+        url=leadership.url,
+    )
+
+
+async def status(request: web.Request) -> web.Response:
+    if keys.LEADERSHIP not in request.app:
+        raise errors.Unavailable("the broker is starting", title="Not ready")
+    return web.json_response(replica_status(request.app).model_dump(mode="json"))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -67,5 +72,6 @@ async def readyz(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/clusters", list_clusters)
     app.router.add_get("/v1/agents/connect", connect_agent)
+    app.router.add_get("/v1/status", status)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -37,6 +37,13 @@ def _visible(request: web.Request, record: status.JobRecord | None) -> status.Jo
     return record
 
 
+async def _find(request: web.Request, book: service.Jobs) -> status.JobRecord:
+    """The job of the path, if the caller may see it; read from the store if this replica
+    has not seen it yet (a submit answered by another replica)."""
+    auth.require_user(request)  # before any store read
+    return _visible(request, await book.find(request.match_info["job_id"]))
+
+
 def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
     return model.model_dump(mode="json", by_alias=True)
 
@@ -95,7 +102,7 @@ def _submitted(record: status.JobRecord, *, replayed: bool) -> web.Response:
 
 async def get_job(request: web.Request) -> web.Response:
     book = request.app[keys.JOBS]
-    record = _visible(request, book.get(request.match_info["job_id"]))
+    record = await _find(request, book)
     body = _dump(record)
     waiting = book.waiting(record.id)
     if waiting and waiting.reasons and record.status.state == status.JobState.QUEUED:
@@ -129,14 +136,14 @@ async def list_jobs(request: web.Request) -> web.Response:
 
 async def cancel_job(request: web.Request) -> web.Response:
     book = request.app[keys.JOBS]
-    record = _visible(request, book.get(request.match_info["job_id"]))
+    record = await _find(request, book)
     cancelled = await book.cancel(record.id)
     return web.json_response(_dump(cancelled or record), status=202)
 
 
 async def why(request: web.Request) -> web.Response:
     book = request.app[keys.JOBS]
-    record = _visible(request, book.get(request.match_info["job_id"]))
+    record = await _find(request, book)
     answer = why_answer(record, book, request.app.get(keys.QUEUES))
     return web.json_response(answer.model_dump(mode="json", by_alias=True))
 
@@ -197,6 +204,8 @@ def _plain_state(record: status.JobRecord, book: service.Jobs) -> str:
     preempting = book.preempting_message(record.id)
     if preempting is not None:
         return f"{state.value} on {record.status.cluster}; being {preempting}"
+    if last is not None and transitions.is_waiting_for_cluster(record):
+        return f"{state.value} on {record.status.cluster}; waiting for its cluster: {last.message}"
     return f"{state.value} on {record.status.cluster}"
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
-from broker.api import inventory, jobs, queues, status
+from broker.api import inventory, jobs, queues, replicas, status
 
 PROBLEM = {"$ref": "#/components/schemas/Problem"}
 
@@ -57,6 +57,7 @@ def build_spec() -> dict[str, Any]:
             (queues.QueueList, "serialization"),
             (queues.QueueView, "serialization"),
             (queues.WhyAnswer, "serialization"),
+            (replicas.ReplicaStatus, "serialization"),
         ],
         by_alias=True,
         ref_template="#/components/schemas/{model}",
@@ -72,6 +73,10 @@ def build_spec() -> dict[str, Any]:
             "field": {"type": "string"},
             "instance": {"type": "string"},
             "errors": {"type": "array", "items": {"type": "object"}},
+            "leader": {
+                "type": ["string", "null"],
+                "description": "not-leader: the leader's advertise URL (null: none known yet)",
+            },
         },
         "required": ["title", "status", "detail"],
     }
@@ -271,8 +276,34 @@ def build_spec() -> dict[str, Any]:
                 },
                 "/v1/agents/connect": {
                     "get": {
-                        "summary": "Agent WebSocket session (agent token)",
-                        "responses": {"101": {"description": "upgraded"}},
+                        "summary": "Agent WebSocket session (agent token), on the leader only",
+                        "description": (
+                            "A replica that does not lead (or a leader still syncing its "
+                            "cache) answers 409 of type urn:gpufed:problem:not-leader, with "
+                            "the leader's advertise URL in `leader` (null if none is known) "
+                            "and Retry-After: 1."
+                        ),
+                        "responses": {
+                            "101": {"description": "upgraded"},
+                            "409": {
+                                "description": "not the leader: connect to `leader`",
+                                "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                                "content": {"application/problem+json": {"schema": PROBLEM}},
+                            },
+                        },
+                    }
+                },
+                "/v1/status": {
+                    "get": {
+                        "summary": "This replica: its role, the leader, the term, cache synced",
+                        "security": [],
+                        "responses": {
+                            "200": {
+                                "description": "the replica's status",
+                                "content": {"application/json": {"schema": ref("ReplicaStatus")}},
+                            },
+                            "503": _problem("the broker is starting"),
+                        },
                     }
                 },
                 "/openapi.json": {

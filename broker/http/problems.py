@@ -73,6 +73,8 @@ def respond(error: errors.GpufedError, instance: str, *, status: int | None = No
         body["field"] = error.field
     if error.errors:
         body["errors"] = error.errors
+    for name, value in error.extensions.items():
+        body.setdefault(name, value)
     return web.Response(
         status=code, text=json.dumps(body), content_type=PROBLEM_JSON, headers=error.headers
     )

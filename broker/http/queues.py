@@ -45,6 +45,9 @@ def _registry(request: web.Request) -> registry.QueueRegistry:
 
 
 def _fleet_gpus(request: web.Request) -> dict[str, int]:
+    work = request.app.get(keys.LEADER_WORK)
+    if work is not None:  # a follower counts the GPUs the leader published
+        return work.fleet_gpus()
     return request.app[keys.FLEET].snapshot(now=time.monotonic()).total_gpus()
 
 

@@ -15,13 +15,20 @@ Idempotency: a key replays its job for `idempotency_window` seconds from the job
 is `IdempotencyKeyReused` (422). Past the window the key is forgotten and makes a new job;
 `expiring.sweep_keys` deletes expired keys in the background. A key stored before digests
 were kept replays its job whatever the body, as it always did.
+
+Several replicas (`state.electing`): the leader's commits carry its term's fence, so a deposed
+leader's commit fails (and the replica steps down) instead of landing; submits and cancels,
+from any replica, are plain compare-and-swap (`fenced=False`). Changes another replica
+committed reach the book through `jobs.watching` (`apply_remote`, under the lock, so no
+collaborator sees a record change between its draft and its commit); a job the watch has not
+delivered yet is read from the store (`fetch`): a submitter reads its own write anywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -29,7 +36,7 @@ from broker.api import jobs, status
 from broker.api.errors import IdempotencyKeyReused
 from broker.api.status import JobState
 from broker.planning import planning
-from broker.state import errors, records
+from broker.state import electing, errors, records
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,7 @@ class Change:
 
     before: status.JobRecord | None
     after: status.JobRecord
+    remote: bool = False  # committed by another replica (or read again after a conflict)
 
     def new_events(self) -> list[status.JobEvent]:
         seen = len(self.before.status.events) if self.before is not None else 0
@@ -82,9 +90,11 @@ class JobBook:
         job_store: records.JobStore,
         *,
         idempotency_window: float = records.IDEMPOTENCY_WINDOW_SECONDS,
+        leadership: electing.Leadership | None = None,
     ) -> None:
         self.store = job_store
         self.idempotency_window = idempotency_window
+        self.leadership = leadership  # None: no fence (one replica, tests)
         self.lock = asyncio.Lock()  # one writer at a time: collaborators hold it to decide
         self.wakeup = asyncio.Event()  # a job became queued
         self.flush_needed = asyncio.Event()
@@ -98,6 +108,7 @@ class JobBook:
         self._committer: asyncio.Task[None] | None = None
         self._observers: list[Observer] = []
         self._waiting: dict[str, Waiting] = {}
+        self._writes: set[asyncio.Future[None]] = set()  # this replica's commits in flight
 
     def observe(self, observer: Observer) -> None:
         """Call `observer` with every change applied from now on (and with every job loaded)."""
@@ -115,6 +126,41 @@ class JobBook:
         """The job as committed (what the store has)."""
         entry = self._entries.get(job_id)
         return entry.record if entry is not None else None
+
+    async def fetch(self, job_id: str) -> status.JobRecord | None:
+        """The job as committed; read from the store if the book has not seen it yet (one
+        another replica committed that the watch has not delivered): read-your-write."""
+        record = self.get(job_id)
+        if record is not None:
+            return record
+        try:
+            entry = await self.store.get(job_id)
+        except errors.RecordDamagedError as exc:  # the next load sets it aside
+            logger.warning("job %s not read: %s", job_id, exc)
+            return None
+        if entry is not None and job_id not in self._entries:
+            self._apply(entry.record, entry.revision, remote=True)
+        return self.get(job_id)
+
+    async def _writing(self, write: Awaitable[int]) -> int:
+        """Run one store write of the book, known as in flight until it returns (and the
+        caller, without awaiting again, has applied it)."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._writes.add(done)
+        try:
+            return await write
+        finally:
+            self._writes.discard(done)
+            done.set_result(None)
+
+    def writes_in_flight(self) -> list[asyncio.Future[None]]:
+        """Futures done when the writes of this replica in flight now have returned: the
+        watch waits for them before it takes an event for another replica's."""
+        return list(self._writes)
+
+    def revision_of(self, job_id: str) -> int:
+        """The store revision of the job as the book has it (0: unknown)."""
+        return self._revision(job_id)
 
     def latest(self, job_id: str) -> status.JobRecord | None:
         """The job with the changes waiting for the group commit (what it will be)."""
@@ -142,6 +188,10 @@ class JobBook:
                 out.append(record)
         return out
 
+    def clusters(self) -> list[str]:
+        """The clusters the book places unfinished jobs on."""
+        return sorted(name for name, jobs in self._by_cluster.items() if jobs)
+
     def waiting(self, job_id: str) -> Waiting | None:
         return self._waiting.get(job_id)
 
@@ -162,21 +212,38 @@ class JobBook:
         record = self.latest(job_id)
         return draft_of(record) if record is not None else None
 
-    async def commit(self, drafts: Sequence[status.JobRecord]) -> None:
+    async def commit(self, drafts: Sequence[status.JobRecord], *, fenced: bool = True) -> None:
         """Write `drafts` now (compare-and-swap), then apply them; all or nothing per
         transaction (`JobStore.batches`: bounded in records and bytes).
 
         Every transaction is tried; on a store error nothing of the failed one is applied,
         the others are, and the first error is raised at the end; after a conflict the
-        records involved are read again from the store.
+        records involved are read again from the store. `fenced` (every leader decision):
+        each transaction holds only within this replica's term; on a replica that does not
+        lead it is NotLeaderError, and nothing is tried. A submit or a cancel, which any
+        replica takes, is `fenced=False`.
         """
+        fence = None
+        if fenced and self.leadership is not None:
+            try:
+                fence = self.leadership.fence()
+            except errors.NotLeaderError:
+                self._drop(d.id for d in drafts)  # the leader decides them again
+                raise
         failure: errors.StoreError | None = None
         encoded = [records.Encoded(d, records.encode(d)) for d in drafts]
         for batch in self.store.batches(encoded):
             changes = [(item, self._revision(item.record.id)) for item in batch]
             try:
-                revision = await self.store.update(changes)
+                if fence is None:
+                    revision = await self._writing(self.store.update(changes))
+                else:
+                    revision = await self._writing(self.store.update(changes, fence=fence))
             except errors.ConflictError as exc:
+                leadership = self.leadership if fence is not None else None
+                if leadership is not None and leadership.lost_fence(exc):  # deposed
+                    self._drop(d.id for d in drafts)
+                    raise errors.NotLeaderError(str(exc), revisions=exc.revisions) from exc
                 await self.refresh(item.record.id for item in batch)
                 failure = failure or exc
                 continue
@@ -259,8 +326,49 @@ class JobBook:
             except errors.StoreError as exc:
                 logger.warning("re-reading job %s failed, the book keeps it: %s", job_id, exc)
                 continue
-            if entry is not None:
-                self._apply(entry.record, entry.revision)
+            if entry is not None and entry.revision > self._revision(job_id):
+                self._apply(entry.record, entry.revision, remote=True)
+
+    def _drop(self, job_ids: Iterable[str]) -> None:
+        """Forget what waits for the group commit of these jobs (never acknowledged: agents
+        send final reports again)."""
+        for job_id in job_ids:
+            self._soon.pop(job_id, None)
+            self._after.pop(job_id, None)
+
+    def abandon(self) -> int:
+        """Forget every draft waiting for the group commit (the replica stopped leading: the
+        next leader learns it again from the agents' hello); returns how many."""
+        dropped = len(self._soon)
+        self._drop(list(self._soon))
+        return dropped
+
+    # ---- changes of other replicas (`jobs.watching`, under the lock) ----------------------
+
+    def apply_remote(self, record: status.JobRecord, revision: int) -> bool:
+        """Apply a record another replica committed at `revision`, if newer than the book's;
+        a draft of it waiting for the group commit is dropped (as after a conflict)."""
+        if revision <= self._revision(record.id):
+            return False  # this replica's own write, or older
+        if record.id in self._soon:
+            logger.info("job %s changed on another replica: its pending report dropped", record.id)
+            self._drop([record.id])
+        self._apply(record, revision, remote=True)
+        return True
+
+    def forget(self, job_id: str, revision: int) -> bool:
+        """A job record deleted from the store at `revision` (set aside): out of the book."""
+        entry = self._entries.get(job_id)
+        if entry is None or entry.revision >= revision:
+            return False
+        self._drop([job_id])
+        del self._entries[job_id]
+        self._queued.discard(job_id)
+        self._holding.discard(job_id)
+        self._waiting.pop(job_id, None)
+        if entry.record.status.cluster:
+            self._by_cluster.get(entry.record.status.cluster, set()).discard(job_id)
+        return True
 
     # ---- new jobs -----------------------------------------------------------------------
 
@@ -276,9 +384,10 @@ class JobBook:
         if self.idempotency_expired(entry, now=status.utcnow()):
             await self.store.forget_idempotent([entry])
             return None
-        record = self.get(entry.job_id) if entry.job_id is not None else None
+        # the job may come from another replica, not delivered by the watch yet: the store
+        record = await self.fetch(entry.job_id) if entry.job_id is not None else None
         if record is None:
-            return None  # a job the book cannot read: creating conflicts, and says so
+            return None  # a job the store does not have: creating conflicts, and says so
         if entry.digest is not None and entry.digest != records.body_digest(job):
             raise IdempotencyKeyReused(
                 f"Idempotency-Key: {key!r} was used for job {record.id} with another body; "
@@ -330,7 +439,7 @@ class JobBook:
     ) -> None:
         if len(batch) > 1:
             try:
-                revision = await self.store.create([item for item, _ in batch])
+                revision = await self._writing(self.store.create([item for item, _ in batch]))
             except (errors.StoreError, ValueError):
                 pass  # one of them conflicts (or repeats a key): one at a time below
             else:
@@ -352,7 +461,7 @@ class JobBook:
     async def _create_one(self, item: records.Encoded) -> status.JobRecord:
         record = item.record
         try:
-            revision = await self.store.create([item])
+            revision = await self._writing(self.store.create([item]))
         except errors.ConflictError:
             if not record.idempotency_key:
                 raise
@@ -361,7 +470,7 @@ class JobBook:
                 return existing
             # the key had expired and is forgotten now: once more (a key naming a job the
             # book cannot read conflicts again, and that is raised)
-            revision = await self.store.create([item])
+            revision = await self._writing(self.store.create([item]))
         self._apply(record, revision)
         return record
 
@@ -371,13 +480,13 @@ class JobBook:
         entry = self._entries.get(job_id)
         return entry.revision if entry is not None else 0
 
-    def _apply(self, record: status.JobRecord, revision: int) -> None:
+    def _apply(self, record: status.JobRecord, revision: int, *, remote: bool = False) -> None:
         """Make a committed record the book's; indices and observers follow."""
         entry = self._entries.get(record.id)
         before = entry.record if entry is not None else None
         self._entries[record.id] = records.Stored(record, revision)
         self._index(before, record)
-        change = Change(before, record)
+        change = Change(before, record, remote)
         for observer in self._observers:
             try:
                 observer(change)

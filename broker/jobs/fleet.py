@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -187,6 +188,52 @@ class Fleet:
         cluster.disconnected_at = time.monotonic()
         cluster.inflight.clear()
         self.changed.set()
+
+    def start_term(self, names: Iterable[str], *, now: float) -> None:
+        """A new leader's term begins (or a restart): every cluster known, and each one the
+        book places jobs on (`names`), counts as away since `now` until its agent connects:
+        the lost-cluster grace runs for it from here, never from an earlier term."""
+        for name in names:
+            self.get(name)
+        for cluster in self.clusters.values():
+            if cluster.link is None:
+                cluster.disconnected_at = now
+                cluster.lost = False
+                cluster.inflight.clear()
+                cluster.rejected.clear()
+        self.changed.set()
+
+    def views(self, *, now: float, running: Mapping[str, int]) -> list[inventory.ClusterView]:
+        """What `GET /v1/clusters` shows of each cluster, by name (`now`: monotonic)."""
+        out = []
+        for name in sorted(self.clusters):
+            cluster = self.clusters[name]
+            models = []
+            if cluster.summary is not None:
+                for m in cluster.summary.models:
+                    models.append(
+                        inventory.ModelTotals(
+                            model=m.model,
+                            total=m.total_gpus,
+                            free=m.free_gpus,
+                            allocated=m.total_gpus - m.free_gpus - m.unavailable_gpus,
+                            unavailable=m.unavailable_gpus,
+                        )
+                    )
+            seen = round(now - cluster.last_seen, 3) if cluster.last_seen else None
+            out.append(
+                inventory.ClusterView(
+                    name=name,
+                    health=cluster.health(now=now, stale_after=self.stale_after),
+                    connected=cluster.connected,
+                    epoch=cluster.epoch,
+                    last_seen_seconds=seen,
+                    models=models,
+                    running_jobs=running.get(name, 0),
+                    reason=cluster.reason,
+                )
+            )
+        return out
 
     def healthy(self, cluster: Cluster, *, now: float) -> bool:
         return cluster.health(now=now, stale_after=self.stale_after) == "Ready"

@@ -1,10 +1,14 @@
 """What a committed change of a job tells the outside: one log line per transition, the
 job's spans, the job metrics. A `book.JobBook` observer; it decides nothing.
+
+With several replicas only the leader tells (`active`): it applies every change, its own and
+those followers commit (a cancel), so each transition is logged, counted and traced once.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime
 
 from broker.api.status import JobState
@@ -15,13 +19,22 @@ logger = logging.getLogger(__name__)
 
 
 class JobTelemetry:
-    def __init__(self, spans: jobspans.JobSpans, meters: metrics.BrokerMetrics) -> None:
+    def __init__(
+        self,
+        spans: jobspans.JobSpans,
+        meters: metrics.BrokerMetrics,
+        *,
+        active: Callable[[], bool] | None = None,
+    ) -> None:
         self.spans = spans
         self.meters = meters
+        self._active = active
 
     def __call__(self, change: book.Change) -> None:
         if change.before is None:  # a new job, or one loaded at start
             return
+        if self._active is not None and not self._active():
+            return  # a follower: the leader tells it
         record = change.after
         previous = change.before.status.events
         queued_at = previous[-1].time if previous else record.created

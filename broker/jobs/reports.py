@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 
 from broker.api import messages, status
+from broker.api.jobs import ClusterLostPolicy
 from broker.api.status import JobState
 from broker.jobs import acknowledging, book, fleet, preempting, transitions
 from broker.state import errors
@@ -198,6 +199,9 @@ class AgentReports:
                     continue
                 draft = drafts[job.job_id] = book.draft_of(record)
                 draft.status.epoch = cluster.epoch
+                if transitions.is_waiting_for_cluster(record):
+                    back = f"{cluster.name} is back, still holding the job"
+                    transitions.move(draft, record.status.state, transitions.CLUSTER_RETURNED, back)
                 if draft.status.cancel_requested and not job.state.terminal:
                     cancels.append((job.job_id, job.attempt))
                 elif job.state in (JobState.QUEUED, JobState.DISPATCHED):
@@ -277,17 +281,35 @@ class AgentReports:
         return len(withdrawn)
 
     async def cluster_lost(self, name: str) -> int:
-        """The cluster stayed away past its grace period: run its jobs elsewhere."""
+        """The cluster stayed away past its grace period: run its jobs elsewhere (its agent
+        has deleted their pods by now, see `api.leases`), except those whose
+        `failurePolicy.clusterLost` is `wait`: they stay on it, and an event says they wait.
+        Returns the jobs requeued or cancelled."""
         async with self.book.lock:
             drafts = []
+            waiting = 0
             for record in self.book.on_cluster(name):
                 if record.status.state not in book.HOLDING:
                     continue
                 draft = book.draft_of(record)
                 if draft.status.cancel_requested:
                     transitions.move(draft, JobState.CANCELLED, "Cancelled", f"{name} lost")
+                elif record.job.spec.cluster_lost == ClusterLostPolicy.WAIT:
+                    if transitions.is_waiting_for_cluster(record):
+                        continue
+                    waiting += 1
+                    transitions.wait_for_cluster(
+                        draft,
+                        f"{name} unreachable past its grace; spec.failurePolicy.clusterLost is "
+                        f"wait: it stays on {name} and is not restarted elsewhere",
+                    )
                 else:
-                    transitions.requeue(draft, "ClusterLost", f"{name} unreachable past its grace")
+                    text = f"{name} unreachable past its grace"
+                    transitions.requeue(draft, transitions.CLUSTER_LOST, text)
                 drafts.append(draft)
             await self._commit(drafts)
-            return len(drafts)
+            if waiting:
+                logger.warning(
+                    "cluster %s lost: %d jobs wait for it (clusterLost: wait)", name, waiting
+                )
+            return len(drafts) - waiting

@@ -2,15 +2,32 @@
 
 A submit is stored as Queued (group-committed with the submits arriving with it) before it
 is answered; a cancel is committed before the agent is asked to delete the pods, and the job
-ends Cancelled when the agent reports them gone.
+ends Cancelled when the agent reports them gone. A job waiting on a lost cluster
+(`failurePolicy.clusterLost: wait`) ends Cancelled at once: no agent can be asked, and the one
+that returns is told to delete the pods (they are a stale copy by then).
+
+Any replica takes submits and cancels: a cancel is a plain compare-and-swap (not fenced by
+the leader's term: it decides no placement), tried again from the store's record if another
+replica changed the job meanwhile. The leader sends the agent the Cancel of one a follower
+committed (`ForwardedCancels`, an observer of the book: followers hold no agent sessions).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable
+
+from broker.api import errors as api_errors
 from broker.api import status
 from broker.api.status import JobState
 from broker.jobs import book, fleet, transitions
+from broker.state import errors
 from broker.telemetry import metrics
+
+logger = logging.getLogger(__name__)
+
+CANCEL_ATTEMPTS = 3  # a cancel racing other replicas' writes of the job decides again
 
 
 class Requests:
@@ -30,7 +47,21 @@ class Requests:
         return stored
 
     async def cancel(self, job_id: str, *, reason: str = "Cancelled") -> status.JobRecord | None:
-        """Cancel a job; returns it as committed (None if the book does not have it)."""
+        """Cancel a job; returns it as committed (None if the book does not have it).
+        Another replica's write of the job in between: decided again on the record as the
+        store has it now (the conflict read it again); Unavailable if that keeps happening."""
+        for _ in range(CANCEL_ATTEMPTS):
+            try:
+                return await self._cancel_once(job_id, reason=reason)
+            except errors.ConflictError as exc:
+                logger.info("cancel of %s raced another write, deciding again: %s", job_id, exc)
+        raise api_errors.Unavailable(
+            f"job {job_id} kept changing while being cancelled; retry",
+            title="Conflict",
+            headers={"Retry-After": "1"},
+        )
+
+    async def _cancel_once(self, job_id: str, *, reason: str) -> status.JobRecord | None:
         async with self.book.lock:
             draft = self.book.draft(job_id)
             if draft is None:
@@ -40,11 +71,17 @@ class Requests:
                 return self.book.get(job_id)
             if state == JobState.QUEUED:
                 transitions.move(draft, JobState.CANCELLED, reason, "cancelled while queued")
-                await self.book.commit([draft])
+                await self.book.commit([draft], fenced=False)
+                return draft
+            cluster = self.fleet.clusters.get(draft.status.cluster or "")
+            if cluster is not None and cluster.lost:
+                text = f"{cluster.name} lost: its agent deletes the pods when it returns"
+                transitions.move(draft, JobState.CANCELLED, reason, text)
+                await self.book.commit([draft], fenced=False)
                 return draft
             draft.status.cancel_requested = True
             draft.record(state, "CancelRequested", "waiting for the agent to delete the pods")
-            await self.book.commit([draft])
+            await self.book.commit([draft], fenced=False)
             await self.fleet.send_cancel(
                 draft.status.cluster,
                 draft.id,
@@ -53,3 +90,66 @@ class Requests:
                 attempt=transitions.attempt_of(draft),
             )
             return draft
+
+
+class ForwardedCancels:
+    """Cancels committed by another replica, sent by the leader to the job's agent.
+
+    A `book.JobBook` observer: a remote change that sets `cancel_requested` on a job placed on
+    a cluster is noted while this replica leads, and `run` (a leader task) sends the Cancel
+    of that attempt; a cluster the leader holds lost ends the job Cancelled at once, as a
+    cancel on the leader would. A job whose agent is not connected gets its Cancel from the
+    hello reconciliation when the agent comes back."""
+
+    def __init__(
+        self, jobs: book.JobBook, clusters: fleet.Fleet, *, leading: Callable[[], bool]
+    ) -> None:
+        self.book = jobs
+        self.fleet = clusters
+        self._leading = leading
+        self._pending: dict[str, status.JobRecord] = {}
+        self._wake = asyncio.Event()
+        self.sent = 0
+
+    def __call__(self, change: book.Change) -> None:
+        before, after = change.before, change.after
+        if not change.remote or before is None or before.status.cancel_requested:
+            return
+        if not after.status.cancel_requested or after.status.state.terminal:
+            return
+        if after.status.cluster and self._leading():
+            self._pending[after.id] = after
+            self._wake.set()
+
+    async def run(self) -> None:
+        """Send the Cancels noted, until cancelled; one failure does not stop the others."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            pending, self._pending = self._pending, {}
+            for record in pending.values():
+                try:
+                    await self._forward(record)
+                except Exception:
+                    logger.exception("forwarding the cancel of %s failed", record.id)
+
+    async def _forward(self, record: status.JobRecord) -> None:
+        name = record.status.cluster or ""
+        cluster = self.fleet.clusters.get(name)
+        if cluster is not None and cluster.lost:
+            async with self.book.lock:
+                draft = self.book.draft(record.id)
+                if draft is None or draft.status.state.terminal or draft.status.cluster != name:
+                    return
+                text = f"{name} lost: its agent deletes the pods when it returns"
+                transitions.move(draft, JobState.CANCELLED, "Cancelled", text)
+                await self.book.commit([draft])
+            return
+        if await self.fleet.send_cancel(
+            name,
+            record.id,
+            epoch=record.status.epoch,
+            reason="Cancelled",
+            attempt=transitions.attempt_of(record),
+        ):
+            self.sent += 1

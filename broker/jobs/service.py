@@ -5,10 +5,15 @@ say, acknowledged through `acks` once committed), `dispatcher` (a plan made real
 (preemption), `accounts` (quota holdings) —
 and the observers that follow every committed change (telemetry, holdings, preemptions).
 Handlers read through the methods here, never through the collaborators' attributes.
+
+With several replicas (`leadership`): the leader's commits are fenced by its term, only the
+leader's telemetry tells of job changes, and the leader forwards to agents the cancels that
+followers commit (`requests.ForwardedCancels`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterator
 
@@ -27,8 +32,10 @@ from broker.jobs import (
     requests,
 )
 from broker.planning import quotas, snapshot
-from broker.state import records
+from broker.state import electing, errors, records
 from broker.telemetry import jobspans, metrics
+
+logger = logging.getLogger(__name__)
 
 
 class Jobs:
@@ -39,8 +46,12 @@ class Jobs:
         *,
         meters: metrics.BrokerMetrics,
         idempotency_window: float = records.IDEMPOTENCY_WINDOW_SECONDS,
+        leadership: electing.Leadership | None = None,
     ) -> None:
-        self.book = book.JobBook(job_store, idempotency_window=idempotency_window)
+        self.leadership = leadership
+        self.book = book.JobBook(
+            job_store, idempotency_window=idempotency_window, leadership=leadership
+        )
         self.meters = meters
         self.fleet = clusters
         self.spans = jobspans.JobSpans()
@@ -63,9 +74,15 @@ class Jobs:
         self.dispatcher = dispatching.Dispatcher(
             self.book, clusters, accounts=self.accounts, spans=self.spans
         )
-        self.book.observe(observing.JobTelemetry(self.spans, meters))
+        self.forwarded = requests.ForwardedCancels(self.book, clusters, leading=self.leading)
+        self.book.observe(observing.JobTelemetry(self.spans, meters, active=self.leading))
         self.book.observe(self.accounts)
         self.book.observe(self.victims)
+        self.book.observe(self.forwarded)
+
+    def leading(self) -> bool:
+        """Does this replica lead (always, without a leadership: one replica)?"""
+        return self.leadership is None or self.leadership.is_leader
 
     async def load(self) -> int:
         """Read every job from the store; returns the revision read at."""
@@ -75,6 +92,11 @@ class Jobs:
 
     def get(self, job_id: str) -> status.JobRecord | None:
         return self.book.get(job_id)
+
+    async def find(self, job_id: str) -> status.JobRecord | None:
+        """The job, read from the store if this replica has not seen it yet (read-your-write
+        on a replica the submit did not go to)."""
+        return await self.book.fetch(job_id)
 
     def __iter__(self) -> Iterator[status.JobRecord]:
         return iter(self.book)
@@ -122,6 +144,10 @@ class Jobs:
     def preempting_message(self, job_id: str) -> str | None:
         """How the job is being preempted, while it is."""
         return self.victims.message_of(job_id)
+
+    def clusters_with_jobs(self) -> list[str]:
+        """The clusters the book places unfinished jobs on."""
+        return self.book.clusters()
 
     def holding_per_cluster(self) -> Counter[str]:
         """Jobs holding GPUs (Dispatched, Running) per cluster."""
@@ -171,8 +197,20 @@ class Jobs:
         """Delete expired idempotency keys, until cancelled (`expiring`)."""
         await expiring.run_sweeper(self.book, meters=self.meters)
 
+    def end_term(self) -> None:
+        """This replica stopped leading: what only the leader knew is dropped (the drafts
+        waiting for the group commit, the victims being preempted); the next leader learns
+        it again from the store and the agents' hello."""
+        dropped = self.book.abandon()
+        if dropped:
+            logger.warning("stopped leading: %d reports not committed, left to the agents", dropped)
+        self.victims.victims.clear()
+
     async def close(self) -> None:
         """Write what waits for the group commit (on the way out)."""
         async with self.book.lock:
-            await self.book.flush()
+            try:
+                await self.book.flush()
+            except errors.StoreError as exc:  # not leading any more, or the store is away
+                logger.warning("reports not committed on the way out: %s", exc)
         await self.acks.close()

@@ -17,6 +17,10 @@ MAX_INFRA_RETRIES = 3
 PREEMPTED = "Preempted"
 # an offer neither accepted nor rejected in time: withdrawn, the job queued again
 OFFER_TIMEOUT = "OfferTimeout"
+CLUSTER_LOST = "ClusterLost"
+# a job of `failurePolicy.clusterLost: wait` on a lost cluster, and that cluster's return
+WAITING_FOR_CLUSTER = "WaitingForCluster"
+CLUSTER_RETURNED = "ClusterReturned"
 
 
 def move(draft: status.JobRecord, state: JobState, reason: str, message: str = "") -> None:
@@ -28,6 +32,17 @@ def requeue(draft: status.JobRecord, reason: str, message: str) -> None:
     draft.status.cluster = None
     draft.status.pods = []
     draft.record(JobState.QUEUED, reason, message)
+
+
+def wait_for_cluster(draft: status.JobRecord, message: str) -> None:
+    """Its cluster is lost and the job waits for it there: the state stays, the event says
+    so (`why` shows it)."""
+    draft.record(draft.status.state, WAITING_FOR_CLUSTER, message)
+
+
+def is_waiting_for_cluster(record: status.JobRecord) -> bool:
+    events = record.status.events
+    return bool(events) and events[-1].reason == WAITING_FOR_CLUSTER
 
 
 def dispatch(draft: status.JobRecord, *, cluster: str, epoch: int) -> None:

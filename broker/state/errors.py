@@ -55,3 +55,8 @@ class CompactedError(StoreError):
 
 class LeaseExpiredError(StoreError):
     """The lease is gone (expired or revoked); the keys attached to it have been deleted."""
+
+
+class NotLeaderError(ConflictError):
+    """A write only the leader makes (a dispatch, what agents report), refused: this replica
+    is not the leader, or no longer. Nothing was written; the leader decides it again."""

@@ -127,7 +127,7 @@ def build_compare(compare: store.Compare) -> Any:
 def build_txn_request(txn: store.Txn) -> Any:
     success = [
         rpc.RequestOp(
-            request_put=rpc.PutRequest(key=key.encode(), value=value, lease=txn.lease or 0)
+            request_put=rpc.PutRequest(key=key.encode(), value=value, lease=txn.lease_of(key))
         )
         for key, value in txn.puts
     ]
@@ -395,6 +395,12 @@ class EtcdStore(store.Shortcuts):
                     return
                 log.warning("%s; resuming in %.2f s", exc, delay)
                 await self._fail_over(client)  # another member, if this one is gone
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closing.is_set() or (task is not None and task.cancelling()):
+                    raise  # the consumer (or the store) is going away: a real cancellation
+                # gRPC cancels a stream whose client was closed by a fail-over: watch again
+                log.warning("etcd watch %r: its client was closed; resuming", prefix)
             finally:
                 if watch is not None:
                     with contextlib.suppress(Exception):

@@ -4,15 +4,26 @@
   what follows `sqlite:///` is the path) and `sqlite://:memory:`;
 - `etcd://host:port[,host:port...]`: the first endpoint that answers (IPv6 as `[::1]:2379`;
   the port defaults to 2379).
+
+And the history store (`open_history`, the broker's history setting): `sqlite:///path` (as
+above; `default_history_url` puts it beside an SQLite store) or `postgresql://...` /
+`postgres://...` (libpq's URL, read by asyncpg: `postgresql://user:pass@host:5432/db`,
+`?host=/run/postgresql` for a socket).
 """
 
 from __future__ import annotations
 
-from broker.state import etcd, sqlite, store
+import os
+
+from broker.state import errors, etcd, sqlite, store
+from broker.state.history import protocol as history
+from broker.state.history import sqlite as sqlite_history
 
 SQLITE_SCHEME = "sqlite://"
 ETCD_SCHEME = "etcd://"
 ETCD_DEFAULT_PORT = 2379
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+HISTORY_FILE = "history.db"
 
 
 async def open_store(url: str, *, read_only: bool = False) -> store.DurableStore:
@@ -50,3 +61,36 @@ def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
             raise ValueError(f"store URL {url!r}: bad etcd endpoint {item!r}, expected host:port")
         endpoints.append((host, int(port)))
     return endpoints
+
+
+async def open_history(url: str) -> history.HistoryStore:
+    """The history store `url` names, opened (its schema created if absent); ValueError naming
+    the URL if it names none, `broker.state.errors` types (chained) if it cannot be opened."""
+    if url.startswith(SQLITE_SCHEME):
+        return await sqlite_history.SqliteHistory.open(parse_sqlite_path(url))
+    if url.startswith(POSTGRES_SCHEMES):
+        try:
+            from broker.state.history import postgres
+        except ImportError as exc:  # asyncpg is a dependency; a trimmed install may lack it
+            raise errors.StoreError(f"postgresql history: asyncpg is missing ({exc})") from exc
+        return await postgres.PostgresHistory.connect(url)
+    raise ValueError(
+        f"unsupported history URL {url!r}: use sqlite:///path or postgresql://user@host/db"
+    )
+
+
+def default_history_url(store_url: str) -> str | None:
+    """Where the history goes when no URL is given: `history.db` beside an SQLite store's
+    file (`<name>-history.db` if the store itself is `history.db`; `sqlite://:memory:`
+    beside an in-memory one); None for etcd (replicated brokers share a history: give them
+    a PostgreSQL URL)."""
+    if not store_url.startswith(SQLITE_SCHEME):
+        return None
+    path = parse_sqlite_path(store_url)
+    if path == ":memory:":
+        return "sqlite://:memory:"
+    folder, name = os.path.split(path)
+    history_name = (
+        HISTORY_FILE if name != HISTORY_FILE else f"{name.removesuffix('.db')}-history.db"
+    )
+    return f"{SQLITE_SCHEME}/{os.path.join(folder, history_name)}"

@@ -29,6 +29,10 @@ from broker.state import errors, quarantine, store
 logger = logging.getLogger(__name__)
 
 JOBS = "/gpufed/jobs/"
+# a replica's sync marker (`jobs.watching`): under the prefix the book watches
+# (`FOLLOWED` covers JOBS and SYNC), never under JOBS, so no load ever reads one
+SYNC = "/gpufed/jobsync/"
+FOLLOWED = "/gpufed/jobs"
 IDEMPOTENCY = "/gpufed/idempotency/"
 CLUSTERS = "/gpufed/clusters/"
 MAX_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
@@ -50,6 +54,11 @@ class Stored:
 
 def job_key(job_id: str) -> str:
     return f"{JOBS}{job_id}"
+
+
+def job_id_of(key: str) -> str | None:
+    """The job id of a job record's key; None for any other key."""
+    return key.removeprefix(JOBS) if key.startswith(JOBS) else None
 
 
 def idempotency_key(tenant: str, key: str) -> str:
@@ -257,27 +266,36 @@ class JobStore:
                 puts.append((key, encode_idempotency(record)))
         return await self._commit("create", store.Txn(compares=compares, puts=puts))
 
-    async def update(self, changes: Sequence[tuple[Encoded, int]]) -> int:
+    async def update(
+        self, changes: Sequence[tuple[Encoded, int]], *, fence: store.Compare | None = None
+    ) -> int:
         """Write changed records, each compared with the revision it was read at (0: new);
-        all or nothing. One of `batches` at a time."""
+        all or nothing. One of `batches` at a time. With `fence` (the leader's term,
+        `electing`), the transaction holds only while that compare does too."""
         compares = [store.Compare(job_key(e.record.id), revision) for e, revision in changes]
+        if fence is not None:
+            compares.append(fence)
         puts = [(job_key(e.record.id), e.value) for e, _ in changes]
         return await self._commit("update", store.Txn(compares=compares, puts=puts))
 
-    async def next_epoch(self, cluster: str) -> int:
-        """Bump and return the session epoch of a cluster (fences stale offers)."""
+    async def next_epoch(self, cluster: str, *, fence: store.Compare | None = None) -> int:
+        """Bump and return the session epoch of a cluster (fences stale offers); with
+        `fence`, only while this replica leads (ConflictError naming the fence key if not)."""
         key = f"{CLUSTERS}{cluster}/epoch"
         while True:
             entry = await self.backing.get(key)
             current = int(entry.value) if entry else 0
+            compares = [store.Compare(key, entry.mod_revision if entry else 0)]
             try:
                 await self.backing.commit(
                     store.Txn(
-                        compares=[store.Compare(key, entry.mod_revision if entry else 0)],
+                        compares=[*compares, *([fence] if fence is not None else [])],
                         puts=[(key, str(current + 1).encode())],
                     )
                 )
-            except errors.ConflictError:
+            except errors.ConflictError as exc:
+                if fence is not None and fence.key in exc.revisions:
+                    raise
                 continue
             return current + 1
 
@@ -289,8 +307,14 @@ def _forgetting(entries: Sequence[IdempotencyEntry]) -> store.Txn:
     )
 
 
-def _decode(entry: store.Entry) -> status.JobRecord:
-    record = status.JobRecord.model_validate_json(entry.value)
-    if job_key(record.id) != entry.key:
+def decode_record(key: str, value: bytes) -> status.JobRecord:
+    """The job record stored under `key`; ValueError (pydantic's is one) if it does not
+    parse or names another job."""
+    record = status.JobRecord.model_validate_json(value)
+    if job_key(record.id) != key:
         raise ValueError(f"the record's id {record.id!r} does not match its key")
     return record
+
+
+def _decode(entry: store.Entry) -> status.JobRecord:
+    return decode_record(entry.key, entry.value)

@@ -331,7 +331,7 @@ class SqliteStore(store.Shortcuts):
         orphans = [row[0] for row in conn.execute("SELECT key FROM kv WHERE lease != 0")]
         if orphans:
             log.info("deleting %d keys of leases held by a previous process", len(orphans))
-            self._write(compares=(), puts=(), deletes=orphans, lease=0)
+            self._write(compares=(), puts=(), deletes=orphans, lease=_no_lease)
 
     def _connect_reader(self) -> None:
         if not os.path.isfile(self.path):
@@ -442,7 +442,7 @@ class SqliteStore(store.Shortcuts):
         if txn.lease is not None and txn.puts and txn.lease not in self._leases:
             raise errors.LeaseExpiredError(f"lease {txn.lease} does not exist")
         return self._write(
-            compares=txn.compares, puts=txn.puts, deletes=txn.deletes, lease=txn.lease or 0
+            compares=txn.compares, puts=txn.puts, deletes=txn.deletes, lease=txn.lease_of
         )
 
     def _write(
@@ -451,7 +451,7 @@ class SqliteStore(store.Shortcuts):
         compares: Sequence[store.Compare],
         puts: Sequence[tuple[str, bytes]],
         deletes: Sequence[str],
-        lease: int,
+        lease: Callable[[str], int],
     ) -> int:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
@@ -476,7 +476,7 @@ class SqliteStore(store.Shortcuts):
                     " VALUES (?, ?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET"
                     " value = excluded.value, mod_revision = excluded.mod_revision,"
                     " lease = excluded.lease",
-                    (key, value, revision, revision, lease),
+                    (key, value, revision, revision, lease(key)),
                 )
                 changes.append((revision, len(changes), key, store.EventType.PUT.value, value))
             for key in deletes:
@@ -534,7 +534,11 @@ class SqliteStore(store.Shortcuts):
         if self._leases.pop(lease, None) is None:
             return
         keys = [row[0] for row in self._db.execute("SELECT key FROM kv WHERE lease = ?", (lease,))]
-        self._write(compares=(), puts=(), deletes=keys, lease=0)
+        self._write(compares=(), puts=(), deletes=keys, lease=_no_lease)
+
+
+def _no_lease(key: str) -> int:
+    return 0
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,15 @@ class Txn:
     puts: Sequence[tuple[str, bytes]] = ()
     deletes: Sequence[str] = ()
     lease: int | None = field(default=None)  # attach the puts to this lease (DurableStore)
+    # with `lease`: attach only these keys of `puts` (None: every put); the others stay
+    # when the lease ends (the election's term counter beside its leased leader key)
+    lease_keys: frozenset[str] | None = field(default=None)
+
+    def lease_of(self, key: str) -> int:
+        """The lease the put of `key` is attached to (0: none)."""
+        if self.lease is None or (self.lease_keys is not None and key not in self.lease_keys):
+            return 0
+        return self.lease
 
 
 class Shortcuts:

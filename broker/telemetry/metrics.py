@@ -118,6 +118,41 @@ class BrokerMetrics:
         )
         self._add_queue_metrics(r)
         self._add_fault_metrics(r)
+        self._add_replica_metrics(r)
+
+    def _add_replica_metrics(self, r: CollectorRegistry) -> None:
+        """Several replicas on one store: who leads, in which term, and is the cache synced."""
+        self.leader = Gauge(
+            "gpufed_broker_leader", "1 while this broker replica is the leader", registry=r
+        )
+        self.term = Gauge(
+            "gpufed_broker_term",
+            "The leader's term as this replica knows it (grows with each new leader)",
+            registry=r,
+        )
+        self.cache_synced = Gauge(
+            "gpufed_broker_cache_synced",
+            "1 while this replica's job cache has caught up with the store",
+            registry=r,
+        )
+
+    def clear_leader_gauges(self) -> None:
+        """This replica stopped leading: the gauges only the leader exports are dropped, so
+        a sum over replicas never counts a former leader's last values."""
+        for gauge in (
+            self.pending_jobs,
+            self.pending_oldest_age,
+            self.cluster_gpus,
+            self.agent_connected,
+            self.agent_session_state,
+            self.cluster_fragmentation,
+            self.queue_gpus_in_use,
+            self.queue_gpus_guaranteed,
+            self.queue_gpus_fair_share,
+            self.queue_dominant_share,
+        ):
+            gauge.clear()
+        self.reservations.set(0)
 
     def _add_fault_metrics(self, r: CollectorRegistry) -> None:
         """Failures kept local: what was refused or set aside, and what went on regardless."""

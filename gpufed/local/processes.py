@@ -4,6 +4,10 @@ Each service is a real child process (`python -m gpufed.cli ...`) with its own l
 `LocalFleet` waits until the broker answers and every agent's cluster is Ready, and stops
 everything (SIGTERM, then SIGKILL) on the way out. Not the broker's `Fleet` (every cluster
 the broker has heard of): this one is a set of local processes.
+
+Several brokers on one etcd (`start_brokers(n)`): each its own port and `--advertise-url`,
+one leads; agents get every broker's URL (`--broker URL1,URL2,...`) and the fleet's client
+fails over between them. `leader()` asks each broker's `GET /v1/status`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Service:
     name: str
     process: asyncio.subprocess.Process
     log: Path
+    url: str = ""  # a broker's
 
     @property
     def alive(self) -> bool:
@@ -108,10 +113,104 @@ class LocalFleet:
     queues: Path | None = None  # the broker's queues file (--queues)
     cycle_interval: float | None = None  # the broker's --cycle-interval
     offer_timeout: float | None = None  # the broker's --offer-timeout
+    lease_seconds: int | None = None  # the brokers' --leader-lease-seconds
+    brokers: list[Service] = field(default_factory=list)  # start_brokers: one per replica
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every broker's URL (one: `url`)."""
+        return [b.url for b in self.brokers] if self.brokers else [self.url]
+
+    def _broker_args(self, port: int) -> list[str]:
+        store = self.store or f"sqlite:///{self.workdir / 'broker.db'}"
+        return [
+            "broker",
+            "--store",
+            store,
+            "--tokens",
+            str(self.workdir / "tokens.yaml"),
+            "--port",
+            str(port),
+            "--advertise-url",
+            f"http://127.0.0.1:{port}",
+            "--heartbeat",
+            str(self.heartbeat),
+            "--lost-after",
+            str(self.lost_after),
+            *(["--queues", str(self.queues)] if self.queues else []),
+            *(
+                ["--cycle-interval", str(self.cycle_interval)]
+                if self.cycle_interval is not None
+                else []
+            ),
+            *(
+                ["--offer-timeout", str(self.offer_timeout)]
+                if self.offer_timeout is not None
+                else []
+            ),
+            *(
+                ["--leader-lease-seconds", str(self.lease_seconds)]
+                if self.lease_seconds is not None
+                else []
+            ),
+        ]
+
+    async def start_brokers(self, count: int) -> list[Service]:
+        """`count` brokers on the fleet's etcd `store`, each ready (one of them leads)."""
+        if not self.store.startswith("etcd://"):
+            raise ValueError("several brokers share an etcd store: set `store` to etcd://...")
+        ports = [free_port() for _ in range(count)]
+        self.port = self.port or ports[0]
+        started = []
+        for index, port in enumerate(ports):
+            started.append(await self._spawn_broker(f"broker-{index}", port))
+        self.brokers.extend(started)
+        for service in started:
+            await self.wait_http("/readyz", service)
+        return started
+
+    async def _spawn_broker(self, name: str, port: int) -> Service:
+        service = await spawn(name, self._broker_args(port), workdir=self.workdir, env=self.env)
+        service.url = f"http://127.0.0.1:{port}"
+        return service
+
+    async def restart_broker(self, index: int) -> Service:
+        """Broker `index` of `start_brokers` again, on its port (after it was stopped)."""
+        old = self.brokers[index]
+        await old.stop()
+        port = int(old.url.rsplit(":", 1)[1])
+        service = await self._spawn_broker(old.name, port)
+        self.brokers[index] = service
+        await self.wait_http("/readyz", service)
+        return service
+
+    async def statuses(self) -> list[dict[str, object] | None]:
+        """Each broker's `GET /v1/status` (None: it does not answer)."""
+        answers = await asyncio.gather(*(client.replica_status(url) for url in self.urls))
+        return [a if isinstance(a, dict) else None for a in answers]
+
+    async def leader(self, *, timeout: float = 30.0, not_: str | None = None) -> Service:
+        """The broker whose leader work runs and whom every live broker names (other than
+        the URL `not_`, e.g. the leader just killed), once there is one."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            answers = await self.statuses()
+            live = [(b, a) for b, a in zip(self.brokers, answers, strict=True) if a is not None]
+            named = {a.get("leader") for _, a in live}
+            for service, answer in live:
+                if (
+                    answer.get("active")
+                    and service.url != not_
+                    and named == {service.url}
+                    and all(a.get("synced") for _, a in live)
+                ):
+                    return service
+            await asyncio.sleep(0.02)
+        raise TimeoutError(f"no broker leads after {timeout}s: {await self.statuses()}")
 
     def write_tokens(self, *, tenants: list[str], clusters: list[str]) -> Path:
         entries: list[dict[str, object]] = []
@@ -132,36 +231,7 @@ class LocalFleet:
     async def start_broker(self) -> Service:
         if not self.port:
             self.port = free_port()
-        store = self.store or f"sqlite:///{self.workdir / 'broker.db'}"
-        self.broker = await spawn(
-            "broker",
-            [
-                "broker",
-                "--store",
-                store,
-                "--tokens",
-                str(self.workdir / "tokens.yaml"),
-                "--port",
-                str(self.port),
-                "--heartbeat",
-                str(self.heartbeat),
-                "--lost-after",
-                str(self.lost_after),
-                *(["--queues", str(self.queues)] if self.queues else []),
-                *(
-                    ["--cycle-interval", str(self.cycle_interval)]
-                    if self.cycle_interval is not None
-                    else []
-                ),
-                *(
-                    ["--offer-timeout", str(self.offer_timeout)]
-                    if self.offer_timeout is not None
-                    else []
-                ),
-            ],
-            workdir=self.workdir,
-            env=self.env,
-        )
+        self.broker = await self._spawn_broker("broker", self.port)
         await self.wait_http("/readyz", self.broker)
         return self.broker
 
@@ -175,7 +245,7 @@ class LocalFleet:
             [
                 "agent",
                 "--broker",
-                self.url,
+                ",".join(self.urls),
                 "--cluster",
                 cluster,
                 "--token-file",
@@ -206,19 +276,21 @@ class LocalFleet:
         import aiohttp
 
         deadline = time.monotonic() + timeout
+        url = service.url or self.url
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
                 if not service.alive:
                     raise RuntimeError(f"{service.name} exited:\n{service.tail()}")
                 with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{self.url}{path}") as response:
+                    async with session.get(f"{url}{path}") as response:
                         if response.status == 200:
                             return
                 await asyncio.sleep(0.05)
         raise TimeoutError(f"{service.name} not ready after {timeout}s:\n{service.tail()}")
 
-    def client(self, tenant: str) -> client.BrokerClient:
-        return client.BrokerClient(self.url, self.tokens[tenant])
+    def client(self, tenant: str, *, url: str | None = None) -> client.BrokerClient:
+        """A client of `url`, else of every broker (failing over between them)."""
+        return client.BrokerClient(url or ",".join(self.urls), self.tokens[tenant])
 
     async def wait_clusters_ready(self, names: list[str], *, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -237,5 +309,7 @@ class LocalFleet:
     async def stop(self) -> None:
         for agent in self.agents.values():
             await agent.stop()
+        for broker in self.brokers:
+            await broker.stop()
         if self.broker is not None:
             await self.broker.stop()

@@ -6,6 +6,10 @@ cluster backend (simulated from a nodes file, or Kubernetes), the job handler
 backend's events to the handler, and runs until `stop` is set or SIGTERM arrives, then closes
 everything. Before the first hello the handler adopts the jobs whose pods the backend found (an
 agent restarted while its pods ran), so the broker neither loses nor runs them twice.
+
+`broker_url` names one broker or several replicas, comma-separated (`session.brokers`:
+failover and following the leader); `fence_after_seconds` is the longest the agent runs its
+jobs without word from the broker (`session.leasing`, the rule in `broker.api.leases`).
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from member_agent import telemetry
 from member_agent.cluster import base, simulated
 from member_agent.jobs import handling
 from member_agent.placement import limits
-from member_agent.session import connecting, reporting
+from member_agent.session import brokers, connecting, reporting
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,14 @@ class BackoffSettings(BaseModel):
 class AgentSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    broker_url: Annotated[str, Field(pattern=r"^(https?|wss?)://")]
+    broker_url: Annotated[
+        str,
+        Field(
+            description="a broker URL, or several comma-separated (the replicas of one broker): "
+            "the agent tries the next on a connection failure and follows the leader a "
+            "follower names"
+        ),
+    ]
     cluster: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
     token_file: Path | None = None
     backend: Literal["simulated", "kubernetes"] = "simulated"
@@ -52,6 +63,13 @@ class AgentSettings(BaseModel):
     limits_file: Path | None = None
     heartbeat_seconds: Annotated[float, Field(gt=0)] = Field(
         5.0, description="used until the broker's welcome gives its own"
+    )
+    fence_after_seconds: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="without word from the broker this long the agent fences itself (no new "
+        "pods; the pods of jobs whose clusterLost policy is requeue deleted). None: as late as "
+        "the grace the broker's welcome says allows (broker.api.leases), else 30 s; a value "
+        "makes it sooner, never later",
     )
     backoff: BackoffSettings = Field(default_factory=BackoffSettings)
     summary_interval_seconds: Annotated[float, Field(ge=0)] = 0.05
@@ -68,6 +86,19 @@ class AgentSettings(BaseModel):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
     freeze_gc: bool = Field(False, description="move start-up objects out of the collector")
     metrics_host: str = "0.0.0.0"
+    journal_file: Path | None = Field(
+        None, description="simulated backend: a JSON line each time a pod starts or stops running"
+    )
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_urls(cls, value: str) -> str:
+        brokers.parse_urls(value)  # raises ValueError naming the URL that is not one
+        return value
+
+    @property
+    def broker_urls(self) -> tuple[str, ...]:
+        return brokers.parse_urls(self.broker_url)
 
     @model_validator(mode="after")
     def _nodes(self) -> AgentSettings:
@@ -77,10 +108,12 @@ class AgentSettings(BaseModel):
 
     def connect_settings(self) -> connecting.ConnectSettings:
         return connecting.ConnectSettings(
-            broker_url=self.broker_url,
+            broker_urls=self.broker_urls,
             cluster=self.cluster,
             token_file=self.token_file,
             heartbeat_seconds=self.heartbeat_seconds,
+            fence_after_seconds=self.fence_after_seconds,
+            failure_grace_seconds=self.failure_grace_seconds,
             backoff_initial_seconds=self.backoff.initial_seconds,
             backoff_max_seconds=self.backoff.max_seconds,
             auth_retry_seconds=self.backoff.auth_retry_seconds,
@@ -123,6 +156,7 @@ def make_backend(settings: AgentSettings) -> base.ClusterBackend:
         settings.cluster,
         simulated.load_pools(settings.nodes_file),
         start_delay=settings.start_delay_seconds,
+        journal=simulated.Journal(settings.journal_file) if settings.journal_file else None,
     )
 
 
@@ -184,7 +218,10 @@ async def run_agent(
             stack.push_async_callback(runner.cleanup)
         _handle_sigterm(stack, stop)
         logger.info(
-            "agent for cluster %s started, broker %s", settings.cluster, settings.broker_url
+            "agent for cluster %s started, broker %s, fencing after %g s without word from it",
+            settings.cluster,
+            ", ".join(settings.broker_urls),
+            connector.lease.fence_after,
         )
         await _serve(connector, _consume(cluster, handler, reporter), stop)
     logger.info("agent for cluster %s stopped", settings.cluster)

@@ -3,7 +3,9 @@
 `gpufed_agent_session_connected`, `gpufed_agent_sessions_total`,
 `gpufed_agent_offers_total{result}`, `gpufed_agent_pods{phase}`, `gpufed_agent_jobs{state}`,
 `gpufed_agent_summaries_total`, `gpufed_agent_final_reports_unacknowledged`,
-`gpufed_agent_final_reports_resent_total`, `gpufed_agent_placement_duration_seconds` (the
+`gpufed_agent_final_reports_resent_total`, `gpufed_agent_fenced` (1 while the cluster lease has
+lapsed), `gpufed_agent_lease_remaining_seconds`, `gpufed_agent_fences_total`,
+`gpufed_agent_fenced_jobs_total`, `gpufed_agent_placement_duration_seconds` (the
 handler's histogram). A collector of its own reads them from the handler, the connector and
 the reporter, so nothing has to remember to update a gauge. Every family carries the `cluster`
 label.
@@ -95,8 +97,36 @@ class AgentCollector(Collector):
         )
         resent.add_metric([self.cluster], self.handler.updates.resent)
         yield resent
+        yield from self._lease(labels)
         for family in self.handler.placement_duration.collect():
             yield label_cluster(family, self.cluster)
+
+    def _lease(self, labels: list[str]) -> Iterator[Metric]:
+        lease = self.connector.lease
+        fenced = GaugeMetricFamily(
+            "gpufed_agent_fenced",
+            "1 while the cluster lease has lapsed: no new pods, requeue jobs' pods deleted",
+            labels=labels,
+        )
+        fenced.add_metric([self.cluster], 1.0 if self.handler.is_fenced() else 0.0)
+        yield fenced
+        remaining = GaugeMetricFamily(
+            "gpufed_agent_lease_remaining_seconds",
+            "Seconds until the agent fences itself unless the broker is heard",
+            labels=labels,
+        )
+        remaining.add_metric([self.cluster], max(0.0, lease.remaining()))
+        yield remaining
+        fences = CounterMetricFamily(
+            "gpufed_agent_fences", "Times the cluster lease lapsed", labels=labels
+        )
+        fences.add_metric([self.cluster], lease.lapses)
+        yield fences
+        stopped = CounterMetricFamily(
+            "gpufed_agent_fenced_jobs", "Jobs a fence stopped (clusterLost: requeue)", labels=labels
+        )
+        stopped.add_metric([self.cluster], self.handler.fenced_jobs)
+        yield stopped
 
 
 def label_cluster(family: Metric, cluster: str) -> Metric:

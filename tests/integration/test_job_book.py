@@ -107,6 +107,12 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
             yield
         finally:
             await asyncio.to_thread(server.launch)
+            for _ in range(100):  # the client reconnects on its own backoff: wait for it
+                try:
+                    await kv.get("/probe")
+                    break
+                except errors.TemporaryStoreError:
+                    await asyncio.sleep(0.1)
 
     try:
         yield Backend(kv, stopped)

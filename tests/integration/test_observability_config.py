@@ -70,7 +70,7 @@ def build_agent_collector() -> telemetry.AgentCollector:
     router = connecting.Router()
     handler = handling.JobHandler(backend, send=router.send)
     reporter = reporting.SummaryReporter(backend.inventory, cluster="inference")
-    settings = connecting.ConnectSettings(broker_url="http://127.0.0.1:9", cluster="inference")
+    settings = connecting.ConnectSettings(broker_urls=("http://127.0.0.1:9",), cluster="inference")
     connector = connecting.Connector(settings, handler=handler, reporter=reporter, router=router)
     return telemetry.AgentCollector(
         cluster="inference", handler=handler, connector=connector, reporter=reporter

@@ -286,6 +286,25 @@ async def test_revoking_a_lease_deletes_its_keys(kv: store.DurableStore, prefix:
     await kv.revoke_lease(lease)  # twice is fine
 
 
+async def test_a_transaction_may_attach_only_some_of_its_puts_to_the_lease(
+    kv: store.DurableStore, prefix: str
+) -> None:
+    lease = await kv.grant_lease(30)
+    await kv.commit(
+        store.Txn(
+            puts=[(prefix + "leader", b"me"), (prefix + "term", b"7")],
+            lease=lease,
+            lease_keys=frozenset({prefix + "leader"}),
+        )
+    )
+
+    await kv.revoke_lease(lease)
+
+    assert await kv.get(prefix + "leader") is None
+    term = await kv.get(prefix + "term")
+    assert term is not None and term.value == b"7"
+
+
 async def test_closing_the_store_ends_its_watches(backend: Backend, prefix: str) -> None:
     kv = await opening.open_store(backend.url)
     start = await kv.put(prefix + "a", b"1")

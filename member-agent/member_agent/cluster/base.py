@@ -5,8 +5,8 @@ Implementations: `simulated.SimulatedBackend` (YAML node pools, pods that run fo
 
 Every pod gpufed creates carries, besides its labels, the annotations a restarted agent needs
 to rebuild the job from its pods (`held_job` reads them back): the epoch of the offer that
-created it, the job's attempt, the gang's `minMember` and its size. `held_jobs()` lists what a
-backend found.
+created it, the job's attempt, the gang's `minMember` and its size, and its `clusterLost`
+policy (whether a fence stops it). `held_jobs()` lists what a backend found.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ EPOCH_ANNOTATION = "gpufed.io/epoch"
 ATTEMPT_ANNOTATION = "gpufed.io/attempt"
 MIN_MEMBER_ANNOTATION = "gpufed.io/min-member"
 GANG_SIZE_ANNOTATION = "gpufed.io/gang-size"
+CLUSTER_LOST_ANNOTATION = "gpufed.io/cluster-lost"  # the job's failurePolicy.clusterLost
 TRACEPARENT_ANNOTATION = "traceparent"
 
 
@@ -77,6 +78,7 @@ class HeldJob:
     pods: tuple[status.PodStatus, ...]
     traceparent: str | None = None
     attempt: int = 1  # of the pod whose annotations were read (1: not recorded)
+    cluster_lost: str = "requeue"  # spec.failurePolicy.clusterLost (requeue: not recorded)
 
 
 def _whole(value: str | None) -> int:
@@ -105,6 +107,7 @@ def held_job(
         pods=found,
         traceparent=annotations.get(TRACEPARENT_ANNOTATION) or None,
         attempt=_whole(annotations.get(ATTEMPT_ANNOTATION)) or 1,
+        cluster_lost=annotations.get(CLUSTER_LOST_ANNOTATION) or "requeue",
     )
 
 

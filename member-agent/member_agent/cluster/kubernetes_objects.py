@@ -59,6 +59,7 @@ _JOB_META = (
     base.GANG_SIZE_ANNOTATION,
     base.TRACEPARENT_ANNOTATION,
     base.ATTEMPT_ANNOTATION,
+    base.CLUSTER_LOST_ANNOTATION,
 )
 _LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9_.-]")
 # reasons a pod is being torn down, from its DisruptionTarget condition

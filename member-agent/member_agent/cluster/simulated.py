@@ -10,6 +10,10 @@ attempt fails with NodeLost and the broker's retry succeeds. Timers are asyncio 
 handles, never polling loops. Fault injection for tests and chaos runs: `fail_creates_after`
 and `set_node_ready`.
 
+A `Journal` (`gpufed agent --sim-journal FILE`) records a JSON line each time a pod starts or
+stops running (finished, deleted, or gone with the agent process), with the wall-clock time:
+what the e2e tests read to check that no two copies of a job ever run at the same moment.
+
 The backend outlives an agent given it (`app.run_agent(..., backend=...)`): an agent started
 again on the same backend finds the pods it holds (`held_jobs`), as on a real cluster.
 Simulated clusters have no ResourceQuotas (`gpu_quotas` is empty): the agent's limits file
@@ -19,6 +23,7 @@ stands in for them.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -207,6 +212,32 @@ def parse_outcome(text: str, *, attempt: int = 1) -> tuple[status.PodPhase, str]
     return status.PodPhase.SUCCEEDED, ""
 
 
+class Journal:
+    """When each pod started and stopped running, a JSON line each: `{"t": <unix seconds>,
+    "event": "start" | "stop", "cluster", "job", "pod", "attempt", "node", "phase"}`. Lines are
+    written as they happen (line-buffered, appended), so a reader sees them at once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("a", encoding="utf-8", buffering=1)
+
+    def write(self, event: str, cluster: str, pod: SimPod, *, phase: str) -> None:
+        line = {
+            "t": time.time(),
+            "event": event,
+            "cluster": cluster,
+            "job": pod.request.job_id,
+            "pod": pod.request.name,
+            "attempt": _attempt_of(pod.request.annotations),
+            "node": pod.request.node,
+            "phase": phase,
+        }
+        self._file.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
 @dataclass
 class SimPod:
     request: base.PodRequest
@@ -241,6 +272,7 @@ class SimulatedBackend:
         start_delay: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
         fail_creates_after: int | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.cluster = cluster
         self.start_delay = start_delay
@@ -253,6 +285,7 @@ class SimulatedBackend:
         self._queue: asyncio.Queue[base.BackendEvent | None] = asyncio.Queue()
         self._fail_after = fail_creates_after
         self.creates = 0
+        self.journal = journal
 
     # -- the ClusterBackend protocol -------------------------------------------------------
 
@@ -269,7 +302,11 @@ class SimulatedBackend:
             if pod.timer is not None:
                 pod.timer.cancel()
                 pod.timer = None
+            if pod.phase == status.PodPhase.RUNNING:  # simulated pods end with the backend
+                self._journal("stop", pod, phase="BackendClosed")
         self._queue.put_nowait(None)
+        if self.journal is not None:
+            self.journal.close()
 
     def inventory(self) -> model.Inventory:
         return self._inventory
@@ -344,6 +381,8 @@ class SimulatedBackend:
             pod.timer.cancel()
             pod.timer = None
         self._inventory.release(name)
+        if pod.phase == status.PodPhase.RUNNING:
+            self._journal("stop", pod, phase=status.PodPhase.DELETED.value)
         pod.phase = status.PodPhase.DELETED
         self._emit(pod)
 
@@ -403,6 +442,7 @@ class SimulatedBackend:
         pod.timer = None
         pod.phase = status.PodPhase.RUNNING
         pod.started = self._clock()
+        self._journal("start", pod, phase=pod.phase.value)
         self._emit(pod)
         phase, reason = pod.outcome
         duration = pod.duration
@@ -417,12 +457,18 @@ class SimulatedBackend:
         if pod.timer is not None:
             pod.timer.cancel()
         pod.timer = None
+        if pod.phase == status.PodPhase.RUNNING:
+            self._journal("stop", pod, phase=phase.value)
         pod.phase = phase
         pod.reason = reason
         pod.finished = self._clock()
         # a finished pod holds nothing, as in Kubernetes
         self._inventory.release(pod.request.name)
         self._emit(pod)
+
+    def _journal(self, event: str, pod: SimPod, *, phase: str) -> None:
+        if self.journal is not None:
+            self.journal.write(event, self.cluster, pod, phase=phase)
 
     def _emit(self, pod: SimPod) -> None:
         self._queue.put_nowait(

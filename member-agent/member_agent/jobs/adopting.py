@@ -74,6 +74,7 @@ def record_of(held: base.HeldJob, *, now: float) -> table.TrackedJob:
         traceparent=held.traceparent,
         attempt=attempt,
         binding=False,
+        cluster_lost=_cluster_lost(held.cluster_lost),
     )
     for pod in pods:
         record.set_phase(record.pods[pod.name], pod.phase, reason=pod.reason)
@@ -85,6 +86,14 @@ def record_of(held: base.HeldJob, *, now: float) -> table.TrackedJob:
         )
     record.advance(now=now)
     return record
+
+
+def _cluster_lost(value: str) -> jobs.ClusterLostPolicy:
+    """The policy a pod's annotation names; requeue (the fence stops it) if it names none."""
+    try:
+        return jobs.ClusterLostPolicy(value)
+    except ValueError:
+        return jobs.ClusterLostPolicy.REQUEUE
 
 
 def adopt_jobs(

@@ -18,6 +18,12 @@ retry, a preemption, a lost cluster) deletes the earlier attempt's live pods, dr
 and is placed as new, its pods named for the attempt (`broker.api.jobs.pod_name`); one of an
 earlier attempt is rejected (`check_fresh`). A cancel stops only the attempt it names (or an
 earlier one).
+
+Fencing: when the agent's cluster lease lapses (`session.leasing`: no word from the broker for
+its fence time) the session calls `fence`: offers are rejected from then on (`fenced`), and
+every job whose `spec.failurePolicy.clusterLost` is `requeue` is stopped as a cancel would stop
+it, reason `ClusterLost`: its pods deleted, its final report kept until a broker acknowledges
+it. A `wait` job keeps its pods. `unfence` (the lease renewed) lets offers in again.
 """
 
 from __future__ import annotations
@@ -46,11 +52,14 @@ tracer = trace.get_tracer("member_agent.jobs")
 Reply = Callable[[messages.Message], None]
 
 
+CLUSTER_LOST = "ClusterLost"  # the reason of the jobs a fence stops
+
+
 @dataclass(frozen=True)
 class Rejection:
     """An offer turned down: the result `JobHandler.offers` counts, and the reasons sent."""
 
-    result: str  # stale, invalid, limit, unplaceable, binding_failed
+    result: str  # stale, fenced, invalid, limit, unplaceable, binding_failed
     reasons: list[str]
 
 
@@ -84,6 +93,7 @@ def _make_record(
             r.name: status.PodStatus(name=r.name, task=r.task, node=r.node, gpus=list(r.gpus))
             for r in requests
         },
+        cluster_lost=offer.job.spec.cluster_lost,
     )
 
 
@@ -129,6 +139,9 @@ class JobHandler:
             backend, grace_seconds=failure_grace_seconds, on_change=on_change
         )
         self._pruned = -math.inf
+        self.fenced: str | None = None  # why, while the cluster lease has lapsed
+        self.fences = 0
+        self.fenced_jobs = 0  # jobs a fence stopped
 
     @property
     def placement_duration(self) -> Histogram:
@@ -150,6 +163,9 @@ class JobHandler:
     ) -> str:
         """One offer, answered Accepted or Rejected; returns the result `offers` counts."""
         self._prune()
+        if self.fenced is not None:  # the broker may run it elsewhere soon: create nothing
+            fenced = Rejection("fenced", [f"the agent fenced itself: {self.fenced}"])
+            return self._reject(offer, fenced, reply=reply)
         # which attempt: stale, the one held (a re-send), or a new one (replacing an earlier)
         held = self.table.get(offer.job_id)
         stale = check_fresh(offer, held, session_epoch=session_epoch)
@@ -314,22 +330,79 @@ class JobHandler:
 
     async def _cancel(self, record: table.TrackedJob, cancel: messages.Cancel) -> None:
         """Stop a live job: Cancelled at once, its pods deleted with the cancel's grace."""
-        record.finish(status.JobState.CANCELLED, cancel.reason, now=self.clock())
-        pods = [p for p in record.pods.values() if p.phase != status.PodPhase.DELETED]
+        await self._stop([record], reason=cancel.reason, grace_seconds=cancel.grace_seconds)
+        logger.info("job %s cancelled: %s", cancel.job_id, cancel.reason)
+
+    async def _stop(
+        self,
+        records: Sequence[table.TrackedJob],
+        *,
+        reason: str,
+        grace_seconds: float,
+        message: str = "",
+    ) -> None:
+        """Stop live jobs: Cancelled at once (before the pod events of their deletion come),
+        their pods deleted together with the grace, each final report kept until acked."""
+        now = self.clock()
+        pods: list[tuple[table.TrackedJob, status.PodStatus]] = []
+        for record in records:
+            record.finish(status.JobState.CANCELLED, reason, now=now)
+            pods.extend(
+                (record, p) for p in record.pods.values() if p.phase != status.PodPhase.DELETED
+            )
         failed = set(
             await binding.delete_pods(
                 self.backend,
-                ((record.namespace, p.name) for p in pods),
-                grace_seconds=cancel.grace_seconds,
+                ((record.namespace, pod.name) for record, pod in pods),
+                grace_seconds=grace_seconds,
             )
         )
-        for pod in pods:
+        for record, pod in pods:
             if pod.name not in failed:
-                record.set_phase(pod, status.PodPhase.DELETED, reason=cancel.reason)
-        message = f"{len(failed)} pods could not be deleted" if failed else ""
-        self.updates.send_final(record, message=message)
-        logger.info("job %s cancelled: %s", cancel.job_id, cancel.reason)
+                record.set_phase(pod, status.PodPhase.DELETED, reason=reason)
+        for record in records:
+            left = sum(p.name in failed for p in record.pods.values())
+            said = [message] if message else []
+            said += [f"{left} pods could not be deleted"] if left else []
+            self.updates.send_final(record, message="; ".join(said))
         self.on_change()
+
+    # -- fencing ---------------------------------------------------------------------------
+
+    async def fence(self, *, reason: str, grace_seconds: float) -> int:
+        """The cluster lease lapsed: no new pods, and the jobs whose `clusterLost` policy is
+        `requeue` stopped (`ClusterLost`), their pods deleted with `grace_seconds`. Returns
+        how many were stopped."""
+        self.fenced = reason
+        self.fences += 1
+        async with self.lock:  # after the offer being bound, if any: its pods go too
+            if not self.is_fenced():  # renewed while waiting
+                return 0
+            live = [r for r in self.table if not r.state.terminal]
+            stopping = [r for r in live if r.cluster_lost == jobs.ClusterLostPolicy.REQUEUE]
+            if stopping:
+                self.placer.mark_stale(p.node for r in stopping for p in r.live_pods())
+                await self._stop(
+                    stopping,
+                    reason=CLUSTER_LOST,
+                    grace_seconds=grace_seconds,
+                    message=f"the agent fenced itself: {reason}",
+                )
+        self.fenced_jobs += len(stopping)
+        logger.warning(
+            "fenced: %d jobs stopped (clusterLost: requeue), %d kept running (clusterLost: "
+            "wait); no new pods until the broker is heard again",
+            len(stopping),
+            len(live) - len(stopping),
+        )
+        return len(stopping)
+
+    def is_fenced(self) -> bool:
+        return self.fenced is not None
+
+    def unfence(self) -> None:
+        """The cluster lease was renewed: offers are placed again."""
+        self.fenced = None
 
     # -- pod events ------------------------------------------------------------------------
 
@@ -383,6 +456,9 @@ class JobHandler:
         """The jobs for `hello`: every one not finished, and the finished ones whose final
         report the broker has not acknowledged (sent again once it welcomes the session)."""
         return [r.agent_job() for r in self.table.for_hello(now=self.clock())]
+
+    def holds_live_jobs(self) -> bool:
+        return any(not r.state.terminal for r in self.table)
 
     def pods_by_phase(self) -> Counter[str]:
         return Counter(p.phase.value for r in self.table for p in r.pods.values())

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from broker.api import messages, status
+from broker.api import jobs, messages, status
 
 _RAN = frozenset({status.PodPhase.RUNNING, status.PodPhase.SUCCEEDED})
 _LIVE = frozenset({status.PodPhase.PENDING, status.PodPhase.RUNNING})
@@ -52,6 +52,8 @@ class TrackedJob:
     running_since_ns: int | None = None  # wall clock, for the job.running span
     report_seq: int | None = None  # its final report's seq, while not acknowledged
     acked_at: float | None = None  # when the broker acknowledged its final report
+    # spec.failurePolicy.clusterLost: whether a fence (the cluster lease lapsed) stops it
+    cluster_lost: jobs.ClusterLostPolicy = jobs.ClusterLostPolicy.REQUEUE
 
     def set_phase(self, pod: status.PodStatus, phase: status.PodPhase, *, reason: str = "") -> None:
         """Move one pod to `phase`, keeping the counters right."""

@@ -4,8 +4,14 @@
 cluster's bearer token, send `hello` with every job the agent holds, wait for `welcome`, send a
 full summary, then read offers and cancels (handled one at a time by `jobs.handling.JobHandler`)
 and write replies, job updates, summaries and heartbeats. Silence for three heartbeat intervals
-drops the session; it is opened again with exponential backoff and jitter. A 401/403 is
-permanent until the token changes: it is logged and retried slowly.
+drops the session; it is opened again with exponential backoff and jitter, on the next broker
+URL after a connection failure, on the leader a follower names after a 409 (`brokers`).
+A 401/403 is permanent until the token changes: an agent that no broker has welcomed yet and
+that holds no running job exits with the reason (`brokers.AuthError` out of `run`); otherwise
+it is logged and retried slowly (exiting would leave its pods unfenced).
+
+Every message of the broker on a welcomed session renews the cluster lease (`leasing`); the
+lease is kept by `run` and fences the job handler when it lapses.
 
 Messages are routed through `Router`: while no session is live they are dropped, and `hello`
 carries the current state of every job on the next one. Final reports are the exception: the
@@ -32,7 +38,7 @@ import pydantic
 
 from broker.api import messages
 from member_agent.jobs import handling
-from member_agent.session import reporting
+from member_agent.session import brokers, leasing, reporting
 
 logger = logging.getLogger(__name__)
 
@@ -42,29 +48,23 @@ Outgoing = tuple[messages.Message, Callable[[], None] | None]
 T = TypeVar("T")
 
 
-class SessionError(Exception):
-    """The broker did not hold up its side of the protocol; the session is opened again."""
-
-
-class AuthError(SessionError):
-    """The broker refused the token (HTTP 401/403): retrying soon will not help."""
-
-
 @dataclass(frozen=True)
 class ConnectSettings:
-    broker_url: str
+    broker_urls: tuple[str, ...]
     cluster: str
     token_file: Path | None = None
     heartbeat_seconds: float = 5.0  # until the broker's welcome says otherwise
+    fence_after_seconds: float | None = None  # None: as late as the broker's grace allows
+    failure_grace_seconds: float = 30.0  # at most, for the pods a fence deletes
     backoff_initial_seconds: float = 0.1
     backoff_max_seconds: float = 5.0
     auth_retry_seconds: float = 30.0
     connect_timeout_seconds: float = 10.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
 
-    @property
-    def url(self) -> str:
-        return self.broker_url.rstrip("/") + CONNECT_PATH
+
+def connect_url(broker: str) -> str:
+    return broker.rstrip("/") + CONNECT_PATH
 
 
 def backoff_delay(
@@ -86,13 +86,13 @@ def read_token(path: Path | None) -> str | None:
     try:
         token = path.read_text().strip()
     except OSError as exc:
-        raise AuthError(f"cannot read the token file {path}: {exc.strerror}") from exc
+        raise brokers.AuthError(f"cannot read the token file {path}: {exc.strerror}") from exc
     if not token:
-        raise AuthError(f"the token file {path} is empty")
+        raise brokers.AuthError(f"the token file {path} is empty")
     return token
 
 
-class Stopped(SessionError):
+class Stopped(brokers.SessionError):
     """The agent is stopping."""
 
 
@@ -170,63 +170,119 @@ class Connector:
         self.router = router
         self.sessions = 0  # sessions the broker welcomed
         self.failures = 0
+        self.brokers = brokers.BrokerList(settings.broker_urls)
+        self._welcomed = False  # the current attempt's session was welcomed
+        self.lease = leasing.ClusterLease(
+            requested=settings.fence_after_seconds,
+            heartbeat=settings.heartbeat_seconds,
+            failure_grace=settings.failure_grace_seconds,
+            on_lapse=handler.fence,
+            on_renew=handler.unfence,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Keep a session open until `stop` is set."""
-        attempt = 0
+        """Keep a session open until `stop` is set, and the cluster lease with it. Raises
+        `brokers.AuthError` when the token is refused before any session was welcomed while
+        the agent holds no running job (see the module docstring)."""
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self.settings.connect_timeout_seconds
         )
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            while not stop.is_set():
-                delay = None
-                try:
-                    if await self._run_session(http, stop):
-                        attempt = 0
-                except Stopped:
-                    break
-                except AuthError as exc:
-                    self.failures += 1
-                    delay = self.settings.auth_retry_seconds * (0.9 + 0.2 * random.random())
+        keeping = asyncio.create_task(self.lease.keep(), name="agent-lease")
+        try:
+            async with aiohttp.ClientSession(
+                timeout=timeout, raise_for_status=brokers.check_handshake
+            ) as http:
+                await self._connect(http, stop)
+        finally:
+            keeping.cancel()
+            await asyncio.gather(keeping, return_exceptions=True)
+
+    async def _connect(self, http: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        attempt = 0
+        while not stop.is_set():
+            delay = None
+            broker = self.brokers.current
+            self._welcomed = False
+            try:
+                await self._run_session(http, stop, broker)
+            except Stopped:
+                break
+            except brokers.NotLeader as exc:
+                self.failures += 1
+                followed = self.brokers.not_leader(exc.leader)
+                logger.info(
+                    "broker %s is not the leader (%s): connecting to %s",
+                    broker,
+                    exc,
+                    self.brokers.current,
+                )
+                if followed and self.brokers.hops <= 1:
+                    delay = 0.0  # straight to the leader it named
+                elif self.brokers.current == broker:
+                    delay = exc.retry_after
+            except brokers.AuthError as exc:
+                self.failures += 1
+                if self.sessions == 0 and not self.handler.holds_live_jobs():
                     logger.error(
-                        "broker %s refused cluster %s: %s; fix the token, retrying in %.0f s",
-                        self.settings.broker_url,
+                        "broker %s refused cluster %s: %s; fix the token (stopping)",
+                        broker,
                         self.settings.cluster,
                         exc,
-                        delay,
                     )
-                except (aiohttp.ClientError, OSError, TimeoutError, SessionError) as exc:
-                    self.failures += 1
-                    logger.warning(
-                        "session with broker %s failed (attempt %d): %s",
-                        self.settings.broker_url,
-                        attempt + 1,
-                        str(exc) or type(exc).__name__,
-                    )
-                except Exception:
-                    self.failures += 1
-                    logger.exception("session with broker %s broke", self.settings.broker_url)
-                if stop.is_set():
-                    break
-                if delay is None:
-                    delay = backoff_delay(
-                        attempt,
-                        initial=self.settings.backoff_initial_seconds,
-                        maximum=self.settings.backoff_max_seconds,
-                    )
-                    attempt += 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
+                    raise
+                delay = self.settings.auth_retry_seconds * (0.9 + 0.2 * random.random())
+                logger.error(
+                    "broker %s refused cluster %s: %s; fix the token, retrying in %.0f s",
+                    broker,
+                    self.settings.cluster,
+                    exc,
+                    delay,
+                )
+            except (aiohttp.ClientError, OSError, TimeoutError, brokers.SessionError) as exc:
+                self.failures += 1
+                logger.warning(
+                    "session with broker %s failed (attempt %d): %s; next: %s",
+                    broker,
+                    attempt + 1,
+                    str(exc) or type(exc).__name__,
+                    self._next_broker(),
+                )
+            except Exception:
+                self.failures += 1
+                logger.exception("session with broker %s broke", broker)
+                self._next_broker()
+            if stop.is_set():
+                break
+            if self._welcomed:  # a session that worked: the same broker again, soon
+                attempt = 0
+            if delay is None or delay > 0:
+                backoff = backoff_delay(
+                    attempt,
+                    initial=self.settings.backoff_initial_seconds,
+                    maximum=self.settings.backoff_max_seconds,
+                )
+                attempt += 1
+                delay = backoff if delay is None else max(delay, backoff)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
 
-    async def _run_session(self, http: aiohttp.ClientSession, stop: asyncio.Event) -> bool:
-        """One session, from connect to drop. True if the broker welcomed it."""
+    def _next_broker(self) -> str:
+        """After a failure: the same broker if it welcomed the session that broke, else the
+        next URL."""
+        return self.brokers.current if self._welcomed else self.brokers.failed()
+
+    async def _run_session(
+        self, http: aiohttp.ClientSession, stop: asyncio.Event, broker: str
+    ) -> bool:
+        """One session with `broker`, from connect to drop. True if the broker welcomed it."""
         token = read_token(self.settings.token_file)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        url = connect_url(broker)
         try:
             async with asyncio.timeout(self.settings.connect_timeout_seconds):
                 ws = await _unless_stopped(
                     http.ws_connect(
-                        self.settings.url,
+                        url,
                         headers=headers,
                         autoping=True,
                         max_msg_size=self.settings.max_message_bytes,
@@ -234,18 +290,18 @@ class Connector:
                     ),
                     stop,
                 )
-        except aiohttp.WSServerHandshakeError as exc:
-            if exc.status in (401, 403):
-                raise AuthError(f"HTTP {exc.status} {exc.message}") from exc
-            raise SessionError(f"HTTP {exc.status} {exc.message} at {self.settings.url}") from exc
+        except aiohttp.WSServerHandshakeError as exc:  # a 1xx-3xx that is not an upgrade
+            raise brokers.SessionError(f"HTTP {exc.status} {exc.message} at {url}") from exc
         link = Link()
         self.router.link = link
         try:
             await _unless_stopped(self._greet(ws, link), stop)
             self.sessions += 1
+            self._welcomed = True
+            self.brokers.welcomed()
             logger.info(
                 "session with broker %s open: cluster %s, epoch %d",
-                self.settings.broker_url,
+                broker,
                 self.settings.cluster,
                 link.epoch,
             )
@@ -268,7 +324,7 @@ class Connector:
             while True:
                 message = await self._receive(ws)
                 if message is None:
-                    raise SessionError("the broker closed the session before its welcome")
+                    raise brokers.SessionError("the broker closed the session before its welcome")
                 if isinstance(message, messages.Welcome):
                     break
                 logger.warning("ignoring %s before the broker's welcome", message.type)
@@ -276,6 +332,10 @@ class Connector:
         link.heartbeat_seconds = message.heartbeat_seconds
         link.acks = message.v >= messages.ACKS_SINCE
         link.welcomed = True
+        self.lease.set_terms(
+            heartbeat=message.heartbeat_seconds, lost_after=message.lost_after_seconds
+        )
+        self.lease.renew()
 
     async def _serve(
         self, ws: aiohttp.ClientWebSocketResponse, link: Link, stop: asyncio.Event
@@ -295,7 +355,7 @@ class Connector:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if not task.cancelled() and (exc := task.exception()) is not None:
-                    raise SessionError(f"{task.get_name()}: {exc}") from exc
+                    raise brokers.SessionError(f"{task.get_name()}: {exc}") from exc
         finally:
             link.closed = True
             for task in tasks:
@@ -318,6 +378,7 @@ class Connector:
             if message is None:
                 logger.info("the broker closed the session (code %s)", ws.close_code)
                 return
+            self.lease.renew()  # whatever it says, the broker is there
             if isinstance(message, messages.Offer | messages.Cancel):
                 link.work.put_nowait(message)
             elif isinstance(message, messages.Ack):

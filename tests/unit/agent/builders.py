@@ -59,6 +59,7 @@ def make_job(
     outcome: str | None = None,
     min_member: int | None = None,
     cpu: str | None = None,
+    cluster_lost: str | None = None,
 ) -> jobs.GPUJob:
     annotations = {}
     if duration is not None:
@@ -77,6 +78,7 @@ def make_job(
             "spec": {
                 "queue": "research",
                 "gang": {"minMember": min_member} if min_member else {},
+                **({"failurePolicy": {"clusterLost": cluster_lost}} if cluster_lost else {}),
                 "tasks": [
                     {
                         "name": "worker",

@@ -56,6 +56,7 @@ async def test_the_pods_carry_gpufeds_labels_and_the_trace(
         "gpufed.io/min-member": "2",
         "gpufed.io/gang-size": "2",
         "gpufed.io/attempt": str(attempt),
+        "gpufed.io/cluster-lost": "requeue",  # the job's failurePolicy: what a fence does
     }
     assert first.template["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
     assert sorted(p.name for p in backend.pods_of("j1")) == names

@@ -25,6 +25,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- default (include "member-agent.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
 
+{{/* --broker: every broker replica's URL (broker.urls), or the one URL (broker.url). */}}
+{{- define "member-agent.brokerURLs" -}}
+{{- if .Values.broker.urls -}}
+{{- join "," .Values.broker.urls -}}
+{{- else -}}
+{{- required "broker.url (or broker.urls) is required" .Values.broker.url -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "member-agent.tokenSecret" -}}
 {{- if .Values.broker.token.create -}}
 {{- printf "%s-token" (include "member-agent.fullname" .) -}}

@@ -1,0 +1,424 @@
+"""Leader election on a store lease: one broker replica leads, the others follow.
+
+Run by `broker.app` as a background task (`Election.run`); `broker.dispatch.leading` starts
+the leader's work when `leading` is set and stops it when `following` is. SQLite is the
+one-replica mode: `Sole` always leads.
+
+The leader holds one key, `/gpufed/leader` (JSON: replica id, advertise URL, term), attached
+to a lease of `ttl` seconds that it keeps alive every ttl/3 (Kubernetes' Lease object with
+etcd's lease for the expiry). A candidate takes it in one transaction that compares the key
+absent and the term counter `/gpufed/term` unchanged since read, and puts both: the counter
++1 (not leased: it outlives every leader) and the leader key (leased). Exactly one candidate
+wins each vacancy, and the term grows by one with each new leader (Kubernetes'
+`leaseTransitions`). Followers watch the key and campaign the moment it is deleted: a leader
+that resigns (SIGTERM: the lease revoked) is replaced within a round trip, one killed with -9
+within its lease's TTL.
+
+Fencing (etcd's `Mutex.IsOwner`): the leader key is written once per term, so its mod
+revision names the term. Every leader write carries `fence()` — a compare on that revision —
+so a deposed leader's in-flight transaction fails instead of landing, whatever its process
+believes. `fence()` on a replica that does not lead raises NotLeaderError without writing.
+
+A replica id is unique among the live replicas (`<hostname>:<port>` by default): a replica
+restarted within its lease finds the key naming itself and takes it over at once (the
+earlier process is gone, or its writes fail on the new fence).
+
+A leader steps down (stops its work at once) when its lease is gone, when a fenced write
+finds the key changed (`lost_fence`), when the key is deleted or taken, or when it could not
+renew the lease for `ttl` less a safety margin: before the store can expire the lease and
+let another replica lead. It never dies of a store error: errors are logged, counted
+(`on_error`) and retried with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from broker.state import errors, store
+
+logger = logging.getLogger(__name__)
+
+LEADER_KEY = "/gpufed/leader"
+TERM_KEY = "/gpufed/term"
+DEFAULT_TTL = 5
+BACKOFF_INITIAL = 0.1
+BACKOFF_MAX = 2.0
+REVOKE_TIMEOUT = 1.0
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to `timeout` for `event`; True if it is set. Unlike `asyncio.wait_for` on
+    Python 3.11, a cancellation arriving as the event is set is never swallowed."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return bool(done)
+
+
+def check_cancelled() -> None:
+    """Raise CancelledError if the running task was asked to stop (a cancellation an
+    `asyncio.wait_for` of Python 3.11 swallowed as its awaitable completed)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+@dataclass(frozen=True)
+class Leader:
+    """Who leads, as the leader key says."""
+
+    replica: str
+    url: str | None
+    term: int
+    revision: int  # the leader key's mod revision: what fenced writes compare
+
+
+def encode_leader(replica: str, url: str | None, term: int) -> bytes:
+    return json.dumps({"replica": replica, "url": url, "term": term}, sort_keys=True).encode()
+
+
+def decode_leader(entry: store.Entry | store.WatchEvent) -> Leader:
+    """The leader a key names; a value that does not decode names an unknown leader."""
+    revision = entry.mod_revision if isinstance(entry, store.Entry) else entry.revision
+    try:
+        data = json.loads(entry.value)
+        url = data.get("url")
+        return Leader(str(data["replica"]), str(url) if url else None, int(data["term"]), revision)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        logger.warning("the leader key does not decode: %r", entry.value[:200])
+        return Leader("?", None, 0, revision)
+
+
+class Leadership(Protocol):
+    """Who leads, for the rest of the broker: `Election` (etcd) or `Sole` (SQLite)."""
+
+    replica: str
+    url: str | None  # this replica's advertise URL
+    replicated: bool  # several replicas share the store: the book must follow it
+    leading: asyncio.Event  # set while this replica leads
+    following: asyncio.Event  # set while it does not
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def term(self) -> int: ...
+
+    @property
+    def leader_url(self) -> str | None: ...
+
+    def fence(self) -> store.Compare | None:
+        """The compare every leader write carries (None: no fence needed); NotLeaderError
+        on a replica that does not lead."""
+        ...
+
+    def lost_fence(self, exc: errors.ConflictError) -> bool:
+        """True if `exc` is a fenced write refused because another term began (the replica
+        steps down)."""
+        ...
+
+    def on_change(self, callback: Callable[[], None]) -> None: ...
+
+    async def run(self) -> None: ...
+
+    async def resign(self) -> None: ...
+
+
+class Sole:
+    """The one replica of an SQLite store: always the leader, of term 1, with no fence."""
+
+    replicated = False
+
+    def __init__(self, replica: str, url: str | None) -> None:
+        self.replica = replica
+        self.url = url
+        self.leader = Leader(replica, url, 1, 0)
+        self.leading = asyncio.Event()
+        self.leading.set()
+        self.following = asyncio.Event()
+
+    @property
+    def is_leader(self) -> bool:
+        return True
+
+    @property
+    def term(self) -> int:
+        return 1
+
+    @property
+    def leader_url(self) -> str | None:
+        return self.leader.url
+
+    def fence(self) -> store.Compare | None:
+        return None
+
+    def lost_fence(self, exc: errors.ConflictError) -> bool:
+        return False
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        pass  # it never changes
+
+    async def run(self) -> None:
+        return None
+
+    async def resign(self) -> None:
+        return None
+
+
+class Election:
+    """Campaigns for the leader key, keeps the lease alive while leading, follows otherwise."""
+
+    replicated = True
+
+    def __init__(
+        self,
+        backing: store.DurableStore,
+        *,
+        replica: str,
+        url: str | None,
+        ttl: int = DEFAULT_TTL,
+        on_error: Callable[[], None] | None = None,
+    ) -> None:
+        if ttl < 1:
+            raise ValueError(f"the leader lease needs at least 1 s, not {ttl}")
+        self.backing = backing
+        self.replica = replica
+        self.url = url
+        self.ttl = ttl
+        self.safety = min(1.0, ttl * 0.2)  # stop leading this long before the lease may end
+        self.leading = asyncio.Event()
+        self.following = asyncio.Event()
+        self.following.set()
+        self.leader: Leader | None = None  # as last seen (this replica while it leads)
+        self.reason = ""  # why the latest term of this replica ended
+        self._on_error = on_error
+        self._callbacks: list[Callable[[], None]] = []
+        self._lease: int | None = None
+        self._renewed_at = 0.0  # monotonic: when the latest successful keep-alive was sent
+        self._stop = asyncio.Event()  # ends the current term
+        self._resigned = False
+
+    # ---- what the broker reads ------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leading.is_set()
+
+    @property
+    def term(self) -> int:
+        return self.leader.term if self.leader is not None else 0
+
+    @property
+    def leader_url(self) -> str | None:
+        return self.leader.url if self.leader is not None else None
+
+    def fence(self) -> store.Compare | None:
+        leader = self.leader
+        if not self.is_leader or leader is None:
+            raise errors.NotLeaderError(
+                f"replica {self.replica} is not the leader", revisions={LEADER_KEY: 0}
+            )
+        return store.Compare(LEADER_KEY, leader.revision)
+
+    def lost_fence(self, exc: errors.ConflictError) -> bool:
+        if LEADER_KEY not in exc.revisions:
+            return False
+        self.step_down("a fenced write found another term's leader key")
+        return True
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def step_down(self, reason: str) -> None:
+        """Stop leading now (the leader work stops when `following` is set)."""
+        if not self.is_leader:
+            return
+        self.reason = reason
+        logger.warning("replica %s stops leading (term %d): %s", self.replica, self.term, reason)
+        self.leader = None
+        self.leading.clear()
+        self.following.set()
+        self._stop.set()
+        self._changed()
+
+    async def resign(self) -> None:
+        """Give the leadership up and campaign no more (SIGTERM): the lease is revoked, its
+        key deleted, and a follower takes over within a round trip."""
+        self._resigned = True
+        lease, self._lease = self._lease, None
+        self.step_down("resigned")
+        if lease is not None:
+            await self._revoke(lease)
+
+    # ---- the election ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Campaign, lead, follow, until cancelled or resigned; never dies of an error."""
+        delay = BACKOFF_INITIAL
+        while not self._resigned:
+            check_cancelled()
+            try:
+                await self._round()
+                delay = BACKOFF_INITIAL
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.step_down(f"the election failed: {exc}")
+                if self._on_error is not None:
+                    self._on_error()
+                logger.warning("leader election: %s; again in %.2f s", exc, delay)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, BACKOFF_MAX)
+
+    async def _round(self) -> None:
+        current = await self.backing.get(LEADER_KEY)
+        if current is None or decode_leader(current).replica == self.replica:
+            # vacant, or held by this replica before (restarted within its lease: a replica
+            # id is unique among live replicas): take it
+            self._note(None)
+            if await self._campaign(current):
+                await self._lead()
+            return
+        self._note(decode_leader(current))
+        await self._wait_change(current.mod_revision)
+
+    def _note(self, leader: Leader | None) -> None:
+        """Who leads, as a follower sees it."""
+        if self.is_leader or leader == self.leader:
+            return
+        self.leader = leader
+        if leader is not None:
+            logger.info("replica %s follows %s (term %d)", self.replica, leader.url, leader.term)
+        self._changed()
+
+    async def _wait_change(self, revision: int) -> None:
+        """Return once the leader key is deleted (campaign), or after `ttl` (look again)."""
+        gone = asyncio.Event()
+
+        async def follow() -> None:
+            async for event in self.backing.watch(LEADER_KEY, start_revision=revision + 1):
+                if event.key != LEADER_KEY:
+                    continue
+                if event.type == store.EventType.DELETE:
+                    self._note(None)
+                    gone.set()
+                    return
+                self._note(decode_leader(event))
+
+        following = asyncio.create_task(follow(), name="leader-watch")
+        try:
+            await wait_event(gone, self.ttl)
+        finally:
+            following.cancel()
+            with contextlib.suppress(BaseException):  # its stream ends on its own time
+                await asyncio.wait({following}, timeout=REVOKE_TIMEOUT)
+        if following.done() and not following.cancelled() and following.exception():
+            raise following.exception()  # type: ignore[misc]
+
+    async def _campaign(self, current: store.Entry | None) -> bool:
+        """Take the leader key (vacant, or `current`: this replica's own) for the next term;
+        True if this replica won."""
+        if self._resigned:
+            return False
+        started = time.monotonic()  # the lease runs from no earlier than this
+        lease = await self.backing.grant_lease(self.ttl)
+        try:
+            counter = await self.backing.get(TERM_KEY)
+            term = int(counter.value) + 1 if counter is not None else 1
+            revision = await self.backing.commit(
+                store.Txn(
+                    compares=[
+                        store.Compare(LEADER_KEY, current.mod_revision if current else 0),
+                        store.Compare(TERM_KEY, counter.mod_revision if counter else 0),
+                    ],
+                    puts=[
+                        (TERM_KEY, str(term).encode()),
+                        (LEADER_KEY, encode_leader(self.replica, self.url, term)),
+                    ],
+                    lease=lease,
+                    lease_keys=frozenset({LEADER_KEY}),
+                )
+            )
+        except BaseException as exc:
+            await self._revoke(lease)
+            if isinstance(exc, errors.ConflictError):
+                return False  # another replica won this vacancy: follow it
+            raise
+        if self._resigned_meanwhile():  # SIGTERM while campaigning: give it back at once
+            await self._revoke(lease)
+            return False
+        self._lease = lease
+        self._renewed_at = started
+        self.leader = Leader(self.replica, self.url, term, revision)
+        self.reason = ""
+        self._stop.clear()
+        self.following.clear()
+        self.leading.set()
+        logger.warning("replica %s leads, term %d (fence at %d)", self.replica, term, revision)
+        self._changed()
+        return True
+
+    def _resigned_meanwhile(self) -> bool:
+        return self._resigned
+
+    async def _lead(self) -> None:
+        """Keep the lease alive every ttl/3 until the term ends."""
+        try:
+            while self.is_leader:
+                check_cancelled()
+                deadline = self._renewed_at + self.ttl - self.safety
+                pause = min(self.ttl / 3, max(0.0, deadline - time.monotonic()))
+                await wait_event(self._stop, pause)
+                if not self.leading.is_set():  # stepped down while waiting
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.step_down(f"its lease was not renewed for {self.ttl - self.safety:g} s")
+                    break
+                await self._renew(timeout=max(0.05, min(self.ttl / 3, left)))
+        finally:
+            lease, self._lease = self._lease, None
+            self.step_down(self.reason or "the term ended")
+            if lease is not None:
+                await self._revoke(lease)
+
+    async def _renew(self, *, timeout: float) -> None:
+        lease, leader = self._lease, self.leader
+        if lease is None or leader is None:
+            return
+        sent = time.monotonic()
+        try:
+            await asyncio.wait_for(self.backing.keep_alive(lease), timeout)
+            self._renewed_at = sent
+            entry = await asyncio.wait_for(self.backing.get(LEADER_KEY), timeout)
+        except errors.LeaseExpiredError:
+            self.step_down("its lease expired")
+            return
+        except (errors.StoreError, TimeoutError) as exc:
+            if self._on_error is not None:
+                self._on_error()
+            logger.warning("keeping the leader lease alive failed: %s", str(exc) or "timed out")
+            return
+        if entry is None or entry.mod_revision != leader.revision:
+            self.step_down("the leader key was deleted or taken")
+
+    async def _revoke(self, lease: int) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.backing.revoke_lease(lease), REVOKE_TIMEOUT)
+
+    def _changed(self) -> None:
+        for callback in self._callbacks:
+            try:
+                callback()
+            except Exception:
+                logger.exception("leadership change callback failed")

@@ -1,0 +1,67 @@
+"""One page of a job list over the live jobs and the history together (`GET /v1/jobs`).
+
+The caller hands over the jobs it holds in memory (the book: live jobs and the finished ones
+not yet retired) and the history store; the page follows the order of `query.py` (live jobs
+newest created first, then finished ones newest finished first) across both. A job found in
+both (retired into history, not yet dropped from the book) is listed once, the book's copy.
+
+Read the book before the history, as `page_jobs` does: a job retired between the two reads
+is then found twice (and listed once), never missed. The book part costs one pass over the
+records handed in (filter, then the `limit + 1` greatest keys); the history part one page
+query.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from operator import itemgetter
+
+from broker.api import status
+from broker.state.history import protocol
+from broker.state.history import query as queries
+
+
+def needs_history(query: queries.JobQuery) -> bool:
+    """Whether finished jobs can match (not when a live state is asked for)."""
+    return query.state is None or query.state.terminal
+
+
+async def page_jobs(
+    held: Iterable[status.JobRecord],
+    history: protocol.HistoryStore | None,
+    query: queries.JobQuery,
+    *,
+    limit: int,
+    cont: str | None = None,
+) -> protocol.Page:
+    """Up to `limit` jobs `query` selects after the position `cont` names, from `held` (the
+    records in memory) and `history` (None: none configured)."""
+    protocol.check_limit(limit)
+    after = queries.decode(cont, query) if cont else None
+    candidates = []
+    for record in held:
+        if query.matches(record):
+            key = queries.Cursor.of(record)
+            if after is None or key < after:
+                candidates.append((key, record))
+    merged = heapq.nlargest(limit + 1, candidates, key=itemgetter(0))
+    history_next: str | None = None
+    live_before_history = sum(1 for key, _ in merged if key.live)
+    if history is not None and needs_history(query) and live_before_history <= limit:
+        found = await history.page(query, limit=limit, cont=cont)
+        history_next = found.next
+        seen = {record.id for _, record in merged}
+        merged += [
+            (queries.Cursor.of(record), record) for record in found.items if record.id not in seen
+        ]
+        merged.sort(key=itemgetter(0), reverse=True)
+        if history_next is not None:  # past the last row history read, it is not yet known
+            boundary = queries.decode(history_next, query)
+            merged = [item for item in merged if item[0] >= boundary]
+    page = merged[:limit]
+    if not page:  # history's rows were all unreadable: go on where it stopped
+        return protocol.Page([], history_next)
+    more = len(merged) > limit or history_next is not None
+    token = queries.encode(page[-1][0], query) if more else None
+    return protocol.Page([record for _, record in page], token)
