@@ -15,12 +15,16 @@ the queries themselves take 0.5-2 ms here). The data lives in `--dir` (default: 
 temporary folder, on disk, not tmpfs); PostgreSQL is pgserver's (as configured by it) or
 Debian's (fsync off), started there by tests/postgresserver.py. Figures only; asserts nothing.
 These machines are shared: compare medians, and read a p99 with the load beside it.
+`--gc-freeze` moves what the process holds out of the cyclic collector's reach before the
+figures (`gc.freeze()`, as a broker would after loading its book): most of a page's p99
+beyond its median is otherwise a full collection scanning the heap.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -249,6 +253,9 @@ async def bench(name: str, url: str, args: argparse.Namespace, size: Sizer) -> N
     began = time.perf_counter()
     history = await opening.open_history(url)  # the figures of a broker that restarted
     print(f"  opened again in {(time.perf_counter() - began) * 1e3:.0f} ms", flush=True)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     try:
         await measure(history, args.samples, ids)
     finally:
@@ -303,4 +310,5 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--stores", default="sqlite,postgres")
     parser.add_argument("--dir", default=None, help="where the data goes (default: /tmp)")
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before measuring")
     asyncio.run(main(parser.parse_args()))
