@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,18 @@ async def run_to_success(api: client.BrokerClient, name: str) -> tuple[str, floa
     return job_id, dispatched
 
 
+async def why_with_reasons(
+    fleet: processes.LocalFleet, broker: processes.Service, job_id: str
+) -> dict[str, Any]:
+    """`broker`'s answer to why, once a cycle has given reasons."""
+    async with fleet.client("team-a", url=broker.url) as api:
+        deadline = time.monotonic() + 10
+        while not (answer := await api.why(job_id))["reasons"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+    assert answer["reasons"], answer
+    return answer
+
+
 def report(fleet: processes.LocalFleet) -> None:
     for service in [*fleet.brokers, *fleet.agents.values()]:
         if service.process.returncode not in (0, -15, -9, None):
@@ -78,6 +91,13 @@ async def test_three_brokers_one_leader_and_sigterm_hands_over(
         follower = next(b for b in fleet.brokers if b is not leader)
         async with fleet.client("team-a", url=follower.url) as api:
             await run_to_success(api, "before")
+            # why a job waits is the leader's cycle's to say: a follower forwards the question
+            doc = json.dumps(make_job("too-wide", gpus=8).gang(40).document())
+            waits = (await api.submit(doc))["id"]
+            await why_with_reasons(fleet, leader, waits)
+            said = await api.why(waits)
+            assert said["reasons"] and said == await why_with_reasons(fleet, leader, waits)
+            await api.cancel(waits)
 
         handovers = []
         for round_ in range(3):

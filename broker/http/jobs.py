@@ -10,7 +10,7 @@ import pydantic
 from aiohttp import web
 
 from broker.api import errors, jobs, queues, status
-from broker.http import auth, documents, keys
+from broker.http import auth, documents, forwarding, keys
 from broker.jobs import service, transitions
 from broker.planning import quotas
 from broker.state import registry
@@ -142,9 +142,30 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 
 async def why(request: web.Request) -> web.Response:
+    """Why the job waits. The cycle's reasons live with the leader: a follower forwards
+    the question for a queued job (`forwarding`), and answers from its own cache, saying so,
+    when the leader does not answer."""
     book = request.app[keys.JOBS]
     record = await _find(request, book)
+    leadership = request.app.get(keys.LEADERSHIP)
+    asked_leader = False
+    queued = record.status.state == status.JobState.QUEUED
+    if queued and leadership is not None and not leadership.is_leader:
+        leader = leadership.leader_url
+        if forwarding.forwardable(request, leader, leadership.url):
+            assert leader is not None
+            asked_leader = True
+            answered = await forwarding.ask_leader(request, leader)
+            if answered is not None:
+                return web.json_response(answered)
     answer = why_answer(record, book, request.app.get(keys.QUEUES))
+    if asked_leader and not answer.reasons:
+        answer = answer.model_copy(
+            update={
+                "message": f"{answer.message} (the leader did not answer: its cycles hold "
+                "the reasons)"
+            }
+        )
     return web.json_response(answer.model_dump(mode="json", by_alias=True))
 
 
@@ -215,3 +236,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/jobs/{job_id}", get_job)
     app.router.add_delete("/v1/jobs/{job_id}", cancel_job)
     app.router.add_get("/v1/jobs/{job_id}/why", why)
+    app.on_cleanup.append(forwarding.close)

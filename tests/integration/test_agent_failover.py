@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import sys
 import time
@@ -37,12 +38,14 @@ class Refusing:
         self.leader = leader
         self.attempts = 0
         self.refused_at = 0.0  # monotonic, the latest refusal
+        self.times: list[float] = []  # monotonic, every refusal
         self.app = web.Application()
         self.app.router.add_get("/v1/agents/connect", self.connect)
 
     async def connect(self, request: web.Request) -> web.Response:
         self.attempts += 1
         self.refused_at = time.monotonic()
+        self.times.append(self.refused_at)
         if self.status == 409:
             body = {
                 "type": brokers.NOT_LEADER,
@@ -79,7 +82,9 @@ def url_of(server: TestServer) -> str:
 
 
 @contextlib.asynccontextmanager
-async def running_agent(tmp_path: Path, broker_url: str) -> AsyncIterator[fakebroker.Agent]:
+async def running_agent(
+    tmp_path: Path, broker_url: str, *, max_backoff: float = 0.2
+) -> AsyncIterator[fakebroker.Agent]:
     token_file = tmp_path / "token"
     token_file.write_text(fakebroker.TOKEN + "\n")
     nodes = builders.write_cluster(tmp_path)
@@ -88,7 +93,9 @@ async def running_agent(tmp_path: Path, broker_url: str) -> AsyncIterator[fakebr
         cluster="small",
         token_file=token_file,
         nodes_file=nodes,
-        backoff=app.BackoffSettings(initial_seconds=0.05, max_seconds=0.2, auth_retry_seconds=0.3),
+        backoff=app.BackoffSettings(
+            initial_seconds=0.05, max_seconds=max_backoff, auth_retry_seconds=0.3
+        ),
         summary_interval_seconds=0.02,
         failure_grace_seconds=0,
     )
@@ -146,6 +153,27 @@ async def test_a_follower_that_knows_no_leader_sends_the_agent_down_the_list(
     ):
         await fake.wait_for_hellos(1, timeout=3)
         assert follower.attempts == 1
+
+
+async def test_while_replicas_refuse_the_agent_asks_at_their_retry_after_not_slower(
+    tmp_path: Path,
+) -> None:
+    """After a leader's kill -9 the followers name it until its lease expires: the agent
+    follows it (nothing answers), goes down the list, is refused again... With a 5 s backoff
+    ceiling it would soon wait up to 5 s and miss the new leader by as much; a replica's
+    Retry-After (1 s) caps the wait instead."""
+    dead = f"http://127.0.0.1:{processes.free_port()}"  # the killed leader
+    first, second = Refusing(leader=dead), Refusing(leader=dead)
+    async with (
+        serving(first.app) as one,
+        serving(second.app) as two,
+        running_agent(tmp_path, f"{url_of(one)},{url_of(two)}", max_backoff=5.0),
+    ):
+        await asyncio.sleep(6.0)
+    times = sorted(first.times + second.times)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(times) >= 5, times
+    assert max(gaps) <= 1.5, [round(g, 2) for g in gaps]
 
 
 async def test_a_token_refused_before_any_session_stops_the_agent_with_the_reason(

@@ -6,6 +6,9 @@ full summary, then read offers and cancels (handled one at a time by `jobs.handl
 and write replies, job updates, summaries and heartbeats. Silence for three heartbeat intervals
 drops the session; it is opened again with exponential backoff and jitter, on the next broker
 URL after a connection failure, on the leader a follower names after a 409 (`brokers`).
+Once a replica has answered 409, the brokers are up and choosing a leader: until a session is
+welcomed, no wait is longer than the replica's Retry-After (a dead leader it still names, and
+the next URL, are tried at that pace rather than at the backoff's ceiling).
 A 401/403 is permanent until the token changes: an agent that no broker has welcomed yet and
 that holds no running job exits with the reason (`brokers.AuthError` out of `run`); otherwise
 it is logged and retried slowly (exiting would leave its pods unfenced).
@@ -199,8 +202,10 @@ class Connector:
 
     async def _connect(self, http: aiohttp.ClientSession, stop: asyncio.Event) -> None:
         attempt = 0
+        redirected: float | None = None  # a replica's Retry-After since the last welcome
         while not stop.is_set():
             delay = None
+            refused = False  # the token was refused: its own, slow retry
             broker = self.brokers.current
             self._welcomed = False
             try:
@@ -209,6 +214,7 @@ class Connector:
                 break
             except brokers.NotLeader as exc:
                 self.failures += 1
+                redirected = exc.retry_after
                 followed = self.brokers.not_leader(exc.leader)
                 logger.info(
                     "broker %s is not the leader (%s): connecting to %s",
@@ -222,6 +228,7 @@ class Connector:
                     delay = exc.retry_after
             except brokers.AuthError as exc:
                 self.failures += 1
+                refused = True
                 if self.sessions == 0 and not self.handler.holds_live_jobs():
                     logger.error(
                         "broker %s refused cluster %s: %s; fix the token (stopping)",
@@ -255,6 +262,7 @@ class Connector:
                 break
             if self._welcomed:  # a session that worked: the same broker again, soon
                 attempt = 0
+                redirected = None
             if delay is None or delay > 0:
                 backoff = backoff_delay(
                     attempt,
@@ -263,6 +271,10 @@ class Connector:
                 )
                 attempt += 1
                 delay = backoff if delay is None else max(delay, backoff)
+                if redirected is not None and not refused:
+                    # a replica answered: the brokers are up and a leader is being chosen;
+                    # ask again as often as they said, not at the backoff's ceiling
+                    delay = min(delay, redirected)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
 
