@@ -11,15 +11,25 @@ from pathlib import Path
 
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from broker.api import leases
 from broker.api.queues import QueueMode
 from broker.dispatch import connecting, leading
 from broker.http import auth, clusters, jobs, keys, openapi, problems, queues
 from broker.jobs import fleet, scheduling, service, watching
-from broker.state import electing, opening, probing, quarantine, records, registry, store
-from broker.telemetry import metrics
+from broker.state import (
+    electing,
+    etcd_credentials,
+    opening,
+    probing,
+    quarantine,
+    records,
+    registry,
+    store,
+)
+from broker.state.history import protocol as history_store
+from broker.telemetry import metrics, stalls
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +39,12 @@ class BrokerSettings(BaseModel):
 
     store: str = "sqlite:///.gpufed/broker.db"
     tokens_file: Path = Path("config/tokens.yaml")
+    # the tokens file is read again when it changes (looked at this often: a change applies
+    # within two looks, so a revoked token is refused within 5 s) and on SIGHUP
+    tokens_poll_seconds: float = Field(1.0, gt=0, le=2.0)
+    reload_tokens_on_sighup: bool = False  # the service sets it; tests of many apps don't
+    # /metrics without a token (a scraper that cannot send one); else admin, metrics, viewer
+    metrics_public: bool = False
     host: str = "127.0.0.1"
     port: int = 8080
     heartbeat_seconds: float = 5.0
@@ -50,6 +66,27 @@ class BrokerSettings(BaseModel):
     # the leader's lease: a leader killed with -9 is replaced within it (plus one cycle)
     leader_lease_seconds: int = Field(electing.DEFAULT_TTL, ge=1, le=300)
     replica_id: str | None = None  # default <hostname>:<port>; unique among the replicas
+    # etcd over TLS: the CA of etcd's certificate, a client certificate and its key (mTLS)
+    etcd_ca_file: Path | None = None
+    etcd_cert_file: Path | None = None
+    etcd_key_file: Path | None = None
+    # etcd's authentication: a user, its password from a file or given (GPUFED_ETCD_PASSWORD)
+    etcd_user: str | None = None
+    etcd_password_file: Path | None = None
+    etcd_password: SecretStr | None = None
+    # where finished jobs go (sqlite:///path | postgresql://...); None: history.db beside an
+    # SQLite store, none for etcd (give one: replicated brokers share it); "none": no history
+    history: str | None = None
+    # a finished job stays in the store (and memory) this long, then moves to history
+    retain_finished_seconds: float = Field(3600.0, ge=0)
+    # history keeps a finished job this long, then prunes it
+    history_ttl_seconds: float = Field(7 * 86400.0, gt=0)
+
+    @property
+    def history_url(self) -> str | None:
+        if self.history == "none":
+            return None
+        return self.history or opening.default_history_url(self.store)
 
     @property
     def advertised(self) -> str:
@@ -67,10 +104,45 @@ class BrokerSettings(BaseModel):
             raise ValueError(problem)
         return self
 
+    @model_validator(mode="after")
+    def _etcd_credentials(self) -> BrokerSettings:
+        given = {
+            "--etcd-ca": self.etcd_ca_file,
+            "--etcd-cert": self.etcd_cert_file,
+            "--etcd-key": self.etcd_key_file,
+            "--etcd-user": self.etcd_user,
+            "--etcd-password-file": self.etcd_password_file,
+        }
+        flags = [flag for flag, value in given.items() if value is not None]
+        if flags and not self.store.startswith(opening.ETCD_SCHEME):
+            raise ValueError(f"{', '.join(flags)}: only for an etcd store, not {self.store}")
+        self.load_etcd_credentials()  # every file read now: a bad one stops the start
+        return self
+
+    def load_etcd_credentials(self) -> etcd_credentials.EtcdCredentials:
+        """The etcd store's TLS files and user, checked; ValueError naming the flag."""
+        return etcd_credentials.load_credentials(
+            ca_file=self.etcd_ca_file,
+            cert_file=self.etcd_cert_file,
+            key_file=self.etcd_key_file,
+            user=self.etcd_user,
+            password_file=self.etcd_password_file,
+            password=self.etcd_password.get_secret_value() if self.etcd_password else None,
+        )
+
 
 def create_app(settings: BrokerSettings) -> web.Application:
-    app = web.Application(client_max_size=jobs.MAX_BODY, middlewares=[problems.problems_middleware])
-    app[auth.AUTHENTICATOR] = auth.Authenticator.from_file(settings.tokens_file)
+    app = web.Application(
+        client_max_size=jobs.MAX_BODY,
+        middlewares=[problems.problems_middleware, auth.middleware],  # errors, then who asks
+    )
+    auth.install(  # the tokens, followed while the broker runs; each route's roles
+        app,
+        settings.tokens_file,
+        poll_seconds=settings.tokens_poll_seconds,
+        sighup=settings.reload_tokens_on_sighup,
+        metrics_public=settings.metrics_public,
+    )
     queue_registry = registry.QueueRegistry.from_file(
         settings.queues_file, mode=settings.queue_mode
     )
@@ -91,7 +163,9 @@ def create_app(settings: BrokerSettings) -> web.Application:
     app.router.add_get("/metrics", make_aiohttp_handler(registry=meters.registry))
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
-        backing = await opening.open_store(settings.store)
+        backing = await opening.open_store(
+            settings.store, credentials=settings.load_etcd_credentials()
+        )
         job_store = records.JobStore(
             backing,
             observe=lambda op, seconds: meters.store_latency.labels(op=op).observe(seconds),
@@ -110,6 +184,8 @@ def create_app(settings: BrokerSettings) -> web.Application:
             idempotency_window=settings.idempotency_window_seconds,
             leadership=leadership,
         )
+        history = await _open_history(settings)
+        book.book.history = history
         loaded_at = await book.load()
         # what is loaded now lives as long as the broker: keep it out of the collector's
         # full passes, which otherwise stall scheduling cycles for milliseconds
@@ -171,10 +247,12 @@ def create_app(settings: BrokerSettings) -> web.Application:
             meters=meters,
             make_scheduler=make_scheduler,
             watch=watch,
+            retention=(settings.retain_finished_seconds, settings.history_ttl_seconds),
         )
         app[keys.LEADER_WORK] = work
         meters.store_up.set(1)
         tasks = [
+            asyncio.create_task(stalls.LoopMonitor(meters.loop_lag).run(), name="loop-monitor"),
             asyncio.create_task(probing.probe_store(backing, store_answers), name="store-probe"),
             asyncio.create_task(book.run_flusher(), name="group-commit"),
             asyncio.create_task(queue_registry.follow(backing), name="queues-watch"),
@@ -217,6 +295,8 @@ def create_app(settings: BrokerSettings) -> web.Application:
         await hand_over()
         for task in tasks:
             await scheduling.stop_task(task)
+        if history is not None:
+            await history.close()
         await backing.close()
 
     app.cleanup_ctx.append(lifespan)
@@ -246,3 +326,24 @@ def _leadership(
     leadership.on_change(changed)
     changed()
     return leadership
+
+
+async def _open_history(settings: BrokerSettings) -> history_store.HistoryStore | None:
+    """The history store the settings name, opened; None (with a warning) if there is none:
+    finished jobs then stay in the store."""
+    url = settings.history_url
+    if url is None:
+        logger.warning(
+            "no history store (--history): finished jobs stay in %s and in memory; give "
+            "--history postgresql://... (shared by the replicas) to move them out",
+            settings.store.split("://", 1)[0],
+        )
+        return None
+    history = await opening.open_history(url)
+    logger.info(
+        "finished jobs move to history %s after %g s, pruned after %g s",
+        url.split("@")[-1],
+        settings.retain_finished_seconds,
+        settings.history_ttl_seconds,
+    )
+    return history

@@ -1,10 +1,14 @@
 """End-to-end throughput and latency with real processes: etcd, a broker, 3 simulated clusters.
 
     .venv/bin/python -m e2e.bench_throughput [--store etcd|sqlite] [--jobs 2000] [--rate 200]
+                                             [--batch N]
 
 Two runs, figures printed (no assertions; these machines are shared and noisy):
 1. burst: submit `--jobs` gang jobs (`--pods` pods of 1 GPU each) as fast as 64 clients can,
    and time until every pod is placed (job Dispatched→accepted by an agent): pods placed/s.
+   With `--batch N`, a second burst of as many jobs follows on the same fleet, sent through
+   `POST /v1/jobs:batch` in batches of N (8 clients), and both figures are printed side by
+   side: submits/s and pods/s of the single route and of the batch route.
 2. paced: submit at `--rate` jobs/s for `--seconds`, and report submit→dispatched latency
    percentiles from the broker's own event times.
 """
@@ -54,39 +58,41 @@ def write_cluster(path: Path, name: str, nodes: int) -> None:
 
 
 def job_doc(n: int, pods: int) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "gpufed.io/v1",
-            "kind": "GPUJob",
-            "metadata": {"name": f"bench-{n}"},
-            "spec": {
-                "queue": "bench",
-                "tasks": [
-                    {
-                        "name": "w",
-                        "replicas": pods,
-                        "template": {
-                            "metadata": {"annotations": {"gpufed.io/sim-duration": "3600"}},
-                            "spec": {
-                                "containers": [
-                                    {
-                                        "name": "c",
-                                        "resources": {
-                                            "limits": {
-                                                "nvidia.com/gpu": 1,
-                                                "cpu": "1",
-                                                "memory": "1Gi",
-                                            }
-                                        },
-                                    }
-                                ]
-                            },
+    return json.dumps(job_body(n, pods))
+
+
+def job_body(n: int, pods: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "gpufed.io/v1",
+        "kind": "GPUJob",
+        "metadata": {"name": f"bench-{n}"},
+        "spec": {
+            "queue": "bench",
+            "tasks": [
+                {
+                    "name": "w",
+                    "replicas": pods,
+                    "template": {
+                        "metadata": {"annotations": {"gpufed.io/sim-duration": "3600"}},
+                        "spec": {
+                            "containers": [
+                                {
+                                    "name": "c",
+                                    "resources": {
+                                        "limits": {
+                                            "nvidia.com/gpu": 1,
+                                            "cpu": "1",
+                                            "memory": "1Gi",
+                                        }
+                                    },
+                                }
+                            ]
                         },
-                    }
-                ],
-            },
-        }
-    )
+                    },
+                }
+            ],
+        },
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -102,48 +108,72 @@ def _time(job: dict[str, Any], state: str) -> datetime | None:
 
 
 async def accepted_offers(fleet: processes.LocalFleet) -> int:
-    """Offers the agents accepted, from the broker's /metrics (cheap to poll)."""
-    async with aiohttp.ClientSession() as session, session.get(f"{fleet.url}/metrics") as resp:
+    """Offers the agents accepted, from the broker's /metrics (cheap to poll); or, if more,
+    jobs that reached Running: an agent whose session closed before it answered (silent
+    under load, or the broker lost and took the lead again) has its jobs reconciled at its
+    next hello, Running without an accepted offer."""
+    scraper = {"Authorization": f"Bearer {fleet.tokens['metrics']}"}
+    async with (
+        aiohttp.ClientSession(headers=scraper) as session,
+        session.get(f"{fleet.url}/metrics") as resp,
+    ):
         text = await resp.text()
+    accepted = running = 0.0
     for family in text_string_to_metric_families(text):
         if family.name == "gpufed_placements":
-            return int(
-                sum(
-                    s.value
-                    for s in family.samples
-                    if s.name.endswith("_total") and s.labels.get("result") == "accepted"
-                )
+            accepted = sum(
+                s.value
+                for s in family.samples
+                if s.name.endswith("_total") and s.labels.get("result") == "accepted"
             )
-    return 0
+        elif family.name == "gpufed_job_submit_to_running_seconds":
+            running = sum(s.value for s in family.samples if s.name.endswith("_count"))
+    return int(max(accepted, running))
 
 
-async def burst(fleet: processes.LocalFleet, jobs: int, pods: int) -> None:
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for n in range(jobs):
-        queue.put_nowait(n)
+async def burst(
+    fleet: processes.LocalFleet, jobs: int, pods: int, *, batch: int = 0, first: int = 0
+) -> tuple[float, float]:
+    """Submit `jobs` jobs (numbered from `first`): through the single route from 64 clients,
+    or (`batch` N) in batches of N from 8; returns (submits/s, pods placed/s)."""
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    numbers = list(range(first, first + jobs))
+    size = batch or 1
+    for start in range(0, jobs, size):
+        queue.put_nowait(numbers[start : start + size])
+    refused = 0
+    placed_before = await accepted_offers(fleet)
     async with fleet.client("bench") as api:
 
         async def worker() -> None:
+            nonlocal refused
             while not queue.empty():
-                await api.submit(job_doc(queue.get_nowait(), pods))
+                chunk = queue.get_nowait()
+                if not batch:
+                    await api.submit(job_doc(chunk[0], pods))
+                    continue
+                answer = await api.submit_batch([{"job": job_body(n, pods)} for n in chunk])
+                refused += answer["failed"]
 
         started = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(64)])
+        await asyncio.gather(*[worker() for _ in range(8 if batch else 64)])
         submitted = time.perf_counter() - started
         while True:
-            placed = await accepted_offers(fleet)
-            if placed >= jobs:
+            placed = await accepted_offers(fleet) - placed_before
+            if placed >= jobs - refused:
                 break
             if time.perf_counter() - started > 600:
                 print(f"burst: only {placed}/{jobs} placed after 600 s")
                 break
             await asyncio.sleep(0.05)
         elapsed = time.perf_counter() - started
+    route = f"batches of {batch}" if batch else "single route"
     print(
-        f"burst: {jobs} jobs x {pods} pods submitted in {submitted:.2f}s "
-        f"({jobs / submitted:.0f} jobs/s); all {jobs * pods} pods placed in {elapsed:.2f}s "
-        f"= {jobs * pods / elapsed:.0f} pods/s"
+        f"burst ({route}): {jobs} jobs x {pods} pods submitted in {submitted:.2f}s "
+        f"({jobs / submitted:.0f} jobs/s{f', {refused} refused' if refused else ''}); "
+        f"all {jobs * pods} pods placed in {elapsed:.2f}s = {jobs * pods / elapsed:.0f} pods/s"
     )
+    return jobs / submitted, jobs * pods / elapsed
 
 
 async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> None:
@@ -187,7 +217,14 @@ async def main(args: argparse.Namespace) -> None:
             f"store={args.store}, 3 clusters x {args.nodes} nodes x 8 GPUs, 2 cores shared by "
             f"client, broker, agents{' and etcd' if server else ''}"
         )
-        await burst(fleet, args.jobs, args.pods)
+        single = await burst(fleet, args.jobs, args.pods)
+        if args.batch:
+            batched = await burst(fleet, args.jobs, args.pods, batch=args.batch, first=args.jobs)
+            print(
+                f"submits/s: single route {single[0]:.0f}, batches of {args.batch} "
+                f"{batched[0]:.0f} ({batched[0] / single[0]:.1f}x); pods/s: single route "
+                f"{single[1]:.0f}, batches {batched[1]:.0f}"
+            )
         await paced(fleet, args.rate, args.seconds)
     finally:
         await fleet.stop()
@@ -205,4 +242,11 @@ if __name__ == "__main__":
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--rate", type=float, default=200)
     parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then a second burst through POST /v1/jobs:batch in batches of N (at most 1000)",
+    )
     asyncio.run(main(parser.parse_args()))

@@ -115,7 +115,11 @@ async def metric(fleet: processes.LocalFleet, name: str) -> float:
     """The sum of a metric's samples in the broker's /metrics."""
     import aiohttp
 
-    async with aiohttp.ClientSession() as session, session.get(f"{fleet.url}/metrics") as response:
+    scraper = {"Authorization": f"Bearer {fleet.tokens['metrics']}"}
+    async with (
+        aiohttp.ClientSession(headers=scraper) as session,
+        session.get(f"{fleet.url}/metrics") as response,
+    ):
         text = await response.text()
     pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
     return sum(float(value) for value in pattern.findall(text))

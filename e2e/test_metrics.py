@@ -46,8 +46,10 @@ class Scrape:
         return {tuple(have[k] for k in keys) for have, _ in self.samples.get(name, [])}
 
 
-async def scrape(url: str) -> Scrape:
-    async with aiohttp.ClientSession() as session, session.get(url) as response:
+async def scrape(url: str, *, token: str | None = None) -> Scrape:
+    """`url` scraped as Prometheus does, with the bearer token `token` (the broker's)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession(headers=headers) as session, session.get(url) as response:
         assert response.status == 200, url
         assert response.content_type == "text/plain"
         text = await response.text()
@@ -70,11 +72,13 @@ async def wait_state(api: Any, job_id: str, states: set[str], *, timeout: float 
     raise AssertionError(f"{job_id} not in {states} after {timeout}s")
 
 
-async def wait_for(check: Any, url: str, *, timeout: float = 10.0) -> Scrape:
+async def wait_for(
+    check: Any, url: str, *, token: str | None = None, timeout: float = 10.0
+) -> Scrape:
     """Scrape `url` until `check(scrape)` holds (gauges follow the agent's reports)."""
     deadline = time.monotonic() + timeout
     while True:
-        page = await scrape(url)
+        page = await scrape(url, token=token)
         if check(page) or time.monotonic() > deadline:
             return page
         await asyncio.sleep(0.1)
@@ -111,9 +115,10 @@ async def run_job_and_scrape(fleet: processes.LocalFleet) -> dict[str, Any]:
     )
     await fleet.wait_clusters_ready([CLUSTER])
     broker_url = f"{fleet.url}/metrics"
+    scraper = fleet.tokens["metrics"]  # the broker's /metrics needs a token (role metrics)
     agent_url = f"http://127.0.0.1:{metrics_port}"
     before = {
-        "broker": await wait_for(session_ready, broker_url),
+        "broker": await wait_for(session_ready, broker_url, token=scraper),
         "agent": await scrape(f"{agent_url}/metrics"),
     }
     async with fleet.client("team-a") as api:
@@ -127,7 +132,9 @@ async def run_job_and_scrape(fleet: processes.LocalFleet) -> dict[str, Any]:
         await asyncio.sleep(0.2)  # the waiting job ages; a cycle exports it
         after = {
             "broker": await wait_for(
-                lambda p: p.value("gpufed_placements_total", result="accepted") >= 1, broker_url
+                lambda p: p.value("gpufed_placements_total", result="accepted") >= 1,
+                broker_url,
+                token=scraper,
             ),
             "agent": await wait_for(
                 lambda p: p.value("gpufed_agent_placement_duration_seconds_count") >= 1,

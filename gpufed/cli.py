@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpufed import client, logs, tables
+from gpufed import batches, client, daemons, tables
 
 DEFAULT_BROKER = "http://127.0.0.1:8080"
 
@@ -44,128 +44,76 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpufed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    broker = sub.add_parser("broker", help="run the broker")
-    broker.add_argument(
-        "--store", default="sqlite:///.gpufed/broker.db", help="sqlite:///PATH or etcd://HOST:PORT"
-    )
-    broker.add_argument("--tokens", default="config/tokens.yaml", help="tokens file")
-    broker.add_argument("--host", default="127.0.0.1")
-    broker.add_argument("--port", type=int, default=8080)
-    broker.add_argument("--heartbeat", type=float, default=5.0, help="agent heartbeat, seconds")
-    broker.add_argument(
-        "--lost-after",
-        type=float,
-        default=60.0,
-        help="seconds a cluster may stay away before its jobs move",
-    )
-    broker.add_argument(
-        "--offer-timeout",
-        type=float,
-        default=30.0,
-        help="seconds an agent may take to answer an offer before it is withdrawn",
-    )
-    broker.add_argument(
-        "--queues", help="queues, quotas and priority classes YAML (none: every queue is open)"
-    )
-    broker.add_argument(
-        "--queue-mode",
-        choices=["open", "declared"],
-        help="open: a job may name any queue (undeclared ones are open queues); declared: "
-        "only a declared queue of its tenant (default: declared with --queues, else open)",
-    )
-    broker.add_argument(
-        "--idempotency-window",
-        type=float,
-        default=24 * 3600.0,
-        help="seconds an Idempotency-Key replays its job; after it the key makes a new job",
-    )
-    broker.add_argument(
-        "--cycle-interval",
-        type=float,
-        default=0.005,
-        help="seconds between scheduling cycles, at least",
-    )
-    broker.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=1536 * 1024,
-        help="the store's request limit (etcd's --max-request-bytes, default 1.5 MiB): "
-        "commits are split to stay under it; a job that could never fit is refused (413)",
-    )
-    broker.add_argument(
-        "--advertise-url",
-        help="the URL other replicas send agents to, and `gpufed status` shows "
-        "(default http://HOST:PORT)",
-    )
-    broker.add_argument(
-        "--leader-lease-seconds",
-        type=int,
-        default=5,
-        help="several replicas on etcd: the leader's lease; a leader killed with -9 is "
-        "replaced within it (SIGTERM hands over at once)",
-    )
-    broker.add_argument("--log-level", default="INFO")
-    _add_store_commands(broker)
+    daemons.add_broker_parser(sub)
+    daemons.add_agent_parser(sub)
 
-    agent = sub.add_parser("agent", help="run a member agent")
-    agent.add_argument(
-        "--broker",
-        required=True,
-        help="broker URL, or the replicas' URLs comma-separated (URL1,URL2,URL3): the agent "
-        "tries the next on a connection failure and follows the leader a follower names",
+    submit = _user_parser(
+        sub,
+        "submit",
+        "submit GPUJobs from a YAML or JSON file ('-' = stdin) or a directory; several "
+        "documents go in batches (POST /v1/jobs:batch), one line per job",
     )
-    agent.add_argument("--cluster", required=True)
-    agent.add_argument("--token-file", required=True)
-    agent.add_argument("--backend", choices=["simulated", "kubernetes"], default="simulated")
-    agent.add_argument("--nodes", help="node pools YAML (simulated backend)")
-    agent.add_argument("--limits", help="per-namespace GPU limits YAML")
-    agent.add_argument("--kubeconfig", help="kubernetes backend: kubeconfig (default: in-cluster)")
-    agent.add_argument("--context", help="kubernetes backend: kubeconfig context")
-    agent.add_argument(
-        "--namespace",
-        action="append",
-        dest="namespaces",
-        help="kubernetes backend: a namespace pods may be created in (repeat)",
+    submit.add_argument("file", nargs="?", help="as -f")
+    submit.add_argument(
+        "-f",
+        "--filename",
+        help="a file of one or more YAML documents (---) or one JSON document, '-' (stdin), or "
+        "a directory: every *.yaml, *.yml, *.json in it, sorted by name. One document: "
+        "POST /v1/jobs; several: batches of up to 1000, exit 1 if any job is refused",
     )
-    agent.add_argument(
-        "--fence-after",
-        type=float,
-        help="seconds without word from the broker after which the agent fences itself: no "
-        "new pods, and the pods of jobs whose failurePolicy.clusterLost is requeue deleted "
-        "(default: as late as the grace the broker says allows, a quarter of it or 2 "
-        "heartbeats + 1 s before its --lost-after, 45 s of the default 60 s; 30 s with a "
-        "broker that does not say it); a value makes it sooner, never later",
+    submit.add_argument(
+        "--idempotency-key",
+        metavar="K",
+        help="the job's key: submitting again with it replays the job. With several "
+        "documents, the one at index i (from 0, in file order, files sorted) gets K-<i>",
     )
-    agent.add_argument(
-        "--sim-journal",
-        help="simulated backend: append a JSON line to this file each time a pod starts or "
-        "stops running",
-    )
-    agent.add_argument("--metrics-port", type=int, default=0)
-    agent.add_argument("--log-level", default="INFO")
-
-    submit = _user_parser(sub, "submit", "submit a GPUJob from a YAML or JSON file ('-' = stdin)")
-    submit.add_argument("file")
-    submit.add_argument("--idempotency-key")
     for name, text in [
         ("get", "show one job"),
         ("cancel", "cancel a job"),
         ("why", "why a job is not running"),
     ]:
         _user_parser(sub, name, text).add_argument("job_id")
-    listing = _user_parser(sub, "list", "list jobs")
-    listing.add_argument("--queue")
-    listing.add_argument("--state")
+    listing = _user_parser(sub, "list", "list jobs, live and finished (history), newest first")
+    listing.add_argument("--queue", help="only this queue's jobs")
+    listing.add_argument("--state", help="only jobs in this state (any case: running, Queued)")
+    listing.add_argument("--cluster", help="only jobs placed on this cluster")
+    listing.add_argument(
+        "-l", "--selector", help="label selector on metadata.labels (team=vision,tier!=spot)"
+    )
+    listing.add_argument(
+        "--limit", type=int, default=500, help="at most this many jobs (default 500)"
+    )
+    listing.add_argument("--all", action="store_true", help="every job, page after page")
     _user_parser(sub, "clusters", "member clusters and their GPUs")
     _user_parser(
         sub, "status", "the broker replicas (--broker URL1,URL2,...): role, leader, term, synced"
     )
-    queues = _user_parser(sub, "queues", "queues: quotas, usage, fair share (admin token)")
+    queues = _user_parser(
+        sub, "queues", "queues: quotas, usage, fair share (a tenant's token: its own queues)"
+    )
     queues.add_argument("name", nargs="?", help="one queue; `delete NAME`: delete queue NAME")
     queues.add_argument("target", nargs="?", help=argparse.SUPPRESS)
     queues.add_argument(
         "--apply", metavar="FILE", help="put queue NAME from FILE, or each queue of a queues file"
     )
+
+    token = sub.add_parser("token", help="tokens for the broker's tokens file")
+    token_actions = token.add_subparsers(dest="action", required=True)
+    create = token_actions.add_parser(
+        "create",
+        help="print a new random token (once) and its entry for the tokens file (digest only)",
+    )
+    create.add_argument("--tenant", help="the tenant it acts for (submitter by default)")
+    create.add_argument(
+        "--role",
+        help="admin, tenant-admin, submitter, viewer (no --tenant: the whole fleet), "
+        "agent:CLUSTER, metrics",
+    )
+    create.add_argument(
+        "--expires", metavar="WHEN", help="a duration (90m, 30d) or an RFC 3339 time; none: never"
+    )
+    create.add_argument("--name", help="names the token in the broker's logs and problems")
+    create.add_argument("-o", "--output", choices=["text", "json"], default="text")
 
     demo = sub.add_parser("demo", help="broker + 3 simulated clusters + a mixed workload")
     demo.add_argument("--jobs", type=int, default=72)
@@ -175,22 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulating.add_parser(sub)
     return parser
-
-
-def _add_store_commands(broker: argparse.ArgumentParser) -> None:
-    """`gpufed broker backup|quarantine`: admin commands on the store (gpufed/stores.py)."""
-    actions = broker.add_subparsers(dest="action", metavar="{backup,quarantine}")
-    store_help = "the broker's --store: sqlite:///PATH or etcd://HOST:PORT"
-    backup = actions.add_parser(
-        "backup", help="copy the SQLite store consistently, also while the broker runs"
-    )
-    backup.add_argument("--store", default=argparse.SUPPRESS, help=store_help)
-    backup.add_argument("out", help="where the copy goes (replaced whole, or not at all)")
-    quarantine = actions.add_parser(
-        "quarantine", help="list the stored records set aside because they do not parse"
-    )
-    quarantine.add_argument("--store", default=argparse.SUPPRESS, help=store_help)
-    quarantine.add_argument("-o", "--output", choices=["table", "json"], default="table")
 
 
 def _print(args: argparse.Namespace, data: Any, table: str) -> None:
@@ -268,12 +200,48 @@ async def _user_command(args: argparse.Namespace) -> int:
             return 1
 
 
+async def _submit(args: argparse.Namespace, api: client.BrokerClient) -> int:
+    path = args.filename or args.file
+    if path is None:
+        raise SystemExit("gpufed submit: name a file, '-' (stdin) or a directory (-f PATH)")
+    try:
+        documents = batches.read_documents(
+            path, stdin_text=sys.stdin.read() if path == "-" else None
+        )
+    except batches.DocumentError as exc:
+        print(f"gpufed submit: {exc}; nothing submitted", file=sys.stderr)
+        return 1
+    if not documents:
+        print(f"gpufed submit: no job in {path}", file=sys.stderr)
+        return 1
+    if len(documents) == 1:  # one job: the single route, the text as written
+        only = documents[0]
+        result = await api.submit(
+            only.text, yaml=not only.is_json, idempotency_key=args.idempotency_key
+        )
+        _print(args, result, f"{result['id']} {result['state']} (trace {result.get('traceId')})")
+        return 0
+    answered: list[dict[str, Any]] = []
+    try:
+        async for results in batches.submit_all(api, documents, key=args.idempotency_key):
+            answered.extend(results)
+            if args.output != "json":
+                for result in results:
+                    print(batches.line_of(result), flush=True)
+    except client.BrokerError:
+        left = len(documents) - len(answered)
+        print(f"gpufed submit: {left} of {len(documents)} jobs not submitted", file=sys.stderr)
+        if args.output == "json":
+            print(json.dumps(answered, indent=2))
+        raise
+    if args.output == "json":
+        print(json.dumps(answered, indent=2))
+    return 1 if any(int(r["status"]) >= 400 for r in answered) else 0
+
+
 async def _dispatch_user(args: argparse.Namespace, api: client.BrokerClient) -> int:
     if args.command == "submit":
-        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
-        is_json = text.lstrip().startswith("{")
-        result = await api.submit(text, yaml=not is_json, idempotency_key=args.idempotency_key)
-        _print(args, result, f"{result['id']} {result['state']} (trace {result.get('traceId')})")
+        return await _submit(args, api)
     elif args.command == "get":
         job = await api.get(args.job_id)
         _print(args, job, _job_detail(job))
@@ -292,8 +260,10 @@ async def _dispatch_user(args: argparse.Namespace, api: client.BrokerClient) -> 
     elif args.command == "queues":
         return await _queues_command(args, api)
     elif args.command == "list":
-        items = await api.jobs(queue=args.queue, state=args.state)
+        items, more = await _list_jobs(args, api)
         _print(args, items, _job_table(items))
+        if more:
+            print(f"(more jobs than --limit {args.limit}: raise it, or --all)", file=sys.stderr)
     elif args.command == "clusters":
         items = await api.clusters()
         rows = [
@@ -320,6 +290,40 @@ async def _dispatch_user(args: argparse.Namespace, api: client.BrokerClient) -> 
         degraded = [f"{c['name']}: {c['reason']}" for c in items if c.get("reason")]
         _print(args, items, "\n".join([table, *degraded]))
     return 0
+
+
+async def _list_jobs(
+    args: argparse.Namespace, api: client.BrokerClient
+) -> tuple[list[dict[str, Any]], bool]:
+    """The jobs `gpufed list` shows, a page at a time; and whether more were left out."""
+    state = _state_name(args.state) if args.state else None
+    wanted = None if args.all else max(1, args.limit)
+    items: list[dict[str, Any]] = []
+    cont: str | None = None
+    while wanted is None or len(items) < wanted:
+        size = client.PAGE if wanted is None else min(client.PAGE, wanted - len(items))
+        page, cont = await api.job_page(
+            queue=args.queue,
+            state=state,
+            cluster=args.cluster,
+            selector=args.selector,
+            limit=size,
+            cont=cont,
+        )
+        items += page
+        if cont is None:
+            break
+    return items, cont is not None
+
+
+def _state_name(text: str) -> str:
+    """A job state as the API spells it, from any case (`running` → `Running`)."""
+    from broker.api import status
+
+    for state in status.JobState:
+        if state.value.lower() == text.lower():
+            return state.value
+    return text  # the broker names the states it takes
 
 
 def _queue_rows(views: Sequence[dict[str, Any]]) -> list[list[Any]]:
@@ -417,128 +421,28 @@ async def _status_command(args: argparse.Namespace) -> int:
     return 1 if notes or len(seen) < len(urls) else 0
 
 
-def _run_broker(args: argparse.Namespace) -> int:
-    import pydantic
-    from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
+def _token_command(args: argparse.Namespace) -> int:
+    """`gpufed token create`: the token on the first line, then its entry for the file."""
+    from datetime import UTC, datetime
 
-    from broker import app
-    from broker.telemetry import tracing
+    from gpufed import issuing
 
-    logs.setup(service="gpufed-broker", level=args.log_level)
+    seconds = None
+    if args.expires is not None:
+        try:
+            seconds = daemons.duration(args.expires)
+        except argparse.ArgumentTypeError:  # not a duration: an RFC 3339 time, or wrong
+            seconds = None
     try:
-        settings = _broker_settings(args)
-    except pydantic.ValidationError as exc:  # e.g. a --lost-after too short to fence in
-        print(f"gpufed broker: {_settings_problem(exc)}", file=sys.stderr)
-        return 2
-    tracing.setup("gpufed-broker")
-    # before any Application is created: the instrumentor patches the class
-    AioHttpServerInstrumentor().instrument()
-    from aiohttp import web
-
-    from broker.state import registry
-
-    try:
-        application = app.create_app(settings)
-    except registry.QueuesFileError as exc:
-        print(f"gpufed broker: {exc}", file=sys.stderr)
-        return 2
-    from broker.state import errors
-
-    try:
-        web.run_app(
-            application,
-            host=args.host,
-            port=args.port,
-            print=None,
-            access_log=None,
-            handle_signals=True,
+        expires = issuing.expiry_of(args.expires, seconds=seconds, now=datetime.now(UTC))
+        token, entry = issuing.create(
+            tenant=args.tenant, role=args.role, expires=expires, name=args.name
         )
-    except errors.StoreError as exc:  # the store cannot be used: say why in one line
-        print(f"gpufed broker: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        tracing.shutdown()
-    return 0
-
-
-def _broker_settings(args: argparse.Namespace) -> Any:
-    from broker import app
-
-    return app.BrokerSettings(
-        store=args.store,
-        tokens_file=Path(args.tokens),
-        host=args.host,
-        port=args.port,
-        heartbeat_seconds=args.heartbeat,
-        lost_after_seconds=args.lost_after,
-        offer_timeout_seconds=args.offer_timeout,
-        freeze_gc=True,
-        queues_file=Path(args.queues) if args.queues else None,
-        queue_mode=args.queue_mode,
-        idempotency_window_seconds=args.idempotency_window,
-        cycle_interval_seconds=args.cycle_interval,
-        max_request_bytes=args.max_request_bytes,
-        advertise_url=args.advertise_url,
-        leader_lease_seconds=args.leader_lease_seconds,
-    )
-
-
-def _settings_problem(exc: Exception) -> str:
-    """The first complaint of a settings model, in one line."""
-    import pydantic
-
-    if not isinstance(exc, pydantic.ValidationError) or not exc.errors():
-        return str(exc)
-    first = exc.errors()[0]
-    text = str(first["msg"]).removeprefix("Value error, ")
-    where = ".".join(str(part) for part in first["loc"])
-    return f"{where}: {text}" if where else text
-
-
-def _run_agent(args: argparse.Namespace) -> int:
-    import pydantic
-
-    from broker.telemetry import tracing
-    from member_agent import app as agent_app
-    from member_agent.session import brokers
-
-    logs.setup(service="gpufed-agent", level=args.log_level)
-    try:
-        settings = _agent_settings(args)
-    except pydantic.ValidationError as exc:
-        print(f"gpufed agent: {_settings_problem(exc)}", file=sys.stderr)
+    except issuing.TokenRequestError as exc:
+        print(f"gpufed token create: {exc}", file=sys.stderr)
         return 2
-    tracing.setup("gpufed-agent", cluster=args.cluster)
-    try:
-        asyncio.run(agent_app.run_agent(settings))
-    except brokers.AuthError as exc:  # before any session: a wrong token or token file
-        print(f"gpufed agent: the broker refused cluster {args.cluster}: {exc}", file=sys.stderr)
-        return 3
-    finally:
-        tracing.shutdown()
+    print(issuing.render(token, entry, output=args.output))
     return 0
-
-
-def _agent_settings(args: argparse.Namespace) -> Any:
-    from member_agent import app as agent_app
-
-    return agent_app.AgentSettings.model_validate(
-        {
-            "broker_url": args.broker,
-            "cluster": args.cluster,
-            "token_file": args.token_file,
-            "backend": args.backend,
-            "nodes_file": args.nodes,
-            "limits_file": args.limits,
-            "metrics_port": args.metrics_port,
-            "kubeconfig": args.kubeconfig,
-            "kube_context": args.context,
-            "namespaces": args.namespaces,
-            "freeze_gc": True,
-            "fence_after_seconds": args.fence_after,
-            "journal_file": args.sim_journal,
-        }
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -548,11 +452,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.action == "backup":
             return stores.backup_command(args.store, args.out)
-        return stores.quarantine_command(args.store, output=args.output)
+        return stores.quarantine_command(
+            args.store, output=args.output, etcd_flags=daemons.etcd_flags(args)
+        )
     if args.command == "broker":
-        return _run_broker(args)
+        return daemons.run_broker(args)
     if args.command == "agent":
-        return _run_agent(args)
+        return daemons.run_agent(args)
+    if args.command == "token":
+        return _token_command(args)
     if args.command == "demo":
         from gpufed.local import demo
 

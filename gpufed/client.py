@@ -8,9 +8,15 @@ replica answers the API (followers serve it from their cache, submits and cancel
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
+
+# the bounds of `POST /v1/jobs:batch` (`broker.api.submits`, which this client does not import)
+BATCH_ITEMS = 1000
+PAGE = 1000  # jobs a list page asks for, at most (the broker's largest page)
+BATCH_BYTES = 8 * 1024 * 1024
 
 
 class BrokerError(Exception):
@@ -104,6 +110,19 @@ class BrokerClient:
         )
         return result
 
+    async def submit_batch(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """`POST /v1/jobs:batch`: `items` as the wire has them (`{"job": {...},
+        "idempotencyKey": "k"}`, the key optional), at most `BATCH_ITEMS` and `BATCH_BYTES`.
+        The answer has one entry per item, in order: `status` 202 (queued) or 200 (its key's
+        job replayed) with `id`, `state`, `traceId`; or a 4xx/5xx with its `problem`."""
+        result: dict[str, Any] = await self._call(
+            "POST",
+            "/v1/jobs:batch",
+            data=json.dumps({"items": list(items)}),
+            headers={"Content-Type": "application/json"},
+        )
+        return result
+
     async def get(self, job_id: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("GET", f"/v1/jobs/{job_id}")
         return result
@@ -112,16 +131,53 @@ class BrokerClient:
         result: dict[str, Any] = await self._call("GET", f"/v1/jobs/{job_id}/why")
         return result
 
-    async def jobs(
-        self, *, queue: str | None = None, state: str | None = None, limit: int = 1000
-    ) -> list[dict[str, Any]]:
+    async def job_page(
+        self,
+        *,
+        queue: str | None = None,
+        state: str | None = None,
+        cluster: str | None = None,
+        selector: str | None = None,
+        limit: int = PAGE,
+        cont: str | None = None,
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """One page of `GET /v1/jobs`: the jobs and the token of the next page (None: the
+        last)."""
         params = {"limit": str(limit)}
-        if queue:
-            params["queue"] = queue
-        if state:
-            params["state"] = state
+        for name, value in (
+            ("queue", queue),
+            ("state", state),
+            ("cluster", cluster),
+            ("labelSelector", selector),
+            ("continue", cont),
+        ):
+            if value:
+                params[name] = value
         body = await self._call("GET", "/v1/jobs", params=params)
         items: list[dict[str, Any]] = body["items"]
+        token = (body.get("metadata") or {}).get("continue")
+        return items, token if isinstance(token, str) and token else None
+
+    async def jobs(
+        self,
+        *,
+        queue: str | None = None,
+        state: str | None = None,
+        cluster: str | None = None,
+        selector: str | None = None,
+        limit: int | None = 1000,
+    ) -> list[dict[str, Any]]:
+        """Up to `limit` jobs (None: every one), newest first, a page at a time."""
+        items: list[dict[str, Any]] = []
+        cont: str | None = None
+        while limit is None or len(items) < limit:
+            size = PAGE if limit is None else min(PAGE, limit - len(items))
+            page, cont = await self.job_page(
+                queue=queue, state=state, cluster=cluster, selector=selector, limit=size, cont=cont
+            )
+            items += page
+            if cont is None:
+                break
         return items
 
     async def cancel(self, job_id: str) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 They read the store directly (`--store`, the broker's own setting), not through the broker's
 HTTP API: they work whether the broker runs or not (an SQLite file is read without being
 locked, beside the running broker), and they need the access an operator of the store has
-(the file, or etcd's endpoints), not a token. Failures are one line on stderr, exit code 1.
+(the file, or etcd's endpoints, with the broker's --etcd-* flags for TLS and an etcd user),
+not a token. Failures are one line on stderr, exit code 1.
 
 - `backup OUT`: a consistent copy of an SQLite store (`broker.state.sqlite.backup`, sqlite's
   online backup), also while the broker writes; an etcd store is backed up with
@@ -17,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Mapping
+from typing import Any
 
-from broker.state import errors, opening, quarantine, sqlite
+from broker.state import errors, etcd_credentials, opening, quarantine, sqlite
 from gpufed import tables
 
 
@@ -47,17 +50,25 @@ def backup_command(store_url: str, out: str) -> int:
     return 0
 
 
-async def _read_quarantine(store_url: str) -> list[quarantine.Quarantined]:
-    backing = await opening.open_store(store_url, read_only=True)
+async def _read_quarantine(
+    store_url: str, credentials: etcd_credentials.EtcdCredentials
+) -> list[quarantine.Quarantined]:
+    backing = await opening.open_store(store_url, read_only=True, credentials=credentials)
     try:
         return await quarantine.list_quarantined(backing)
     finally:
         await backing.close()
 
 
-def quarantine_command(store_url: str, *, output: str = "table") -> int:
+def quarantine_command(
+    store_url: str, *, output: str = "table", etcd_flags: Mapping[str, Any] | None = None
+) -> int:
+    """`etcd_flags`: `etcd_credentials.load_credentials`'s keyword arguments (--etcd-*)."""
     try:
-        items = asyncio.run(_read_quarantine(store_url))
+        credentials = etcd_credentials.load_credentials(**(etcd_flags or {}))
+        if credentials != etcd_credentials.NONE and not store_url.startswith(opening.ETCD_SCHEME):
+            return _fail("quarantine", "the --etcd-* flags are for an etcd store")
+        items = asyncio.run(_read_quarantine(store_url, credentials))
     except (ValueError, errors.StoreError) as exc:
         return _fail("quarantine", exc)
     if output == "json":

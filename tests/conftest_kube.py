@@ -8,8 +8,11 @@ from typing import Any
 import pytest
 from kubernetes_asyncio.client import ApiClient
 
+from broker.api import jobs, messages
 from member_agent.cluster import base, watching
 from member_agent.cluster import kubernetes as k8s
+from member_agent.jobs import handling
+from member_agent.placement import limits
 from tests import kubeemulator
 
 FAST = watching.Backoff(initial=0.01, maximum=0.05)
@@ -40,3 +43,81 @@ async def start(kube: Kube) -> AsyncIterator[Start]:
     yield start_backend
     for backend in started:
         await backend.close()
+
+
+@pytest.fixture
+def dra(kube: Kube) -> Kube:
+    """The emulated API server serving resource.k8s.io/v1 (Kubernetes 1.34) for DRA mode."""
+    kube[0].declare_dra(("v1",))
+    return kube
+
+
+class KubeAgent:
+    """A job handler on a Kubernetes backend, its replies and updates recorded."""
+
+    def __init__(
+        self, backend: k8s.KubernetesBackend, agent_limits: limits.AgentLimits | None = None
+    ) -> None:
+        self.sent: list[messages.Message] = []
+        self.handler = handling.JobHandler(
+            backend, send=self._send, agent_limits=agent_limits, failure_grace_seconds=0
+        )
+
+    def _send(
+        self, message: messages.Message, /, *, on_sent: Callable[[], None] | None = None
+    ) -> None:
+        self.sent.append(message)
+
+    async def offer(self, job_id: str, job: jobs.GPUJob, *, epoch: int = 1) -> messages.Message:
+        replies: list[messages.Message] = []
+        offer = messages.Offer(job_id=job_id, epoch=epoch, tenant="team", job=job)
+        await self.handler.handle_offer(offer, session_epoch=epoch, reply=replies.append)
+        return replies[-1]
+
+    async def cancel(self, job_id: str) -> None:
+        await self.handler.handle_cancel(
+            messages.Cancel(job_id=job_id, epoch=1, reason="Cancelled", grace_seconds=0)
+        )
+
+
+def gpu_job(
+    name: str = "train",
+    *,
+    gpus: int = 1,
+    replicas: int = 1,
+    namespace: str = "default",
+    annotations: dict[str, str] | None = None,
+    containers: list[tuple[str, int]] | None = None,
+) -> jobs.GPUJob:
+    """A GPUJob of one task: `replicas` pods of `gpus` GPUs (or of the given containers)."""
+    shapes = containers if containers is not None else [("main", gpus)]
+    return jobs.GPUJob.model_validate(
+        {
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "queue": "research",
+                "tasks": [
+                    {
+                        "name": "worker",
+                        "replicas": replicas,
+                        "template": {
+                            "metadata": {"annotations": dict(annotations or {})},
+                            "spec": {
+                                "containers": [
+                                    {
+                                        "name": cname,
+                                        "image": "trainer:1",
+                                        "resources": {
+                                            "limits": {jobs.GPU_RESOURCE: count} if count else {},
+                                            "requests": {"cpu": "1"},
+                                        },
+                                    }
+                                    for cname, count in shapes
+                                ]
+                            },
+                        },
+                    }
+                ],
+            },
+        }
+    )

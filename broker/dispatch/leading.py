@@ -6,7 +6,8 @@ job change the former leader committed is in the book), counts every cluster the
 jobs on as away from now (`fleet.start_term`: the lost-cluster grace starts over), and then
 starts the leader's tasks, each made anew for the term: the scheduling cycle, the sessions'
 watchdog (offer timeouts, lost clusters), the idempotency sweep, the cancels followers commit
-(`requests.ForwardedCancels`) and the cluster views for the followers (`state.views`). Only
+(`requests.ForwardedCancels`), the cluster views for the followers (`state.views`) and, with a
+history store, the retirement of finished jobs to it (`jobs.retiring`). Only
 then is it `active`: `http.clusters` accepts agents on an active leader only.
 
 When the term ends (`following` set: lease lost, a fenced commit refused, resigned), the tasks
@@ -26,7 +27,7 @@ from typing import Any
 
 from broker.api import inventory
 from broker.dispatch import connecting
-from broker.jobs import scheduling, service, watching
+from broker.jobs import retiring, scheduling, service, watching
 from broker.state import electing, errors, records, store, views
 from broker.telemetry import metrics
 
@@ -48,6 +49,7 @@ class LeaderWork:
         meters: metrics.BrokerMetrics,
         make_scheduler: Callable[[], scheduling.Scheduler],
         watch: watching.BookWatch | None = None,
+        retention: tuple[float, float] | None = None,
     ) -> None:
         self.leadership = leadership
         self.jobs = jobs
@@ -56,6 +58,7 @@ class LeaderWork:
         self.meters = meters
         self.make_scheduler = make_scheduler
         self.watch = watch
+        self.retention = retention  # (retain finished, history TTL) seconds
         self.active = False  # the leader's work runs: agents are accepted
         self.activated = asyncio.Event()  # set the first time it is active
         self.published: list[views.Published] = []  # on a follower: the leader's views
@@ -106,6 +109,17 @@ class LeaderWork:
         ]
         if self.leadership.replicated:
             work.append(("cluster-views", self._publish_views()))
+        history = self.jobs.history
+        if history is not None and self.retention is not None:
+            retain, ttl = self.retention
+            work.append(
+                (
+                    retiring.TASK,
+                    retiring.run_retirer(
+                        self.jobs.book, history, retain=retain, ttl=ttl, meters=self.meters
+                    ),
+                )
+            )
         self._tasks = [asyncio.create_task(coro, name=name) for name, coro in work]
         self.active = True
         self.activated.set()

@@ -1,89 +1,110 @@
-"""Bearer-token authentication: a token names a tenant, the agent of one cluster, or an admin.
+"""Who is asking, and whether the route lets them: bearer tokens, principals, the middleware.
 
-Tokens come from a YAML file (`config/tokens.yaml`):
+A bearer token names a principal (`Principal`: a role, the tenant or cluster it belongs to)
+through the tokens file (`broker.http.tokens`: format, reloading). `middleware` runs before
+every handler: the route's rule in `roles.ROUTES` says whether a token is needed and which
+roles it allows (401 `Unauthenticated`: no token, an unknown one, an expired one; 403
+`Forbidden` naming the role needed). Handlers read the caller with `caller` and keep to what
+it may see (`Principal.sees`: its own tenant's).
 
-    tokens:
-      - token: "..."            # or sha256: "<hex digest of the token>"
-        tenant: team-a
-      - token: "..."
-        agent: h100-cluster
-      - token: "..."
-        admin: true
+Tokens are compared by SHA-256 digest in constant time, and no answer or log line repeats one.
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
+import contextlib
 import hmac
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
-import yaml
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, model_validator
 
 from broker.api import errors
+from broker.http import roles, tokens
 
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
+EXPIRED = {"WWW-Authenticate": 'Bearer error="invalid_token", error_description="expired"'}
 
 
-class TokenEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenExpired(errors.Unauthenticated):
+    """A token the file knows, past its `expires`."""
 
-    token: str | None = None
-    sha256: str | None = None
-    tenant: str | None = None
-    agent: str | None = None
-    admin: bool = False
-
-    @model_validator(mode="after")
-    def _one_identity(self) -> TokenEntry:
-        if (self.token is None) == (self.sha256 is None):
-            raise ValueError("each entry needs exactly one of token or sha256")
-        if sum([self.tenant is not None, self.agent is not None, self.admin]) != 1:
-            raise ValueError("each entry names exactly one of tenant, agent or admin: true")
-        return self
-
-
-class TokensFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tokens: list[TokenEntry]
+    title = "Token expired"
+    problem_type = "urn:gpufed:problem:token-expired"
 
 
 @dataclass(frozen=True)
 class Principal:
-    kind: str  # "tenant" | "agent" | "admin"
-    name: str
+    """Who a token names: a role, and the tenant or cluster it belongs to."""
+
+    role: roles.Role
+    tenant: str | None = None  # a tenant-admin's, submitter's or viewer's (none: the fleet)
+    cluster: str | None = None  # an agent's
+    label: str | None = None  # the entry's `name` in the tokens file
+
+    @property
+    def name(self) -> str:
+        """The tenant it acts for, the agent's cluster, or its role (admin, metrics)."""
+        return self.tenant or self.cluster or self.role.value
 
     @property
     def is_admin(self) -> bool:
-        return self.kind == "admin"
+        return self.role == roles.Role.ADMIN
+
+    def sees(self, tenant: str) -> bool:
+        """Whether it may read what belongs to `tenant` (jobs, queues)."""
+        if self.role in (roles.Role.AGENT, roles.Role.METRICS):
+            return False
+        return self.tenant is None or self.tenant == tenant
+
+    def describe(self) -> str:
+        """`submitter of tenant team-a (token ci-a)`: for problems and logs."""
+        if self.role == roles.Role.AGENT:
+            text = f"agent:{self.cluster}"
+        elif self.tenant is not None:
+            text = f"{self.role.value} of tenant {self.tenant}"
+        elif self.role == roles.Role.VIEWER:
+            text = "viewer of the whole fleet"
+        else:
+            text = self.role.value
+        return f"{text} (token {self.label!r})" if self.label else text
 
 
-def _digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+@dataclass(frozen=True)
+class _Grant:
+    principal: Principal
+    expires: datetime | None
+
+
+def principal_of_entry(entry: tokens.TokenEntry) -> Principal:
+    role, cluster = entry.role_and_cluster()
+    return Principal(role, tenant=entry.tenant, cluster=cluster, label=entry.name)
 
 
 class Authenticator:
-    def __init__(self, entries: list[TokenEntry]) -> None:
-        self._by_digest: dict[str, Principal] = {}
-        for entry in entries:
-            digest = entry.sha256.lower() if entry.sha256 else _digest(entry.token or "")
-            if entry.tenant is not None:
-                principal = Principal("tenant", entry.tenant)
-            elif entry.agent is not None:
-                principal = Principal("agent", entry.agent)
-            else:
-                principal = Principal("admin", "admin")
-            self._by_digest[digest] = principal
+    """The tokens that apply now, by digest; `replace` swaps them all at once."""
+
+    def __init__(self, entries: list[tokens.TokenEntry]) -> None:
+        self._by_digest: dict[str, _Grant] = {}
+        self.replace(entries)
 
     @classmethod
     def from_file(cls, path: Path) -> Authenticator:
-        data = yaml.safe_load(path.read_text())
-        return cls(TokensFile.model_validate(data).tokens)
+        return cls(tokens.read_file(path))
 
-    def identify(self, header: str | None) -> Principal:
+    def replace(self, entries: list[tokens.TokenEntry]) -> None:
+        self._by_digest = {
+            entry.digest(): _Grant(principal_of_entry(entry), entry.expires) for entry in entries
+        }
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def identify(self, header: str | None, *, now: datetime | None = None) -> Principal:
         if not header:
             raise errors.Unauthenticated(
                 "missing bearer token (Authorization: Bearer <token>)", headers=CHALLENGE
@@ -93,36 +114,107 @@ class Authenticator:
             raise errors.Unauthenticated(
                 "the Authorization header must be 'Bearer <token>'", headers=CHALLENGE
             )
-        digest = _digest(token.strip())
-        for known, principal in self._by_digest.items():
+        digest = tokens.digest(token.strip())
+        found: _Grant | None = None
+        for known, grant in self._by_digest.items():  # every entry: no early exit to time
             if hmac.compare_digest(known, digest):
-                return principal
-        raise errors.Unauthenticated("unknown token", headers=CHALLENGE)
+                found = grant
+        if found is None:
+            raise errors.Unauthenticated("unknown token", headers=CHALLENGE)
+        if found.expires is not None and found.expires <= (now or datetime.now(UTC)):
+            when = found.expires.astimezone(UTC).isoformat().replace("+00:00", "Z")
+            raise TokenExpired(
+                f"this token ({found.principal.describe()}) expired at {when}: "
+                "ask for a new one (gpufed token create)",
+                headers=EXPIRED,
+            )
+        return found.principal
+
+    def still_names(self, header: str | None, principal: Principal) -> bool:
+        """Whether `header` still names `principal` (not revoked, not expired): what a long
+        session, authenticated once, checks again."""
+        try:
+            return self.identify(header) == principal
+        except errors.Unauthenticated:
+            return False
 
 
 AUTHENTICATOR = web.AppKey("authenticator", Authenticator)
+ACCESS = web.AppKey("access", Mapping[tuple[str, str], roles.Rule])
+PRINCIPAL = web.RequestKey("principal", Principal)
 
 
-def principal_of(request: web.Request) -> Principal:
-    return request.app[AUTHENTICATOR].identify(request.headers.get("Authorization"))
+def caller(request: web.Request) -> Principal:
+    """Who asks: the principal the middleware identified for the route."""
+    return request[PRINCIPAL]
 
 
-def require_user(request: web.Request) -> Principal:
-    principal = principal_of(request)
-    if principal.kind == "agent":
-        raise errors.Forbidden("agent tokens cannot use the jobs API")
-    return principal
+def check(rule: roles.Rule, principal: Principal, *, route: str) -> None:
+    """Forbidden (naming the roles needed) unless `rule` lets `principal` call `route`."""
+    if principal.role not in rule.roles:
+        raise errors.Forbidden(
+            f"{route} needs the role {roles.spell(rule.roles)}; "
+            f"this token is {principal.describe()}"
+        )
+    if rule.fleet_wide and principal.tenant is not None:
+        raise errors.Forbidden(
+            f"{route} shows every tenant's: it needs the role admin, metrics, or viewer "
+            f"without a tenant; this token is {principal.describe()}"
+        )
 
 
-def require_admin(request: web.Request, *, action: str) -> Principal:
-    principal = require_user(request)
-    if not principal.is_admin:
-        raise errors.Forbidden(f"only the admin token {action}")
-    return principal
+@web.middleware
+async def middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """The route's rule before its handler: every route has one, or the request fails."""
+    if request.match_info.http_exception is not None:  # no such route: its 404 or 405
+        return await handler(request)
+    path = request.match_info.route.resource.canonical if request.match_info.route.resource else ""
+    rule = roles.rule_of(request.app[ACCESS], request.method, path)
+    if rule is None:  # fails closed; tests/unit/test_roles.py keeps it from happening
+        raise RuntimeError(f"no access rule for {request.method} {path} in broker.http.roles")
+    if not rule.public:
+        principal = request.app[AUTHENTICATOR].identify(request.headers.get("Authorization"))
+        check(rule, principal, route=f"{request.method} {path}")
+        request[PRINCIPAL] = principal
+    return await handler(request)
 
 
-def require_tenant(request: web.Request, *, action: str) -> Principal:
-    principal = require_user(request)
-    if principal.kind != "tenant":
-        raise errors.Forbidden(f"only tenant tokens {action}")
-    return principal
+def install(
+    app: web.Application,
+    tokens_file: Path,
+    *,
+    poll_seconds: float = 1.0,
+    sighup: bool = False,
+    metrics_public: bool = False,
+) -> None:
+    """The tokens of `tokens_file` (TokensFileError if it does not read), followed while the
+    app runs (every `poll_seconds`, and on SIGHUP if `sighup`), and the routes' rules."""
+    authenticator = Authenticator([])
+    follower = tokens.Follower(tokens_file, authenticator.replace, poll_seconds=poll_seconds)
+    follower.load()
+    app[AUTHENTICATOR] = authenticator
+    app[ACCESS] = roles.table(metrics_public=metrics_public)
+
+    async def following(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(follower.run(), name="tokens-follow")
+        reloads: set[asyncio.Task[bool]] = set()
+
+        def hangup() -> None:
+            reload = asyncio.create_task(follower.reload(why="SIGHUP"), name="tokens-reload")
+            reloads.add(reload)
+            reload.add_done_callback(reloads.discard)
+
+        loop = asyncio.get_running_loop()
+        if sighup:
+            loop.add_signal_handler(signal.SIGHUP, hangup)
+        yield
+        if sighup:
+            loop.remove_signal_handler(signal.SIGHUP)
+        for running in (task, *reloads):
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+
+    app.cleanup_ctx.append(following)

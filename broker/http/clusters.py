@@ -18,23 +18,27 @@ from broker.http import auth, keys
 
 
 async def list_clusters(request: web.Request) -> web.Response:
-    auth.require_user(request)
     running = request.app[keys.JOBS].holding_per_cluster()
     views = await request.app[keys.LEADER_WORK].cluster_views(running)
     return web.json_response({"items": [v.model_dump(mode="json") for v in views]})
 
 
 async def connect_agent(request: web.Request) -> web.StreamResponse:
-    principal = auth.principal_of(request)
-    if principal.kind != "agent":
-        raise errors.Forbidden("only agent tokens open agent sessions")
+    principal = auth.caller(request)  # an agent's (broker.http.roles)
     if not request.app[keys.LEADER_WORK].active:
         leader = request.app[keys.LEADERSHIP].leader_url
         raise errors.NotLeader(
             f"this broker replica does not lead: connect to the leader ({leader or 'none yet'})",
             leader=leader,
         )
-    return await request.app[keys.SESSIONS].serve(request, principal.name)
+    assert principal.cluster is not None
+    header = request.headers.get("Authorization")
+    authenticator = request.app[auth.AUTHENTICATOR]
+
+    def allowed() -> bool:  # the session lasts as long as its token is valid
+        return authenticator.still_names(header, principal)
+
+    return await request.app[keys.SESSIONS].serve(request, principal.cluster, allowed=allowed)
 
 
 def replica_status(app: web.Application) -> replicas.ReplicaStatus:

@@ -48,9 +48,10 @@ def _parse(text: str, *, yaml_body: bool) -> Any:
         ) from None
 
 
-def check_tree(document: Any) -> None:
-    """Raise Malformed naming the first place where `document` is out of bounds."""
-    stack: list[tuple[Any, str, int]] = [(document, "", 0)]
+def check_tree(document: Any, *, path: str = "") -> None:
+    """Raise Malformed naming the first place where `document` is out of bounds; `path`:
+    where `document` is in the body (a batch's `items[3].job`), its depth counted from it."""
+    stack: list[tuple[Any, str, int]] = [(document, path, 0)]
     while stack:
         value, path, depth = stack.pop()
         if depth > MAX_DEPTH:
@@ -102,8 +103,10 @@ def _check_text(text: str, path: str) -> None:
         ) from None
 
 
-def read_document(raw: bytes, *, content_type: str, what: str) -> Any:
-    """The body as a JSON value, bounded; `what` names it in messages ("a GPUJob")."""
+def read_document(raw: bytes, *, content_type: str, what: str, checked: bool = True) -> Any:
+    """The body as a JSON value, bounded; `what` names it in messages ("a GPUJob").
+    `checked=False`: the caller runs `check_tree` on the parts itself (a batch, item by item,
+    so that each job is bounded as a single body would be and a fault is its item's)."""
     if not raw.strip():
         raise errors.Malformed(f"the body must be {what} in JSON or YAML", title="Empty body")
     try:
@@ -121,5 +124,6 @@ def read_document(raw: bytes, *, content_type: str, what: str) -> Any:
             f"the body has an integer of more than {MAX_INT_DIGITS} digits",
             title="Number too large",
         ) from None
-    check_tree(document)
+    if checked:
+        check_tree(document)
     return document

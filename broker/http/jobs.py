@@ -1,27 +1,19 @@
-"""Job routes: submit (idempotent), get, list, cancel, why."""
+"""Job routes: submit (idempotent; a batch: `submitting`), get, list, cancel, why."""
 
 from __future__ import annotations
 
-import secrets
-import string
 from typing import Any
 
 import pydantic
 from aiohttp import web
 
-from broker.api import errors, jobs, queues, status
-from broker.http import auth, documents, forwarding, keys
+from broker.api import errors, queues, status, submits
+from broker.http import auth, documents, forwarding, keys, listing, submitting
 from broker.jobs import service, transitions
 from broker.planning import quotas
 from broker.state import registry
-from broker.telemetry import jobspans, tracing
 
 MAX_BODY = 1024 * 1024
-_ID_CHARS = string.ascii_lowercase + string.digits
-
-
-def new_job_id(name: str) -> str:
-    return f"{name[:50].rstrip('-')}-{''.join(secrets.choice(_ID_CHARS) for _ in range(8))}"
 
 
 async def _read_document(request: web.Request) -> Any:
@@ -31,8 +23,7 @@ async def _read_document(request: web.Request) -> Any:
 
 
 def _visible(request: web.Request, record: status.JobRecord | None) -> status.JobRecord:
-    principal = auth.require_user(request)
-    if record is None or (not principal.is_admin and record.tenant != principal.name):
+    if record is None or not auth.caller(request).sees(record.tenant):
         raise errors.NotFound(f"no job {request.match_info['job_id']!r}")
     return record
 
@@ -40,7 +31,6 @@ def _visible(request: web.Request, record: status.JobRecord | None) -> status.Jo
 async def _find(request: web.Request, book: service.Jobs) -> status.JobRecord:
     """The job of the path, if the caller may see it; read from the store if this replica
     has not seen it yet (a submit answered by another replica)."""
-    auth.require_user(request)  # before any store read
     return _visible(request, await book.find(request.match_info["job_id"]))
 
 
@@ -49,47 +39,14 @@ def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
 
 
 async def submit(request: web.Request) -> web.Response:
-    principal = auth.require_tenant(request, action="submit jobs")
+    principal = auth.caller(request)  # a tenant's (broker.http.roles)
     document = await _read_document(request)
-    if not isinstance(document, dict):
-        raise errors.Invalid("the body must be a GPUJob object", title="Invalid job")
-    job = jobs.validate_submitted(document)
-    queue_registry = request.app.get(keys.QUEUES)
-    if queue_registry is not None:
-        queue_registry.check_job(principal.name, job)
-    book = request.app[keys.JOBS]
-    key = request.headers.get("Idempotency-Key")
-    if key is not None and not 1 <= len(key) <= 255:
-        raise errors.Malformed(
-            "Idempotency-Key: 1 to 255 characters",
-            field="Idempotency-Key",
-            title="Bad Idempotency-Key",
-        )
-    if key:
-        existing = await book.find_idempotent(principal.name, key, job)
-        if existing is not None:
-            return _submitted(existing, replayed=True)
-    traceparent, parent = book.new_trace()
-    record = status.JobRecord(
-        id=new_job_id(job.metadata.name),
-        tenant=principal.name,
-        job=job,
-        traceparent=traceparent,
-        trace_parent=parent,
-        trace_id=traceparent.split("-")[1],
-        idempotency_key=key,
+    job = submitting.admit(principal, document, queues=request.app.get(keys.QUEUES))
+    key = submits.check_idempotency_key(
+        request.headers.get(submitting.KEY_HEADER), field=submitting.KEY_HEADER
     )
-    with jobspans.tracer.start_as_current_span(
-        "job.submit",
-        context=tracing.context_of(traceparent),
-        attributes={
-            "gpufed.job": record.id,
-            "gpufed.tenant": record.tenant,
-            "gpufed.queue": job.spec.queue,
-        },
-    ):
-        stored = await book.submit(record)
-    return _submitted(stored, replayed=stored is not record)
+    stored, replayed = await submitting.submit_one(request.app[keys.JOBS], principal, job, key=key)
+    return _submitted(stored, replayed=replayed)
 
 
 def _submitted(record: status.JobRecord, *, replayed: bool) -> web.Response:
@@ -112,26 +69,11 @@ async def get_job(request: web.Request) -> web.Response:
 
 
 async def list_jobs(request: web.Request) -> web.Response:
-    principal = auth.require_user(request)
-    queue = request.query.get("queue")
-    state = request.query.get("state")
-    if state is not None and state not in {s.value for s in status.JobState}:
-        raise errors.Malformed(
-            f"state: one of {', '.join(s.value for s in status.JobState)}",
-            field="state",
-            title="Bad query",
-        )
-    try:
-        limit = int(request.query.get("limit", "1000"))
-    except ValueError:
-        raise errors.Malformed("limit: a whole number", field="limit", title="Bad query") from None
-    items = request.app[keys.JOBS].select(
-        tenant=None if principal.is_admin else principal.name,
-        queue=queue,
-        state=status.JobState(state) if state is not None else None,
-        limit=limit,
-    )
-    return web.json_response(_dump(status.JobList(items=items)))
+    """One page of jobs, live and finished (`http.listing`)."""
+    job_query, limit, cont = listing.parse(request, tenant=auth.caller(request).tenant)
+    book = request.app[keys.JOBS]
+    found = await listing.page(list(book), book.history, job_query, limit=limit, cont=cont)
+    return web.json_response(_dump(found))
 
 
 async def cancel_job(request: web.Request) -> web.Response:
@@ -232,6 +174,7 @@ def _plain_state(record: status.JobRecord, book: service.Jobs) -> str:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/jobs", submit)
+    app.router.add_post("/v1/jobs:batch", submitting.submit_batch)
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{job_id}", get_job)
     app.router.add_delete("/v1/jobs/{job_id}", cancel_job)

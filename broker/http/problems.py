@@ -4,7 +4,10 @@ Handlers raise the domain errors of `broker.api.errors` (or let pydantic and sto
 through); this module alone maps them to a status. Every 4xx names the field or the reason;
 an unexpected error is a 500 that says so and logs the traceback, never a half-written job.
 Store faults say which: unreachable (503, `Retry-After`), full (507, `store-full`), read-only
-(503, `store-read-only`); nothing of the request was written in any of them.
+(503, `store-read-only`); nothing of the request was written in any of them. A batch submit
+answers each item on its own: `problem_of` and `body_of` give the same status and problem
+an item's refusal would have had alone (`http/submitting`), `relocated` names its field
+from the batch's root.
 """
 
 from __future__ import annotations
@@ -60,7 +63,10 @@ def status_of(error: errors.GpufedError) -> int:
     return 500
 
 
-def respond(error: errors.GpufedError, instance: str, *, status: int | None = None) -> web.Response:
+def body_of(
+    error: errors.GpufedError, instance: str, *, status: int | None = None
+) -> dict[str, Any]:
+    """The problem JSON of `error` (what `respond` sends; a batch item's `problem`)."""
     code = status if status is not None else status_of(error)
     body: dict[str, Any] = {
         "type": error.problem_type,
@@ -75,9 +81,36 @@ def respond(error: errors.GpufedError, instance: str, *, status: int | None = No
         body["errors"] = error.errors
     for name, value in error.extensions.items():
         body.setdefault(name, value)
+    return body
+
+
+def respond(error: errors.GpufedError, instance: str, *, status: int | None = None) -> web.Response:
+    body = body_of(error, instance, status=status)
     return web.Response(
-        status=code, text=json.dumps(body), content_type=PROBLEM_JSON, headers=error.headers
+        status=body["status"],
+        text=json.dumps(body),
+        content_type=PROBLEM_JSON,
+        headers=error.headers,
     )
+
+
+def relocated(error: errors.GpufedError, where: str) -> errors.GpufedError:
+    """`error`, its fields named from `where` on (a batch item's job: `items[3].job`):
+    `spec.queue` becomes `items[3].job.spec.queue`, in `field`, `errors` and the detail's
+    leading field. Changes `error` itself (one just raised) and returns it."""
+    if not where:
+        return error
+    if error.field:
+        old = error.field
+        error.field = f"{where}.{old}"
+        if error.detail.startswith(f"{old}: "):
+            error.detail = f"{error.field}: {error.detail[len(old) + 2 :]}"
+    else:
+        error.field = where
+    for item in error.errors:
+        if item.get("field"):
+            item["field"] = f"{where}.{item['field']}"
+    return error
 
 
 def field_path(loc: Sequence[int | str]) -> str:
@@ -119,14 +152,43 @@ def from_validation(
     )
 
 
+def problem_of(exc: BaseException, *, where: str) -> tuple[errors.GpufedError, int]:
+    """The domain error `exc` is and its status, as the API answers it: the one mapping of
+    the middleware and of a batch's items. A store fault says which (logged); anything
+    unexpected is a 500 that says so, its traceback logged (`where`: the request)."""
+    if isinstance(exc, errors.GpufedError):
+        return exc, status_of(exc)
+    if isinstance(exc, pydantic.ValidationError):
+        invalid = from_validation(exc)
+        return invalid, status_of(invalid)
+    if isinstance(exc, store_errors.TemporaryStoreError):
+        logger.warning("store unavailable: %s", exc)
+        unavailable = errors.Unavailable(
+            "the broker's store did not answer; retry",
+            title="Store unavailable",
+            headers={"Retry-After": "1"},
+        )
+        return unavailable, status_of(unavailable)
+    if isinstance(exc, store_errors.StoreFullError):
+        logger.error("store full, write refused: %s", exc)
+        full = StoreFull(
+            "the broker's store is full; nothing was written (an operator must free space)"
+        )
+        return full, status_of(full)
+    if isinstance(exc, store_errors.StoreReadOnlyError):
+        logger.error("store read-only, write refused: %s", exc)
+        read_only = StoreReadOnly(
+            "the broker's store refuses writes; nothing was written (an operator must act)"
+        )
+        return read_only, status_of(read_only)
+    logger.error("unhandled error on %s", where, exc_info=exc)
+    return errors.GpufedError("the broker failed; see its logs", title="Internal error"), 500
+
+
 @web.middleware
 async def problems_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except errors.GpufedError as error:
-        return respond(error, request.path)
-    except pydantic.ValidationError as exc:
-        return respond(from_validation(exc), request.path)
     except web.HTTPRequestEntityTooLarge as exc:
         too_large = errors.TooLarge(exc.text or "the body is over 1 MiB", title="Body too large")
         return respond(too_large, request.path)
@@ -136,27 +198,6 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
         kept = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         plain = errors.GpufedError(exc.text or exc.reason, title=exc.reason, headers=kept)
         return respond(plain, request.path, status=exc.status)
-    except store_errors.TemporaryStoreError as exc:
-        logger.warning("store unavailable: %s", exc)
-        unavailable = errors.Unavailable(
-            "the broker's store did not answer; retry",
-            title="Store unavailable",
-            headers={"Retry-After": "1"},
-        )
-        return respond(unavailable, request.path)
-    except store_errors.StoreFullError as exc:
-        logger.error("store full, write refused: %s", exc)
-        full = StoreFull(
-            "the broker's store is full; nothing was written (an operator must free space)"
-        )
-        return respond(full, request.path)
-    except store_errors.StoreReadOnlyError as exc:
-        logger.error("store read-only, write refused: %s", exc)
-        read_only = StoreReadOnly(
-            "the broker's store refuses writes; nothing was written (an operator must act)"
-        )
-        return respond(read_only, request.path)
-    except Exception:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        failed = errors.GpufedError("the broker failed; see its logs", title="Internal error")
-        return respond(failed, request.path, status=500)
+    except Exception as exc:
+        error, status = problem_of(exc, where=f"{request.method} {request.path}")
+        return respond(error, request.path, status=status)

@@ -1,4 +1,9 @@
-"""Queue routes (admin token only): list, get, put and delete queues with usage and warnings.
+"""Queue routes: list, get, put and delete queues with usage and warnings.
+
+Who may (`broker.http.roles`): the admin every queue; a tenant's tokens read the queues of
+their tenant (and the open queues their unfinished jobs are in), its tenant-admin puts and
+deletes them: a queue of another tenant, or a PUT giving the queue to another tenant, is 403.
+Another tenant's queue is not found (404) on a GET, as another tenant's job is.
 
 `PUT /v1/queues/{name}` takes a queue spec in JSON or YAML (tenant, cohort, weight,
 priorityClass, quotas per GPU model with guaranteed and limit), validates it against the rest
@@ -36,8 +41,33 @@ from broker.state import registry
 INVALID = "Invalid queue"
 
 
-def _require_admin(request: web.Request) -> None:
-    auth.require_admin(request, action="manages queues")
+def _visible_to(request: web.Request, views: list[queues.QueueView]) -> list[queues.QueueView]:
+    """The views the caller may read: every one for the admin and a fleet viewer; for a
+    tenant's token, its tenant's queues and the open queues holding its unfinished jobs."""
+    tenant = auth.caller(request).tenant
+    if tenant is None:
+        return views
+    joined = {
+        record.job.spec.queue
+        for record in request.app[keys.JOBS]
+        if record.tenant == tenant and not record.status.state.terminal
+    }
+    return [
+        view
+        for view in views
+        if view.spec.tenant == tenant or (not view.declared and view.name in joined)
+    ]
+
+
+def _check_owner(request: web.Request, name: str, *, tenants: set[str]) -> None:
+    """Forbidden unless the caller may change queue `name`, owned by (or given to) `tenants`."""
+    principal = auth.caller(request)
+    foreign = sorted(t for t in tenants if t != principal.tenant)
+    if principal.tenant is not None and foreign:
+        raise errors.Forbidden(
+            f"queue {name!r} belongs to tenant {', '.join(foreign)}: this token is "
+            f"{principal.describe()}, for its own tenant's queues only"
+        )
 
 
 def _registry(request: web.Request) -> registry.QueueRegistry:
@@ -92,19 +122,19 @@ def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
 
 
 async def list_queues(request: web.Request) -> web.Response:
-    _require_admin(request)
     queue_registry = _registry(request)
-    views = build_views(request)
-    warnings = queue_registry.config.warnings(_fleet_gpus(request))
+    views = _visible_to(request, build_views(request))
+    # the configuration's warnings name other tenants' queues and cohorts: the fleet's only
+    fleet = auth.caller(request).tenant is None
+    warnings = queue_registry.config.warnings(_fleet_gpus(request)) if fleet else []
     warnings += [undeclared_warning(v) for v in views if not v.declared and queue_registry.declared]
     body = queues.QueueList(mode=queue_registry.mode, items=views, warnings=warnings)
     return web.json_response(_dump(body))
 
 
 async def get_queue(request: web.Request) -> web.Response:
-    _require_admin(request)
     name = request.match_info["name"]
-    for view in build_views(request):
+    for view in _visible_to(request, build_views(request)):
         if view.name == name:
             return web.json_response(_dump(view))
     raise errors.NotFound(f"no queue {name!r}")
@@ -144,10 +174,11 @@ def _validated(queue_registry: registry.QueueRegistry, queue: queues.Queue) -> q
 
 
 async def put_queue(request: web.Request) -> web.Response:
-    _require_admin(request)
     name = request.match_info["name"]
     queue_registry = _registry(request)
     queue = await _read_spec(request, name)
+    existing = queue_registry.config.queue(name)
+    _check_owner(request, name, tenants={queue.tenant} | ({existing.tenant} if existing else set()))
     candidate = _validated(queue_registry, queue)
     # the answer is built before anything is stored: a PUT that fails stores nothing
     view = next(v for v in build_views(request, candidate) if v.name == name)
@@ -164,12 +195,13 @@ async def put_queue(request: web.Request) -> web.Response:
 
 
 async def delete_queue(request: web.Request) -> web.Response:
-    _require_admin(request)
     name = request.match_info["name"]
     queue_registry = _registry(request)
     source = queue_registry.source(name)
-    if source is None:
+    declared = queue_registry.config.queue(name)
+    if source is None or declared is None:
         raise errors.NotFound(f"no queue {name!r}")
+    _check_owner(request, name, tenants={declared.tenant})
     if source == queues.QueueSource.FILE:
         raise errors.Conflict(
             f"queue {name!r} is declared in the queues file; the API deletes only what it "

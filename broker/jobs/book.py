@@ -31,14 +31,17 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypeVar
 
 from broker.api import jobs, status
-from broker.api.errors import IdempotencyKeyReused
+from broker.api.errors import IdempotencyKeyReused, TooLarge
 from broker.api.status import JobState
 from broker.planning import planning
 from broker.state import electing, errors, records
+from broker.state.history import protocol as history_store
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # states in which a job holds GPUs on a cluster (what quotas count)
 HOLDING = frozenset({JobState.DISPATCHED, JobState.RUNNING})
@@ -101,6 +104,7 @@ class JobBook:
         self._entries: dict[str, records.Stored] = {}
         self._queued: set[str] = set()
         self._holding: set[str] = set()
+        self._finished: set[str] = set()  # final, not yet retired to history
         self._by_cluster: dict[str, set[str]] = {}
         self._soon: dict[str, status.JobRecord] = {}  # drafts waiting for the group commit
         self._after: dict[str, list[Callable[[], None]]] = {}  # see `after_commit`
@@ -108,11 +112,18 @@ class JobBook:
         self._committer: asyncio.Task[None] | None = None
         self._observers: list[Observer] = []
         self._waiting: dict[str, Waiting] = {}
-        self._writes: set[asyncio.Future[None]] = set()  # this replica's commits in flight
+        # this replica's commits in flight, per job they write
+        self._writes: dict[str, set[asyncio.Future[None]]] = {}
+        self.history: history_store.HistoryStore | None = None  # where retired jobs are
 
     def observe(self, observer: Observer) -> None:
         """Call `observer` with every change applied from now on (and with every job loaded)."""
         self._observers.append(observer)
+
+    def unobserve(self, observer: Observer) -> None:
+        """Stop calling `observer` (a scheduler whose term ended)."""
+        if observer in self._observers:
+            self._observers.remove(observer)
 
     async def load(self) -> int:
         stored, revision = await self.store.load()
@@ -142,21 +153,36 @@ class JobBook:
             self._apply(entry.record, entry.revision, remote=True)
         return self.get(job_id)
 
-    async def _writing(self, write: Awaitable[int]) -> int:
-        """Run one store write of the book, known as in flight until it returns (and the
-        caller, without awaiting again, has applied it)."""
+    async def find(self, job_id: str) -> status.JobRecord | None:
+        """The job from the store (`fetch`), else from history once it was retired."""
+        record = await self.fetch(job_id)
+        if record is None and self.history is not None:
+            record = await self.history.get(job_id)
+        return record
+
+    async def _writing(self, job_ids: Iterable[str], write: Awaitable[T]) -> T:
+        """Run one store write of the book (of the jobs `job_ids`), known as in flight until
+        it returns (and the caller, without awaiting again, has applied it)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._writes.add(done)
+        ids = list(job_ids)
+        for job_id in ids:
+            self._writes.setdefault(job_id, set()).add(done)
         try:
             return await write
         finally:
-            self._writes.discard(done)
+            for job_id in ids:
+                waiting = self._writes.get(job_id)
+                if waiting is not None:
+                    waiting.discard(done)
+                    if not waiting:
+                        del self._writes[job_id]
             done.set_result(None)
 
-    def writes_in_flight(self) -> list[asyncio.Future[None]]:
-        """Futures done when the writes of this replica in flight now have returned: the
-        watch waits for them before it takes an event for another replica's."""
-        return list(self._writes)
+    def writes_in_flight(self, job_id: str) -> list[asyncio.Future[None]]:
+        """Futures done when this replica's writes of `job_id` in flight now have returned:
+        the watch waits for them before it takes an event of that job for another replica's
+        (and only for them: a busy leader's other writes never hold the watch up)."""
+        return list(self._writes.get(job_id, ()))
 
     def revision_of(self, job_id: str) -> int:
         """The store revision of the job as the book has it (0: unknown)."""
@@ -175,9 +201,16 @@ class JobBook:
     def queued(self) -> frozenset[str]:
         return frozenset(self._queued)
 
+    def queued_count(self) -> int:
+        return len(self._queued)
+
     def holding(self) -> frozenset[str]:
         """Jobs holding GPUs on a cluster (Dispatched or Running)."""
         return frozenset(self._holding)
+
+    def finished(self) -> list[status.JobRecord]:
+        """The finished jobs the book holds (not yet retired to history)."""
+        return [self._entries[job_id].record for job_id in self._finished]
 
     def on_cluster(self, cluster: str) -> list[status.JobRecord]:
         """The jobs not yet finished that the book places on `cluster`, latest versions."""
@@ -234,11 +267,12 @@ class JobBook:
         encoded = [records.Encoded(d, records.encode(d)) for d in drafts]
         for batch in self.store.batches(encoded):
             changes = [(item, self._revision(item.record.id)) for item in batch]
+            ids = [item.record.id for item in batch]
             try:
                 if fence is None:
-                    revision = await self._writing(self.store.update(changes))
+                    revision = await self._writing(ids, self.store.update(changes))
                 else:
-                    revision = await self._writing(self.store.update(changes, fence=fence))
+                    revision = await self._writing(ids, self.store.update(changes, fence=fence))
             except errors.ConflictError as exc:
                 leadership = self.leadership if fence is not None else None
                 if leadership is not None and leadership.lost_fence(exc):  # deposed
@@ -343,6 +377,31 @@ class JobBook:
         self._drop(list(self._soon))
         return dropped
 
+    async def retire(self, finished: Sequence[status.JobRecord]) -> int:
+        """Delete these finished jobs from the store (each compared with the revision the
+        book has, fenced by the leader's term) and forget them; the number retired. A job
+        the book has in another version than the one given, or one that changed in the store
+        meanwhile, is kept. `jobs.retiring` writes them to history first."""
+        fence = self.leadership.fence() if self.leadership is not None else None
+        async with self.lock:
+            stored = []
+            for record in finished:
+                entry = self._entries.get(record.id)
+                if entry is not None and entry.record is record and record.id not in self._soon:
+                    stored.append((record.id, entry.revision))
+            try:
+                gone = await self._writing(
+                    (job_id for job_id, _ in stored), self.store.retire(stored, fence=fence)
+                )
+            except errors.ConflictError as exc:
+                if self.leadership is not None and self.leadership.lost_fence(exc):
+                    raise errors.NotLeaderError(str(exc), revisions=exc.revisions) from exc
+                raise
+            revisions = dict(stored)
+            for job_id in gone:
+                self.forget(job_id, revisions[job_id] + 1)
+        return len(gone)
+
     # ---- changes of other replicas (`jobs.watching`, under the lock) ----------------------
 
     def apply_remote(self, record: status.JobRecord, revision: int) -> bool:
@@ -365,6 +424,7 @@ class JobBook:
         del self._entries[job_id]
         self._queued.discard(job_id)
         self._holding.discard(job_id)
+        self._finished.discard(job_id)
         self._waiting.pop(job_id, None)
         if entry.record.status.cluster:
             self._by_cluster.get(entry.record.status.cluster, set()).discard(job_id)
@@ -385,7 +445,7 @@ class JobBook:
             await self.store.forget_idempotent([entry])
             return None
         # the job may come from another replica, not delivered by the watch yet: the store
-        record = await self.fetch(entry.job_id) if entry.job_id is not None else None
+        record = await self.find(entry.job_id) if entry.job_id is not None else None
         if record is None:
             return None  # a job the store does not have: creating conflicts, and says so
         if entry.digest is not None and entry.digest != records.body_digest(job):
@@ -417,13 +477,44 @@ class JobBook:
         commits for everyone waiting, each gets its own answer, and a batch that fails as a
         whole is retried one job at a time so one conflict does not fail the others.
         """
-        encoded = self.store.encode(record)  # TooLarge for a job no transaction can carry
-        done: asyncio.Future[status.JobRecord] = asyncio.get_running_loop().create_future()
-        self._creating.append((encoded, done))
-        if self._committer is None or self._committer.done():
+        [result] = await self.create_many([record])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def create_many(
+        self, new: Sequence[status.JobRecord]
+    ) -> list[status.JobRecord | Exception]:
+        """`create` for many jobs at once (a batch submit), each answered on its own, in
+        order: the job stored (or its key's job), or what refused it (TooLarge,
+        IdempotencyKeyReused, a store error). They join one group commit, in as few
+        transactions as the store's bounds allow (`JobStore.batches`: records and bytes).
+        Two records with one key: give the second after the first is answered (its
+        conflict replays or refuses it), never in the same call."""
+        loop = asyncio.get_running_loop()
+        waiting: list[asyncio.Future[status.JobRecord] | Exception] = []
+        for record in new:
+            try:
+                encoded = self.store.encode(record)  # TooLarge: no transaction can carry it
+            except TooLarge as exc:
+                waiting.append(exc)
+                continue
+            done: asyncio.Future[status.JobRecord] = loop.create_future()
+            self._creating.append((encoded, done))
+            waiting.append(done)
+        if self._creating and (self._committer is None or self._committer.done()):
             # a task of its own: a submitter that goes away does not strand the others
             self._committer = asyncio.create_task(self._drain_creates())
-        return await done
+        results: list[status.JobRecord | Exception] = []
+        for item in waiting:
+            if isinstance(item, Exception):
+                results.append(item)
+                continue
+            try:
+                results.append(await item)
+            except Exception as exc:  # this job's answer; the others go on
+                results.append(exc)
+        return results
 
     async def _drain_creates(self) -> None:
         await asyncio.sleep(0)  # let the submits of this loop turn join the batch
@@ -439,7 +530,10 @@ class JobBook:
     ) -> None:
         if len(batch) > 1:
             try:
-                revision = await self._writing(self.store.create([item for item, _ in batch]))
+                revision = await self._writing(
+                    (item.record.id for item, _ in batch),
+                    self.store.create([item for item, _ in batch]),
+                )
             except (errors.StoreError, ValueError):
                 pass  # one of them conflicts (or repeats a key): one at a time below
             else:
@@ -461,7 +555,7 @@ class JobBook:
     async def _create_one(self, item: records.Encoded) -> status.JobRecord:
         record = item.record
         try:
-            revision = await self._writing(self.store.create([item]))
+            revision = await self._writing([record.id], self.store.create([item]))
         except errors.ConflictError:
             if not record.idempotency_key:
                 raise
@@ -470,7 +564,7 @@ class JobBook:
                 return existing
             # the key had expired and is forgotten now: once more (a key naming a job the
             # book cannot read conflicts again, and that is raised)
-            revision = await self._writing(self.store.create([item]))
+            revision = await self._writing([record.id], self.store.create([item]))
         self._apply(record, revision)
         return record
 
@@ -513,3 +607,7 @@ class JobBook:
             self._holding.add(job_id)
         else:
             self._holding.discard(job_id)
+        if state.terminal:
+            self._finished.add(job_id)
+        else:
+            self._finished.discard(job_id)

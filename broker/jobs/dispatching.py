@@ -57,31 +57,43 @@ class Dispatcher:
         queued = self.book.queued()
         out = []
         for job_id in queued:
-            record = self.book.get(job_id)
-            if (
-                record is None
-                or record.status.state != JobState.QUEUED
-                or record.status.cancel_requested
-            ):
-                continue
             request = self._requests.get(job_id)
+            view = self.view(job_id, frozenset(excluded.get(job_id, ())), request=request)
+            if view is None:
+                continue
             if request is None:  # a job's spec never changes: parse its shapes once
-                request = self._requests[job_id] = jobs_api.gang_request(job_id, record.job)
-            out.append(
-                snapshot.PendingJob(
-                    job_id=job_id,
-                    queue=record.job.spec.queue,
-                    priority=record.job.spec.priority,
-                    created=record.created,
-                    request=request,
-                    excluded=frozenset(excluded.get(job_id, ())),
-                    priority_class=record.job.spec.priority_class,
-                    queued_since=record.status.events[-1].time if record.status.events else None,
-                )
-            )
+                self._requests[job_id] = view.request
+            out.append(view)
         if len(self._requests) > 2 * len(queued) + 64:
             self._requests = {k: v for k, v in self._requests.items() if k in queued}
         return out
+
+    def view(
+        self,
+        job_id: str,
+        excluded: frozenset[str] = frozenset(),
+        *,
+        request: jobs_api.GangRequest | None = None,
+    ) -> snapshot.PendingJob | None:
+        """One job as the planner sees it, None if it is not pending (`request`: its shapes,
+        parsed before; the scheduler keeps its pending jobs between cycles)."""
+        record = self.book.get(job_id)
+        if (
+            record is None
+            or record.status.state != JobState.QUEUED
+            or record.status.cancel_requested
+        ):
+            return None
+        return snapshot.PendingJob(
+            job_id=job_id,
+            queue=record.job.spec.queue,
+            priority=record.job.spec.priority,
+            created=record.created,
+            request=request or jobs_api.gang_request(job_id, record.job),
+            excluded=excluded,
+            priority_class=record.job.spec.priority_class,
+            queued_since=record.status.events[-1].time if record.status.events else None,
+        )
 
     def note_unplaced(self, plan: planning.CyclePlan) -> None:
         now = status.utcnow()

@@ -1,10 +1,11 @@
-"""What users ask of their jobs: submit and cancel. Called by `http/jobs.py` via `service`.
+"""What users ask of their jobs: submit and cancel. Called by `http/` via `service`.
 
-A submit is stored as Queued (group-committed with the submits arriving with it) before it
-is answered; a cancel is committed before the agent is asked to delete the pods, and the job
-ends Cancelled when the agent reports them gone. A job waiting on a lost cluster
-(`failurePolicy.clusterLost: wait`) ends Cancelled at once: no agent can be asked, and the one
-that returns is told to delete the pods (they are a stale copy by then).
+A submit is stored as Queued (group-committed with the submits arriving with it; a batch's
+jobs all together, `submit_many`) before it is answered; a cancel is committed before the
+agent is asked to delete the pods, and the job ends Cancelled when the agent reports them
+gone. A job waiting on a lost cluster (`failurePolicy.clusterLost: wait`) ends Cancelled at
+once: no agent can be asked, and the one that returns is told to delete the pods (they are a
+stale copy by then).
 
 Any replica takes submits and cancels: a cancel is a plain compare-and-swap (not fenced by
 the leader's term: it decides no placement), tried again from the store's record if another
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from broker.api import errors as api_errors
 from broker.api import status
@@ -40,11 +41,23 @@ class Requests:
 
     async def submit(self, record: status.JobRecord) -> status.JobRecord:
         """Store a new job; with its idempotency key used already, the job stored then."""
-        record.record(JobState.QUEUED, "Submitted", "accepted by the broker")
-        stored = await self.book.create(record)
-        if stored is record:
-            self.meters.jobs_submitted.labels(queue=record.job.spec.queue).inc()
-        return stored
+        [result] = await self.submit_many([record])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def submit_many(
+        self, new: Sequence[status.JobRecord]
+    ) -> list[status.JobRecord | Exception]:
+        """Store new jobs together (a batch: one group commit, `book.create_many`); each
+        answered on its own, in order: the job stored, its key's job, or what refused it."""
+        for record in new:
+            record.record(JobState.QUEUED, "Submitted", "accepted by the broker")
+        results = await self.book.create_many(new)
+        for record, result in zip(new, results, strict=True):
+            if result is record:
+                self.meters.jobs_submitted.labels(queue=record.job.spec.queue).inc()
+        return results
 
     async def cancel(self, job_id: str, *, reason: str = "Cancelled") -> status.JobRecord | None:
         """Cancel a job; returns it as committed (None if the book does not have it).

@@ -1,10 +1,16 @@
 """The scheduling cycle: the async shell around the pure planner.
 
-1. pending jobs, jobs holding GPUs, victims still releasing theirs  2. fleet snapshot
-(summaries less in-flight offers)  3. plan_cycle with the queues configuration
-4. preempt the victims chosen (Cancel, reason Preempted)  5. commit Dispatched
-(compare-and-swap) and send offers (`dispatching`)  6. record reasons for the rest; keep
+1. pending jobs (the backlog, brought up to date with the jobs that changed), jobs holding
+GPUs, victims still releasing theirs  2. fleet snapshot (summaries less in-flight offers)
+3. `parking.plan_backlog` with the queues configuration: plan_cycle over the live jobs and
+the parked ones a change woke; park the jobs that could not act  4. preempt the victims
+chosen (Cancel, reason Preempted)  5. commit Dispatched (compare-and-swap) and send offers
+(`dispatching`)  6. record reasons for the rest (a parked job keeps its last ones); keep
 the reservations for the next cycle; export the per-queue gauges.
+The backlog is kept between cycles (`planning.backlog`): a book observer notes the jobs that
+changed, and a cycle with nothing new costs O(clusters + live jobs), not O(queued jobs).
+`full_replan=True` plans every pending job every cycle instead (the same decisions, the old
+cost: benchmarks compare them).
 A dispatch the store refuses leaves the jobs queued; the next cycles back off (up to 2 s)
 until a commit goes through.
 Runs whenever something changed (a submit, a summary, a rejection, a finished job), at most
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
 from collections import Counter
@@ -23,8 +30,9 @@ from datetime import datetime
 from typing import overload
 
 from broker.api import status
+from broker.api.status import JobState
 from broker.jobs import accounting, book, dispatching, fleet, preempting
-from broker.planning import planning, reservation, snapshot, usage
+from broker.planning import backlog, parking, planning, reservation, snapshot, usage
 from broker.state import registry
 from broker.telemetry import metrics
 
@@ -62,6 +70,46 @@ class LazyRunning(Sequence[snapshot.RunningJob]):
         return iter(self._all())
 
 
+class Waits:
+    """The queued jobs per queue and since when each waits: the pending gauges, kept as
+    jobs change rather than counted over the backlog every cycle."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, tuple[str, datetime]] = {}
+        self._oldest: dict[str, list[tuple[datetime, str]]] = {}  # heaps, stale entries left
+        self.counts: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def ids(self) -> set[str]:
+        return set(self._jobs)
+
+    def put(self, job_id: str, queue: str, since: datetime) -> None:
+        if self._jobs.get(job_id) == (queue, since):
+            return
+        self.drop(job_id)
+        self._jobs[job_id] = (queue, since)
+        self.counts[queue] += 1
+        heapq.heappush(self._oldest.setdefault(queue, []), (since, job_id))
+
+    def drop(self, job_id: str) -> None:
+        found = self._jobs.pop(job_id, None)
+        if found is not None:
+            self.counts[found[0]] -= 1
+            if self.counts[found[0]] <= 0:
+                del self.counts[found[0]]
+
+    def oldest(self, queue: str) -> datetime | None:
+        heap = self._oldest.get(queue, [])
+        if len(heap) > 2 * self.counts.get(queue, 0) + 64:  # mostly stale: keep the rest
+            heap[:] = list({(t, j) for t, j in heap if self._jobs.get(j) == (queue, t)})
+            heapq.heapify(heap)
+        while heap and self._jobs.get(heap[0][1]) != (queue, heap[0][0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+
 class Scheduler:
     def __init__(
         self,
@@ -76,6 +124,7 @@ class Scheduler:
         max_interval: float = 1.0,
         queues: registry.QueueRegistry | None = None,
         queue_gauges_every: float = 0.5,
+        full_replan: bool = False,
     ) -> None:
         self.book = jobs
         self.fleet = clusters
@@ -94,33 +143,97 @@ class Scheduler:
         self.last_plan_seconds = 0.0
         self._resynced_at = time.monotonic()
         self.commit_failures = 0  # dispatch commits failed in a row: the next cycle waits
+        self.full_replan = full_replan  # plan every pending job every cycle, park none
+        self.backlog = backlog.Backlog()  # the pending jobs, live or parked
+        self.reference: parking.Reference | None = None  # what parked jobs were checked on
+        self.last_cycle: parking.BacklogPlan | None = None
+        self.waits = Waits()
+        self._excluded: dict[str, frozenset[str]] = {}  # job -> clusters that rejected it
+        self._dirty: set[str] = set(jobs.queued())  # jobs to look at again next cycle
+        jobs.observe(self._note_change)
+
+    def _note_change(self, change: book.Change) -> None:
+        """A book observer: a job that is or was queued is looked at again next cycle."""
+        before = change.before
+        if change.after.status.state == JobState.QUEUED or (
+            before is not None and before.status.state == JobState.QUEUED
+        ):
+            self._dirty.add(change.after.id)
+
+    def close(self) -> None:
+        """Stop following the book (the term ended)."""
+        self.book.unobserve(self._note_change)
+
+    def _refresh(self) -> None:
+        """Bring the backlog up to date: the jobs that changed since the last cycle, and the
+        ones whose excluded clusters changed (a rejection, a fresh summary)."""
+        rejected: dict[str, set[str]] = {}
+        for cluster in self.fleet.clusters.values():
+            for job_id in cluster.rejected:
+                rejected.setdefault(job_id, set()).add(cluster.name)
+        excluded = {job_id: frozenset(names) for job_id, names in rejected.items()}
+        for job_id in self._excluded.keys() | excluded.keys():
+            if self._excluded.get(job_id) != excluded.get(job_id):
+                self._dirty.add(job_id)
+        self._excluded = excluded
+        self._look_again()
+        if self.book.queued_count() != len(self.waits):  # a record forgotten (`book.forget`)
+            self._dirty |= self.book.queued() ^ self.waits.ids()
+            self._look_again()
+
+    def _look_again(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for job_id in dirty:
+            record = self.book.get(job_id)
+            if record is not None and record.status.state == JobState.QUEUED:
+                since = record.status.events[-1].time if record.status.events else record.created
+                self.waits.put(job_id, record.job.spec.queue, since)
+            else:
+                self.waits.drop(job_id)
+            known = self.backlog.get(job_id)
+            view = self.dispatcher.view(
+                job_id,
+                self._excluded.get(job_id, frozenset()),
+                request=known.request if known is not None else None,
+            )
+            if view is None:
+                self.backlog.drop(job_id)
+            else:
+                self.backlog.put(view)
 
     async def run_cycle(self) -> int:
         """One cycle; returns the number of offers sent."""
         started = time.perf_counter()
-        pending = self.dispatcher.pending()
+        self._refresh()
         offers = 0
         if time.monotonic() - self._resynced_at > self.resync_every:
             self.accounts.resync()
             self._resynced_at = time.monotonic()
-        if pending:
+        if len(self.backlog):
             running = LazyRunning(self.accounts.running_jobs)
             releasing = self.victims.releasing()
             fleet = self.fleet.snapshot(now=time.monotonic())
             plan_started = time.perf_counter()
-            plan = planning.plan_cycle(
+            cycle = parking.plan_backlog(
+                self.backlog,
                 fleet,
-                pending,
+                previous=self.reference,
                 running=running,
                 usage=self.accounts.usage(),
                 queues=self.queues.config,
                 reservations=self.reservations,
                 releasing=releasing,
                 now=status.utcnow(),
+                park=not self.full_replan,
             )
+            self.backlog.settle(cycle.woken, cycle.parks)
+            self.reference = cycle.reference
+            self.last_cycle = cycle
+            plan = cycle.plan
             decided = time.perf_counter() - plan_started
             self.last_plan_seconds = decided
-            self.meters.decision_duration.observe(decided / len(pending))
+            if cycle.planned:
+                self.meters.decision_duration.observe(decided / len(cycle.planned))
             self.reservations = plan.reservations
             self._note_set_aside(plan, fleet)
             await self.victims.preempt(plan.preemptions)
@@ -131,6 +244,7 @@ class Scheduler:
                 self.book.wakeup.set()  # plan them again once the pause is over
         else:
             self.reservations = {}
+            self.reference = None
         self._export_gauges()
         self._export_queue_gauges()
         self.cycles += 1
@@ -152,34 +266,30 @@ class Scheduler:
             logger.error("scheduling cycle set aside %s %s: %s", item.kind, item.name, item.reason)
 
     def _export_gauges(self) -> None:
-        by_queue: Counter[str] = Counter()
-        oldest: dict[str, datetime] = {}
-        for job_id in self.book.queued():
-            record = self.book.get(job_id)
-            if record is not None:
-                queue = record.job.spec.queue
-                by_queue[queue] += 1
-                since = record.status.events[-1].time if record.status.events else record.created
-                oldest[queue] = min(oldest.get(queue, since), since)
         now = status.utcnow()
         self.meters.pending_jobs.clear()
         self.meters.pending_oldest_age.clear()
-        for queue, count in by_queue.items():
+        for queue, count in self.waits.counts.items():
             self.meters.pending_jobs.labels(queue=queue).set(count)
-            age = (now - oldest[queue]).total_seconds()
-            self.meters.pending_oldest_age.labels(queue=queue).set(max(0.0, age))
+            oldest = self.waits.oldest(queue)
+            if oldest is not None:
+                age = (now - oldest).total_seconds()
+                self.meters.pending_oldest_age.labels(queue=queue).set(max(0.0, age))
 
     def _export_queue_gauges(self) -> None:
         """GPUs in use, guaranteed and fair share per queue and model (at most every
-        `queue_gauges_every` seconds: they cost a pass over the jobs holding GPUs)."""
+        `queue_gauges_every` seconds), from what the shell keeps: the queues' holdings
+        (`accounting`) and pending jobs (the backlog), no pass over the jobs."""
         now = time.monotonic()
         if now - self._queue_gauges_at < self.queue_gauges_every:
             return
         self._queue_gauges_at = now
         views = usage.build_views(
             self.queues.config,
-            running=self.accounts.running_jobs(),
-            pending=self.dispatcher.pending(),
+            running=(),
+            pending=(),
+            waiting=self.backlog.pending_per_queue(),
+            usage=self.accounts.usage(),
             fleet_gpus=self.fleet.snapshot(now=now).total_gpus(),
         )
         for gauge in (
@@ -199,6 +309,12 @@ class Scheduler:
         self.meters.reservations.set(len(self.reservations))
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            self.close()
+
+    async def _run(self) -> None:
         wakeups = (self.book.wakeup, self.fleet.changed)
         while True:
             waiters = [asyncio.ensure_future(e.wait()) for e in wakeups]
@@ -218,9 +334,10 @@ class Scheduler:
                 self.commit_failures += 1  # whatever broke, the next cycles wait longer
                 self.meters.background_errors.labels(task="scheduler").inc()
                 logger.exception("scheduling cycle failed")
-            # long planning (a deep backlog) is followed by a pause as long (at most 0.1 s):
-            # planning never takes more than half of the broker's time
-            pause = min(self.last_plan_seconds, 0.1)
+            # long planning (a deep backlog) is followed by a pause as long (at most 2 s):
+            # planning never takes more than half of the broker's time, and the rest of the
+            # broker (the leader's lease, agents' reports, the API) is never starved of it
+            pause = min(self.last_plan_seconds, 2.0)
             if self.commit_failures:  # the store refuses dispatches: back off, up to 2 s
                 pause = max(pause, min(2.0, 0.05 * 2 ** min(self.commit_failures, 6)))
             await asyncio.sleep(max(self.min_interval, pause))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from broker.api import jobs, status
 from broker.api.status import JobState
@@ -33,6 +33,7 @@ from broker.jobs import (
 )
 from broker.planning import quotas, snapshot
 from broker.state import electing, errors, records
+from broker.state.history import protocol as history_store
 from broker.telemetry import jobspans, metrics
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,11 @@ class Jobs:
         self.book.observe(self.victims)
         self.book.observe(self.forwarded)
 
+    @property
+    def history(self) -> history_store.HistoryStore | None:
+        """Where finished jobs go once retired (None: they stay in the store)."""
+        return self.book.history
+
     def leading(self) -> bool:
         """Does this replica lead (always, without a leadership: one replica)?"""
         return self.leadership is None or self.leadership.is_leader
@@ -95,8 +101,8 @@ class Jobs:
 
     async def find(self, job_id: str) -> status.JobRecord | None:
         """The job, read from the store if this replica has not seen it yet (read-your-write
-        on a replica the submit did not go to)."""
-        return await self.book.fetch(job_id)
+        on a replica the submit did not go to); from history once it was retired."""
+        return await self.book.find(job_id)
 
     def __iter__(self) -> Iterator[status.JobRecord]:
         return iter(self.book)
@@ -178,6 +184,12 @@ class Jobs:
 
     async def submit(self, record: status.JobRecord) -> status.JobRecord:
         return await self.requests.submit(record)
+
+    async def submit_many(
+        self, new: Sequence[status.JobRecord]
+    ) -> list[status.JobRecord | Exception]:
+        """A batch's jobs stored together; each the job stored or what refused it."""
+        return await self.requests.submit_many(new)
 
     async def find_idempotent(
         self, tenant: str, key: str, job: jobs.GPUJob

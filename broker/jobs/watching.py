@@ -3,8 +3,10 @@
 Run by `broker.app` as a background task when several replicas share the store (etcd). It
 watches `/gpufed/jobs` from the revision after the book's load and applies each change
 through `book.JobBook.apply_remote` (under the book's lock, so observers — accounting, the
-cancels the leader forwards — see it as they see the replica's own commits). This replica's
-own writes come back too and are skipped by revision, without being decoded. After a
+cancels the leader forwards — see it as they see the replica's own commits), in batches: what
+arrived while one batch was applied goes in the next, under one hold of the lock, so a busy
+leader whose collaborators queue for the lock never falls behind its followers' submits. This
+replica's own writes come back too and are skipped by revision, without being decoded. After a
 compaction (CompactedError) the jobs are listed again and the book reconciled with the list.
 
 `sync` is a read barrier: it writes this replica's marker under `/gpufed/jobsync/` (inside the
@@ -21,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from broker.jobs import book
 from broker.state import electing, errors, records, store
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 TASK = "jobs-watch"
 BACKOFF_INITIAL = 0.1
 BACKOFF_MAX = 2.0
+MAX_BATCH = 1000  # watch events applied under one hold of the book's lock
 
 
 class BookWatch:
@@ -123,9 +126,7 @@ class BookWatch:
             try:
                 watch = self.backing.watch(records.FOLLOWED, start_revision=self.revision + 1)
                 self._watching.set()
-                async for event in watch:
-                    await self._handle(event)
-                    delay = BACKOFF_INITIAL
+                await self._follow(watch)
                 raise errors.TemporaryStoreError("the watch of the jobs ended")
             except asyncio.CancelledError:
                 raise
@@ -143,35 +144,82 @@ class BookWatch:
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
 
-    async def _handle(self, event: store.WatchEvent) -> None:
-        self.revision = max(self.revision, event.revision)
-        job_id = records.job_id_of(event.key)
-        if job_id is None:
-            if event.key == self.marker and event.type == store.EventType.PUT:
-                arrived = self._barriers.get(event.value.decode(errors="replace"))
-                if arrived is not None and not arrived.done():
-                    arrived.set_result(None)
+    async def _follow(self, watch: AsyncIterator[store.WatchEvent]) -> None:
+        """Apply the watch's events in batches: what arrived while the last batch was applied
+        goes in the next, under one hold of the book's lock. A busy leader's collaborators
+        queue for that lock all the time; one event per turn would fall behind them."""
+        arrived: asyncio.Queue[store.WatchEvent | BaseException | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for event in watch:
+                    arrived.put_nowait(event)
+                arrived.put_nowait(None)
+            except Exception as exc:  # handed over, raised by the applying side
+                arrived.put_nowait(exc)
+
+        reader = asyncio.create_task(read(), name="jobs-watch-reader")
+        try:
+            while True:
+                batch = [await arrived.get()]
+                while not arrived.empty() and len(batch) < MAX_BATCH:
+                    batch.append(arrived.get_nowait())
+                events = [e for e in batch if isinstance(e, store.WatchEvent)]
+                if events:
+                    await self._handle(events)
+                ended = next((e for e in batch if not isinstance(e, store.WatchEvent)), False)
+                if ended is None:
+                    return
+                if isinstance(ended, BaseException):
+                    raise ended
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _handle(self, events: list[store.WatchEvent]) -> None:
+        """Apply a batch of events in revision order; a barrier's marker passes once every
+        event before it is applied."""
+        todo: list[tuple[store.WatchEvent, str | None]] = []
+        pending: set[asyncio.Future[None]] = set()
+        for event in events:
+            job_id = records.job_id_of(event.key)
+            if job_id is not None:
+                if event.revision <= self.book.revision_of(job_id):
+                    continue  # this replica's own write, applied when it committed
+                # the event may be of one of its writes in flight, whose answer is on its way
+                pending.update(self.book.writes_in_flight(job_id))
+            todo.append((event, job_id))
+        if pending:
+            await asyncio.wait(pending)
+        async with self.book.lock:  # never between a collaborator's draft and its commit
+            for event, job_id in todo:
+                self.revision = max(self.revision, event.revision)
+                if job_id is None:
+                    self._marker(event)
+                else:
+                    self._apply(event, job_id)
+        if events:
+            self.revision = max(self.revision, events[-1].revision)
+
+    def _marker(self, event: store.WatchEvent) -> None:
+        if event.key == self.marker and event.type == store.EventType.PUT:
+            arrived = self._barriers.get(event.value.decode(errors="replace"))
+            if arrived is not None and not arrived.done():
+                arrived.set_result(None)
+
+    def _apply(self, event: store.WatchEvent, job_id: str) -> None:
+        if event.type == store.EventType.DELETE:
+            self.book.forget(job_id, event.revision)
             return
         if event.revision <= self.book.revision_of(job_id):
-            return  # this replica's own write, applied when it committed
-        pending = self.book.writes_in_flight()
-        if pending:  # the event may be of one of them, whose answer is on its way
-            await asyncio.wait(pending)
-            if event.revision <= self.book.revision_of(job_id):
-                return
-        async with self.book.lock:  # never between a collaborator's draft and its commit
-            if event.type == store.EventType.DELETE:
-                self.book.forget(job_id, event.revision)
-                return
-            if event.revision <= self.book.revision_of(job_id):
-                return  # its own commit, which was in flight
-            try:
-                record = records.decode_record(event.key, event.value)
-            except ValueError as exc:  # the next load sets it aside
-                logger.warning("job record %s does not parse, not applied: %s", event.key, exc)
-                return
-            if self.book.apply_remote(record, event.revision):
-                self.applied += 1
+            return  # its own commit, which was in flight
+        try:
+            record = records.decode_record(event.key, event.value)
+        except ValueError as exc:  # the next load sets it aside
+            logger.warning("job record %s does not parse, not applied: %s", event.key, exc)
+            return
+        if self.book.apply_remote(record, event.revision):
+            self.applied += 1
 
     async def _relist_until_done(self) -> None:
         delay = BACKOFF_INITIAL

@@ -107,12 +107,15 @@ def plan_cycle(
     releasing: Sequence[snapshot.Releasing] = (),
     now: datetime | None = None,
     max_assignments: int = 10_000,
+    stand_ins: Sequence[snapshot.PendingJob] = (),
 ) -> CyclePlan:
     """Decide one cycle. The fleet snapshot is changed (assumed placements).
 
     Without `queues` every queue is open and nothing is preempted or reserved; without `now`
     no time-based rule applies (no reservations, no minimum run time). With `usage` (kept by
     the shell) `running` is read only when a preemption is searched for, so it may be lazy.
+    `stand_ins` take their turn in the fair-share order (phase 3) and are not planned: parked
+    jobs (`parking`) whose place in their queue could hold a job behind them back.
     """
     cycle = _Cycle(
         fleet,
@@ -123,6 +126,7 @@ def plan_cycle(
         releasing=releasing,
         now=now,
         max_assignments=max_assignments,
+        stand_ins=stand_ins,
     )
     cycle.run(reservations or {})
     return cycle.plan
@@ -140,6 +144,7 @@ class _Cycle:
         releasing: Sequence[snapshot.Releasing],
         now: datetime | None,
         max_assignments: int,
+        stand_ins: Sequence[snapshot.PendingJob] = (),
     ) -> None:
         self.plan = CyclePlan()
         self.fleet = fleet
@@ -151,6 +156,7 @@ class _Cycle:
         self.strikes = containment.Strikes()
         self.broken: dict[str, str] = {}  # job id -> why computing its order raised
         self.pending = {job.job_id: job for job in pending}
+        self.stand_ins = {job.job_id: job for job in stand_ins if job.job_id not in self.pending}
         self.tenancy = tenancy
         self.policy = tenancy.policy
         self.now = now
@@ -216,6 +222,8 @@ class _Cycle:
         for waiting in self.pending.values():
             if waiting.job_id not in handled:
                 by_queue.setdefault(waiting.queue, []).append(waiting)
+        for stand_in in self.stand_ins.values():
+            by_queue.setdefault(stand_in.queue, []).append(stand_in)
         order = fairshare.QueueOrder(by_queue, key=self._queue_key, priority=self._priority)
         while (head := order.pop()) is not None:
             if not self._handle(head):
@@ -227,6 +235,8 @@ class _Cycle:
         planning raises is set aside (`containment`); the cycle goes on."""
         if len(self.plan.assignments) >= self.max_assignments:
             return False
+        if job.job_id in self.stand_ins:
+            return True  # its turn taken; nothing of it planned
         broken = self.broken.get(job.job_id)
         if broken is not None:
             self._set_aside_job(job.job_id, broken)

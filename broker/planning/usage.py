@@ -21,12 +21,19 @@ def build_views(
     pending: Sequence[snapshot.PendingJob],
     fleet_gpus: Mapping[str, int],
     preemptions: Mapping[str, int] | None = None,
+    waiting: Mapping[str, int] | None = None,
+    usage: quotas.Usage | None = None,
 ) -> list[queues.QueueView]:
-    """Every declared queue, and every other queue with jobs, with its status."""
+    """Every declared queue, and every other queue with jobs, with its status. `waiting`:
+    pending jobs per queue, and `usage`, what queues hold, when the caller keeps them (then
+    `pending`, and `running`, are not read)."""
     tenancy = quotas.Tenancy(config)
-    ledger = quotas.Ledger.build(tenancy, running, fleet_gpus)
-    waiting = Counter(job.queue for job in pending)
-    active = set(waiting) | {job.queue for job in running}
+    ledger = quotas.Ledger.build(tenancy, running, fleet_gpus, usage=usage)
+    if waiting is None:
+        waiting = Counter(job.queue for job in pending)
+    waiting = {queue: count for queue, count in waiting.items() if count > 0}
+    holding = {q for q, n in usage.jobs.items() if n > 0} if usage else {j.queue for j in running}
+    active = set(waiting) | holding
     shares = fairshare.fair_shares(ledger, active)
     names = sorted({q.name for q in config.queues} | active)
     warnings = config.warnings(fleet_gpus)

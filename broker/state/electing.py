@@ -385,7 +385,9 @@ class Election:
                 if left <= 0:
                     self.step_down(f"its lease was not renewed for {self.ttl - self.safety:g} s")
                     break
-                await self._renew(timeout=max(0.05, min(self.ttl / 3, left)))
+                # half the time left, at least a third of the TTL: a slow answer (a busy
+                # store) still renews in time, and a lost one leaves room for another try
+                await self._renew(timeout=max(0.05, min(left, max(self.ttl / 3, left / 2))))
         finally:
             lease, self._lease = self._lease, None
             self.step_down(self.reason or "the term ended")

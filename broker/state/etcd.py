@@ -15,6 +15,11 @@ over to the next member that answers when a call to the current one cannot get t
 most one attempt a second, so a whole-cluster outage answers fast). A read is then tried once
 more on the new member; a transaction is not (it may have landed): its caller gets the
 TemporaryStoreError and decides again from fresh state, as for any failed commit.
+
+TLS and etcd users (`etcd_credentials.EtcdCredentials`) apply to every member: each client,
+the first and every one a fail-over opens, is made with them. etcd forgets its auth tokens
+when it restarts (and a JWT token expires): a call refused for its token authenticates again
+on the same member and is tried once more, a transaction too (a refused one did not land).
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ import aetcd
 from aetcd import rpc
 from aetcd import utils as aetcd_utils
 
-from broker.state import errors, store
+from broker.state import errors, etcd_credentials, store
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 5.0
 PROBE_TIMEOUT = 2.0
+PROBE_KEY = b"/gpufed/probe"  # under /gpufed/, where a least-privilege etcd role lets it read
 FAILOVER_EVERY = 1.0  # seconds between two attempts to find another member
 LIST_PAGE_SIZE = 1_000
 WATCH_BACKOFF_INITIAL = 0.05
@@ -60,12 +66,20 @@ TEMPORARY_CODES = frozenset(
         rpc.StatusCode.ABORTED,
     }
 )
+# etcd's answers to a token it does not know (it restarted; a JWT expired) or that predates a
+# change of users or roles: authenticating again is the cure.
+REFUSED_TOKEN_DETAILS = ("invalid auth token", "revision of auth store is old")
 TEMPORARY_CLIENT_ERRORS = (
     aetcd.ConnectionFailedError,
     aetcd.ConnectionTimeoutError,
     aetcd.WatchTimeoutError,
     TimeoutError,
 )
+
+
+class AuthTokenRefusedError(errors.TemporaryStoreError):
+    """etcd refused the client's auth token (it restarted, the token expired, the users
+    changed); the store authenticates again, and callers see this if that fails too."""
 
 
 def translate_error(exc: BaseException, what: str) -> errors.StoreError:
@@ -77,6 +91,8 @@ def translate_error(exc: BaseException, what: str) -> errors.StoreError:
         return errors.CompactedError(message)
     if "lease not found" in details:
         return errors.LeaseExpiredError(message)
+    if any(text in details for text in REFUSED_TOKEN_DETAILS):
+        return AuthTokenRefusedError(message)
     if isinstance(exc, TEMPORARY_CLIENT_ERRORS):
         return errors.TemporaryStoreError(message)
     if isinstance(rpc_error, rpc.AioRpcError) and rpc_error.code() in TEMPORARY_CODES:
@@ -157,10 +173,12 @@ class EtcdStore(store.Shortcuts):
         endpoint: str,
         rpc_timeout: float = DEFAULT_TIMEOUT,
         endpoints: Sequence[tuple[str, int]] = (),
+        credentials: etcd_credentials.EtcdCredentials = etcd_credentials.NONE,
     ) -> None:
         self.endpoint = endpoint
         self._client = client
         self._timeout = rpc_timeout
+        self._credentials = credentials
         self._closing = asyncio.Event()
         self._endpoints = list(endpoints)
         self._switching = asyncio.Lock()
@@ -168,10 +186,14 @@ class EtcdStore(store.Shortcuts):
 
     @classmethod
     async def connect(
-        cls, endpoints: Sequence[tuple[str, int]], *, rpc_timeout: float = DEFAULT_TIMEOUT
+        cls,
+        endpoints: Sequence[tuple[str, int]],
+        *,
+        rpc_timeout: float = DEFAULT_TIMEOUT,
+        credentials: etcd_credentials.EtcdCredentials = etcd_credentials.NONE,
     ) -> EtcdStore:
         """A store on the first of `endpoints` (host, port) that answers; it fails over to
-        the others later.
+        the others later, with the same `credentials` (TLS, user).
 
         `rpc_timeout` bounds each unary call (seconds); watches are not bounded by it.
         """
@@ -179,13 +201,19 @@ class EtcdStore(store.Shortcuts):
         temporary = False
         for host, port in endpoints:
             try:
-                client = await _open_client(host, port, rpc_timeout=rpc_timeout)
+                client = await _open_client(
+                    host, port, rpc_timeout=rpc_timeout, credentials=credentials
+                )
             except errors.StoreError as exc:
                 failures.append(f"{host}:{port} ({exc})")
                 temporary = temporary or isinstance(exc, errors.TemporaryStoreError)
                 continue
             return cls(
-                client, endpoint=f"{host}:{port}", rpc_timeout=rpc_timeout, endpoints=endpoints
+                client,
+                endpoint=f"{host}:{port}",
+                rpc_timeout=rpc_timeout,
+                endpoints=endpoints,
+                credentials=credentials,
             )
         error = errors.TemporaryStoreError if temporary else errors.StoreError
         raise error(f"no etcd endpoint answers: {'; '.join(failures)}")
@@ -208,7 +236,9 @@ class EtcdStore(store.Shortcuts):
             for step in range(len(names) - 1):
                 host, port = self._endpoints[(start + step) % len(names)]
                 try:
-                    client = await _open_client(host, port, rpc_timeout=self._timeout)
+                    client = await _open_client(
+                        host, port, rpc_timeout=self._timeout, credentials=self._credentials
+                    )
                 except errors.StoreError as exc:
                     log.warning("etcd member %s:%s does not answer either: %s", host, port, exc)
                     continue
@@ -219,18 +249,58 @@ class EtcdStore(store.Shortcuts):
                 return True
             return False
 
+    async def _authenticate_again(self, refused: aetcd.Client) -> bool:
+        """A new client of the current member (a new auth token), after `refused`'s token was
+        refused; True if the store now has one."""
+        async with self._switching:
+            if self._client is not refused:
+                return True  # another call has done it already
+            if self._closing.is_set():
+                return False
+            host, _, port = self.endpoint.rpartition(":")
+            try:
+                client = await _open_client(
+                    host, int(port), rpc_timeout=self._timeout, credentials=self._credentials
+                )
+            except errors.StoreError as exc:
+                log.warning("etcd %s: cannot authenticate again: %s", self.endpoint, exc)
+                return False
+            self._client = client
+            log.info("etcd %s refused the auth token: authenticated again", self.endpoint)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(refused.close(), 1.0)
+            return True
+
+    async def _recover(self, failed: aetcd.Client, exc: errors.TemporaryStoreError) -> bool:
+        """After `exc` on `failed`: authenticate again (a refused token) or fail over; True if
+        the store now has another client."""
+        if isinstance(exc, AuthTokenRefusedError):
+            return await self._authenticate_again(failed)
+        return await self._fail_over(failed)
+
     async def _call(self, what: str, call: Callable[[aetcd.Client], Awaitable[Any]], *,
                     retry: bool) -> Any:  # fmt: skip
         """`call` on the current member; after a TemporaryStoreError, fail over (and, for a
-        call that may run twice, `retry` it once on the new member)."""
+        call that may run twice, `retry` it once on the new member). A call refused for its
+        auth token is tried again once authenticated again, `retry` or not: it did not run."""
         client = self._client
         try:
             return await call(client)
-        except errors.TemporaryStoreError:
-            moved = await self._fail_over(client)
-            if not (moved and retry):
+        except errors.TemporaryStoreError as exc:
+            moved = await self._recover(client, exc)
+            if not (moved and (retry or isinstance(exc, AuthTokenRefusedError))):
                 raise
             log.info("etcd %s: trying again on %s", what, self.endpoint)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._client is client or (task is not None and task.cancelling()):
+                raise  # a real cancellation
+            # gRPC cancels the calls of a client another call replaced (a fail-over, a new
+            # authentication) and closed: the call did not finish, it may have landed
+            problem = f"etcd {what}: interrupted when the store moved to a new connection"
+            if not retry:
+                raise errors.TemporaryStoreError(problem) from None
+            log.info("%s; trying again on %s", problem, self.endpoint)
         return await call(self._client)
 
     # -- the Store protocol ------------------------------------------------------------------
@@ -394,7 +464,12 @@ class EtcdStore(store.Shortcuts):
                 if self._closing.is_set():
                     return
                 log.warning("%s; resuming in %.2f s", exc, delay)
-                await self._fail_over(client)  # another member, if this one is gone
+                await self._recover(client, exc)  # another member, if this one is gone
+                if self._credentials.user is not None:
+                    # etcd may have restarted and forgotten the token, and a watch it refuses
+                    # looks created to aetcd: a read authenticates again if it must.
+                    with contextlib.suppress(errors.StoreError):
+                        await self._read_range(PROBE_KEY, None)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if self._closing.is_set() or (task is not None and task.cancelling()):
@@ -411,13 +486,18 @@ class EtcdStore(store.Shortcuts):
             delay = min(delay * 2, WATCH_BACKOFF_MAX)
 
 
-async def _open_client(host: str, port: int, *, rpc_timeout: float) -> aetcd.Client:
+async def _open_client(
+    host: str, port: int, *, rpc_timeout: float, credentials: etcd_credentials.EtcdCredentials
+) -> aetcd.Client:
     """A connected client of the member at host:port that has answered a read."""
-    client = aetcd.Client(host=host, port=port, timeout=rpc_timeout, options=CHANNEL_OPTIONS)
+    client = etcd_credentials.make_client(
+        host, port, credentials, timeout=rpc_timeout, options=CHANNEL_OPTIONS
+    )
+    who = f" as user {credentials.user!r}" if credentials.user is not None else ""
     try:
-        with translating_errors(f"connect {host}:{port}"):
+        with translating_errors(f"connect {host}:{port}{who}"):
             await client.connect()
-            request = rpc.RangeRequest(key=b"gpufed-probe")
+            request = rpc.RangeRequest(key=PROBE_KEY)
             await client.kvstub.Range(request, timeout=PROBE_TIMEOUT, metadata=client.metadata)
     except errors.StoreError:
         await client.close()

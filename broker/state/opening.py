@@ -3,7 +3,8 @@
 - `sqlite:///relative/path.db`, `sqlite:////absolute/path.db` (SQLAlchemy's convention:
   what follows `sqlite:///` is the path) and `sqlite://:memory:`;
 - `etcd://host:port[,host:port...]`: the first endpoint that answers (IPv6 as `[::1]:2379`;
-  the port defaults to 2379).
+  the port defaults to 2379), over TLS and as an etcd user if `credentials` say so
+  (`etcd_credentials`: the broker's `--etcd-*` flags), to every endpoint alike.
 
 And the history store (`open_history`, the broker's history setting): `sqlite:///path` (as
 above; `default_history_url` puts it beside an SQLite store) or `postgresql://...` /
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from broker.state import errors, etcd, sqlite, store
+from broker.state import errors, etcd, etcd_credentials, sqlite, store
 from broker.state.history import protocol as history
 from broker.state.history import sqlite as sqlite_history
 
@@ -26,16 +27,22 @@ POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 HISTORY_FILE = "history.db"
 
 
-async def open_store(url: str, *, read_only: bool = False) -> store.DurableStore:
+async def open_store(
+    url: str,
+    *,
+    read_only: bool = False,
+    credentials: etcd_credentials.EtcdCredentials = etcd_credentials.NONE,
+) -> store.DurableStore:
     """The store `url` names, opened; ValueError naming the URL if it names none.
 
     `read_only` (the admin commands): an SQLite file is read without being locked, beside a
     running broker, and never created; etcd is opened as always (the caller only reads).
+    `credentials` are etcd's (TLS, user); SQLite has none.
     """
     if url.startswith(SQLITE_SCHEME):
         return await sqlite.SqliteStore.open(parse_sqlite_path(url), read_only=read_only)
     if url.startswith(ETCD_SCHEME):
-        return await etcd.EtcdStore.connect(parse_etcd_endpoints(url))
+        return await etcd.EtcdStore.connect(parse_etcd_endpoints(url), credentials=credentials)
     raise ValueError(
         f"unsupported store URL {url!r}: use sqlite:///path, sqlite://:memory: or etcd://host:port"
     )

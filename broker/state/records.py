@@ -278,6 +278,34 @@ class JobStore:
         puts = [(job_key(e.record.id), e.value) for e, _ in changes]
         return await self._commit("update", store.Txn(compares=compares, puts=puts))
 
+    async def retire(
+        self, stored: Sequence[tuple[str, int]], *, fence: store.Compare | None = None
+    ) -> list[str]:
+        """Delete the records of finished jobs (moved to history), each only if unchanged
+        since the revision given; the ids deleted. A job changed meanwhile is kept (for the
+        next pass); with `fence`, ConflictError naming the fence key once another term
+        began, and nothing more is deleted."""
+        deleted: list[str] = []
+        room = MAX_TXN_OPS - 1  # the fence is a compare too
+        for start in range(0, len(stored), room):
+            chunk = stored[start : start + room]
+            try:
+                await self._commit("retire", _retiring(chunk, fence))
+            except errors.ConflictError as exc:
+                if fence is not None and fence.key in exc.revisions:
+                    raise
+                for one in chunk:  # one of them changed: the others one at a time
+                    try:
+                        await self._commit("retire", _retiring([one], fence))
+                    except errors.ConflictError as again:
+                        if fence is not None and fence.key in again.revisions:
+                            raise
+                        continue
+                    deleted.append(one[0])
+            else:
+                deleted.extend(job_id for job_id, _ in chunk)
+        return deleted
+
     async def next_epoch(self, cluster: str, *, fence: store.Compare | None = None) -> int:
         """Bump and return the session epoch of a cluster (fences stale offers); with
         `fence`, only while this replica leads (ConflictError naming the fence key if not)."""
@@ -298,6 +326,14 @@ class JobStore:
                     raise
                 continue
             return current + 1
+
+
+def _retiring(stored: Sequence[tuple[str, int]], fence: store.Compare | None) -> store.Txn:
+    compares = [store.Compare(job_key(job_id), revision) for job_id, revision in stored]
+    return store.Txn(
+        compares=[*compares, *([fence] if fence is not None else [])],
+        deletes=[job_key(job_id) for job_id, _ in stored],
+    )
 
 
 def _forgetting(entries: Sequence[IdempotencyEntry]) -> store.Txn:

@@ -45,6 +45,12 @@ class BrokerMetrics:
         self.placements = Counter(
             "gpufed_placements", "Offers answered by agents", ["result"], registry=r
         )
+        self.loop_lag = Histogram(
+            "gpufed_event_loop_lag_seconds",
+            "How late the broker's event loop ran a timer (a blocked loop delays everything)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
         self.cycle_duration = Histogram(
             "gpufed_scheduling_cycle_duration_seconds",
             "One scheduling cycle, end to end",

@@ -115,6 +115,7 @@ class LocalFleet:
     offer_timeout: float | None = None  # the broker's --offer-timeout
     lease_seconds: int | None = None  # the brokers' --leader-lease-seconds
     brokers: list[Service] = field(default_factory=list)  # start_brokers: one per replica
+    broker_args: list[str] = field(default_factory=list)  # more flags for every broker
 
     @property
     def url(self) -> str:
@@ -157,6 +158,7 @@ class LocalFleet:
                 if self.lease_seconds is not None
                 else []
             ),
+            *self.broker_args,
         ]
 
     async def start_brokers(self, count: int) -> list[Service]:
@@ -224,6 +226,8 @@ class LocalFleet:
             entries.append({"token": token, "agent": cluster})
         self.tokens["admin"] = secrets.token_urlsafe(24)
         entries.append({"token": self.tokens["admin"], "admin": True})
+        self.tokens["metrics"] = secrets.token_urlsafe(24)  # what a scraper sends to /metrics
+        entries.append({"token": self.tokens["metrics"], "role": "metrics"})
         path = self.workdir / "tokens.yaml"
         path.write_text(yaml.safe_dump({"tokens": entries}))
         return path

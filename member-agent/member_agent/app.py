@@ -36,6 +36,9 @@ from member_agent.session import brokers, connecting, reporting
 
 logger = logging.getLogger(__name__)
 
+# the ResourceSlice attributes (and the memory capacity) whose names DRA mode can be told
+DRA_ATTRIBUTES = ("index", "uuid", "product", "memory", "clique", "type")
+
 
 class BackoffSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -83,11 +86,35 @@ class AgentSettings(BaseModel):
     kubeconfig: str | None = Field(None, description="kubernetes backend; None: in-cluster")
     kube_context: str | None = None
     namespaces: list[str] | None = Field(None, description="kubernetes backend: namespaces")
+    devices: Literal["device-plugin", "dra"] = Field(
+        "device-plugin",
+        description="kubernetes backend: how pods get their GPUs: device-plugin (nvidia.com/gpu, "
+        "the kubelet picks the devices) or dra (a ResourceClaim per pod allocated to the GPUs "
+        "gpufed chose; Kubernetes 1.33+ and a DRA driver); see docs/kubernetes.md",
+    )
+    dra_driver: str = Field("gpu.nvidia.com", description="dra: the driver whose slices count")
+    dra_device_class: str | None = Field(None, description="dra: claims' DeviceClass (the driver)")
+    dra_attributes: dict[str, str] = Field(
+        default_factory=dict,
+        description="dra: which slice attribute means what (index, uuid, product, memory, "
+        "clique, type), e.g. {'product': 'productName'}",
+    )
+    shared_gpu_resource: str | None = Field(
+        None,
+        description="device-plugin: the resource of the device plugin's shared GPU replicas "
+        "(default nvidia.com/gpu.shared); sharing pods go only to nodes advertising it",
+    )
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
     freeze_gc: bool = Field(False, description="move start-up objects out of the collector")
     metrics_host: str = "0.0.0.0"
     journal_file: Path | None = Field(
         None, description="simulated backend: a JSON line each time a pod starts or stops running"
+    )
+    proxy_url: str | None = Field(
+        None,
+        description="an HTTP proxy (http://host:port) every broker connection goes through; "
+        "HTTP_PROXY and the like are not read",
+        pattern=r"^http://[^/\s]+/?$",
     )
 
     @field_validator("broker_url")
@@ -95,6 +122,19 @@ class AgentSettings(BaseModel):
     def _broker_urls(cls, value: str) -> str:
         brokers.parse_urls(value)  # raises ValueError naming the URL that is not one
         return value
+
+    @field_validator("dra_attributes")
+    @classmethod
+    def _dra_attributes(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(DRA_ATTRIBUTES))
+        if unknown:
+            raise ValueError(f"unknown {unknown}; known: {', '.join(DRA_ATTRIBUTES)}")
+        return value
+
+    def device_keys(self) -> dict[str, str]:
+        """The DRA mode's `DeviceKeys`, as `DeviceKeys.from_mapping` reads them."""
+        keys = {"driver": self.dra_driver, "deviceClass": self.dra_device_class or self.dra_driver}
+        return {**keys, **self.dra_attributes}
 
     @property
     def broker_urls(self) -> tuple[str, ...]:
@@ -117,6 +157,7 @@ class AgentSettings(BaseModel):
             backoff_initial_seconds=self.backoff.initial_seconds,
             backoff_max_seconds=self.backoff.max_seconds,
             auth_retry_seconds=self.backoff.auth_retry_seconds,
+            proxy_url=self.proxy_url,
         )
 
 
@@ -149,6 +190,9 @@ def make_backend(settings: AgentSettings) -> base.ClusterBackend:
             kubeconfig=settings.kubeconfig,
             context=settings.kube_context,
             namespaces=settings.namespaces,
+            devices=settings.devices,
+            device_keys=module.DeviceKeys.from_mapping(settings.device_keys()),
+            shared_gpu_resource=settings.shared_gpu_resource,
         )
         return backend
     assert settings.nodes_file is not None

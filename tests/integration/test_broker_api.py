@@ -194,7 +194,7 @@ async def test_openapi_health_and_metrics(api: TestClient[Any, Any]) -> None:
     assert (await api.get("/healthz")).status == 200
     assert (await api.get("/readyz")).status == 200
     await submit(api, make_job("m", gpus=1).document())
-    text = await (await api.get("/metrics")).text()
+    text = await (await api.get("/metrics", headers=ADMIN)).text()
     assert 'gpufed_jobs_submitted_total{queue="default"} 1.0' in text
 
 

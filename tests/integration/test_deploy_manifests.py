@@ -100,6 +100,13 @@ def test_the_validator_rejects_a_broken_deployment(breakage: dict[str, Any]) -> 
             merged(DEFAULTS, {"broker": {"token": {"create": True, "value": "s3cret"}}}),
             id="token Secret created by the chart",
         ),
+        pytest.param(
+            merged(
+                DEFAULTS,
+                {"devices": {"mode": "dra", "dra": {"attributes": {"product": "productName"}}}},
+            ),
+            id="DRA mode",
+        ),
     ],
 )
 def test_values_match_the_schema(values: dict[str, Any]) -> None:
@@ -122,6 +129,17 @@ def test_values_match_the_schema(values: dict[str, Any]) -> None:
             id="both an existing and a created Secret",
         ),
         pytest.param({"replicas": 2}, "replicas", id="replicas cannot be set"),
+        pytest.param({"devices": {"mode": "mig"}}, "is not one of", id="unknown devices mode"),
+        pytest.param(
+            {"devices": {"dra": {"attributes": {"serial": "serialNumber"}}}},
+            "is not one of",
+            id="unknown DRA attribute",
+        ),
+        pytest.param(
+            {"devices": {"sharedGpuResource": "gpu-shared"}},
+            "does not match",
+            id="shared GPU resource without a domain",
+        ),
     ],
 )
 def test_the_schema_rejects_bad_values(override: dict[str, Any], complaint: str) -> None:
@@ -235,6 +253,9 @@ def test_the_agent_is_started_with_flags_the_cli_accepts() -> None:
     assert args.token_file == "/var/run/secrets/gpufed/token"
     assert args.metrics_port == EXAMPLE["healthPort"]  # where /healthz is served
     assert args.log_level == EXAMPLE["logLevel"].upper()
+    assert args.devices == EXAMPLE["devices"]["mode"] == "device-plugin"
+    assert args.shared_gpu_resource == EXAMPLE["devices"]["sharedGpuResource"]
+    assert not [arg for arg in agent_container()["args"] if arg.startswith("--dra-")]
 
 
 def test_the_backend_reads_namespaces_and_label_keys_from_the_pods_env() -> None:

@@ -3,7 +3,8 @@
 No Helm binary can be installed here, but Helm's engine is Go's text/template with the sprig
 functions, and Debian packages both. deploy/render adds Helm's own functions and objects and
 prints what `helm template` prints. These tests build it, render both charts with their example
-values and with variants (SQLite, an etcd of your own, TLS to etcd, several broker URLs),
+values and with variants (SQLite, an etcd of your own, TLS to etcd, an etcd user, several
+broker URLs, the agent's DRA mode),
 validate every object against the Kubernetes schemas, follow the HA wiring from the brokers to
 etcd's members, and check that deploy/manifests/ is exactly the renderer's output, so a template
 change without `deploy/render/regenerate.sh` fails here.
@@ -29,9 +30,10 @@ import yaml
 
 from broker.http import openapi
 from broker.state import opening
-from gpufed import cli
+from gpufed import cli, daemons
+from member_agent.cluster import kubernetes_devices as devices
 from tests.integration.test_deploy_broker import flag_values, parse_broker_args
-from tests.integration.test_deploy_manifests import KUBERNETES_VERSIONS, merged
+from tests.integration.test_deploy_manifests import KUBERNETES_VERSIONS, merged, rules_of
 
 GOPATH = Path("/usr/share/gocode")  # where Debian's golang-*-dev packages put their sources
 GO = shutil.which("go")
@@ -167,6 +169,15 @@ BROKER_VARIANTS = {
             }
         }
     },
+    "TLS and a user to an etcd of your own": {
+        "store": {
+            "etcd": {
+                "endpoints": ["etcd.storage.svc:2379"],
+                "tls": {"enabled": True, "existingSecret": "gpufed-etcd-client"},
+                "auth": {"user": "gpufed-broker", "existingSecret": "gpufed-etcd-user"},
+            }
+        }
+    },
     "five of each, spread over zones": {
         "replicas": 5,
         "podAntiAffinity": {"type": "required", "topologyKey": "topology.kubernetes.io/zone"},
@@ -180,6 +191,15 @@ AGENT_VARIANTS = {
     },
     "a token Secret from the chart": {
         "broker": {"token": {"existingSecret": "", "create": True, "value": "s3cret"}}
+    },
+    "GPUs through DRA": {
+        "devices": {
+            "mode": "dra",
+            "dra": {
+                "deviceClass": "gpu.example.com",
+                "attributes": {"product": "productName", "index": "gpu.nvidia.com/minor"},
+            },
+        }
     },
 }
 VARIANTS = [
@@ -418,11 +438,13 @@ def test_an_etcd_of_your_own_replaces_the_charts(render: Render) -> None:
 def test_the_brokers_client_certificate_is_mounted_where_the_flags_point(
     render: Render, variant: str
 ) -> None:
-    """--etcd-ca, --etcd-cert and --etcd-key need the broker side of issue 11 (not yet there)."""
+    """--etcd-ca, --etcd-cert and --etcd-key, as the broker parses them, name the Secret's
+    files."""
     rendered = render("broker", BROKER_VARIANTS[variant])
     tls = rendered.values["store"]["etcd"]["tls"]
     container = broker_container(rendered)
-    flags = flag_values(container["args"])
+    args = parse_broker_args(container["args"])
+    flags = {"--etcd-ca": args.etcd_ca, "--etcd-cert": args.etcd_cert, "--etcd-key": args.etcd_key}
     [mount] = [m for m in container["volumeMounts"] if m["name"] == "etcd-tls"]
     assert mount["readOnly"] is True
     [volume] = [
@@ -436,6 +458,35 @@ def test_the_brokers_client_certificate_is_mounted_where_the_flags_point(
         directory, filename = posixpath.split(flags[flag])
         assert directory == mount["mountPath"]
         assert files[filename] == tls[key]
+
+
+def test_an_etcd_users_password_is_a_file_from_its_secret(render: Render) -> None:
+    rendered = render("broker", BROKER_VARIANTS["TLS and a user to an etcd of your own"])
+    auth = rendered.values["store"]["etcd"]["auth"]
+    container = broker_container(rendered)
+    args = parse_broker_args(container["args"])
+    assert args.etcd_user == auth["user"]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "etcd-auth"]
+    assert mount["readOnly"] is True
+    directory, filename = posixpath.split(args.etcd_password_file)
+    assert directory == mount["mountPath"]
+    [volume] = [
+        v
+        for v in rendered.one("Deployment", BROKER)["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "etcd-auth"
+    ]
+    assert volume["secret"]["secretName"] == auth["existingSecret"]
+    assert volume["secret"]["items"] == [{"key": auth["passwordKey"], "path": filename}]
+    # the password itself is never an argument nor in the environment
+    assert not any("password" in e["name"].lower() for e in container.get("env", []))
+    assert args.etcd_ca and args.etcd_cert  # and TLS is on alongside
+
+
+def test_no_etcd_user_no_password_volume(render: Render) -> None:
+    container = broker_container(render("broker", BROKER_VARIANTS["TLS to an etcd of your own"]))
+    args = parse_broker_args(container["args"])
+    assert (args.etcd_user, args.etcd_password_file) == (None, None)
+    assert "etcd-auth" not in {m["name"] for m in container["volumeMounts"]}
 
 
 def test_the_charts_etcd_serves_tls_with_its_own_certificate(render: Render) -> None:
@@ -469,6 +520,97 @@ def test_the_agent_gets_every_broker_replicas_url(render: Render) -> None:
     assert args.broker == ",".join(override["broker"]["urls"])  # type: ignore[index]
 
 
+AGENT = "gpufed-member-agent"
+RESOURCE = "resource.k8s.io"
+# the agent's own rules in device-plugin mode, cluster-wide and in each of its namespaces
+AGENT_CLUSTER_RULES = {("", r, v) for r in ("nodes", "pods") for v in ("get", "list", "watch")}
+AGENT_NAMESPACE_RULES = {("", "pods", "create"), ("", "pods", "delete")} | {
+    ("", "resourcequotas", v) for v in ("get", "list", "watch")
+}
+
+
+def agent_settings(rendered: Rendered) -> Any:
+    """The AgentSettings the rendered container's args make, as `gpufed agent` builds them."""
+    [container] = rendered.one("Deployment", AGENT)["spec"]["template"]["spec"]["containers"]
+    args = cli.build_parser().parse_args(["agent", "--backend", "kubernetes", *container["args"]])
+    return daemons.agent_settings(args)
+
+
+def agent_roles(rendered: Rendered) -> dict[str, set[tuple[str, str, str]]]:
+    return {
+        role["metadata"]["namespace"]: rules_of(role)
+        for role in rendered.objects
+        if role["kind"] == "Role"
+    }
+
+
+def test_dra_mode_grants_the_claims_rbac_and_passes_the_dra_flags(render: Render) -> None:
+    rendered = render("member-agent", AGENT_VARIANTS["GPUs through DRA"])
+    # cluster-wide: the slices (the GPUs) and every namespace's claims, read only
+    assert rules_of(rendered.one("ClusterRole", AGENT)) == AGENT_CLUSTER_RULES | {
+        (RESOURCE, r, v)
+        for r in ("resourceslices", "resourceclaims")
+        for v in ("get", "list", "watch")
+    }
+    # in each namespace pods go to: what kubernetes_claiming calls, nothing more
+    roles = agent_roles(rendered)
+    assert sorted(roles) == sorted(rendered.values["namespaces"])
+    for rules in roles.values():
+        assert rules == AGENT_NAMESPACE_RULES | {
+            (RESOURCE, "resourceclaims", v) for v in ("create", "get", "patch", "delete")
+        } | {(RESOURCE, "resourceclaims/status", "patch")}
+
+    settings = agent_settings(rendered)
+    assert settings.devices == "dra"
+    assert devices.DeviceKeys.from_mapping(settings.device_keys()) == devices.DeviceKeys(
+        driver="gpu.nvidia.com", device_class="gpu.example.com", index="gpu.nvidia.com/minor"
+    )
+    assert settings.shared_gpu_resource is None  # a device-plugin flag
+
+
+def test_device_plugin_mode_renders_no_dra_rules_nor_flags(render: Render) -> None:
+    rendered = render("member-agent")
+    assert rendered.values["devices"]["mode"] == "device-plugin"
+    assert rules_of(rendered.one("ClusterRole", AGENT)) == AGENT_CLUSTER_RULES
+    roles = agent_roles(rendered)
+    assert sorted(roles) == sorted(rendered.values["namespaces"])
+    assert all(rules == AGENT_NAMESPACE_RULES for rules in roles.values())
+    assert RESOURCE not in rendered.text
+    [container] = rendered.one("Deployment", AGENT)["spec"]["template"]["spec"]["containers"]
+    assert not [arg for arg in container["args"] if arg.startswith("--dra-")]
+    settings = agent_settings(rendered)
+    assert settings.devices == "device-plugin"
+    assert settings.shared_gpu_resource == "nvidia.com/gpu.shared"
+
+
+def test_the_shared_gpu_resource_is_a_value(render: Render) -> None:
+    rendered = render("member-agent", {"devices": {"sharedGpuResource": "nvidia.com/gpu.mps"}})
+    assert agent_settings(rendered).shared_gpu_resource == "nvidia.com/gpu.mps"
+
+
+@pytest.mark.parametrize(
+    ("devices_values", "complaint"),
+    [
+        pytest.param({"mode": "mig"}, "'mig' is not one of", id="an unknown mode"),
+        pytest.param(
+            {"mode": "dra", "dra": {"attributes": {"serial": "serialNumber"}}},
+            "'serial' is not one of",
+            id="an attribute the agent does not read",
+        ),
+        pytest.param(
+            {"mode": "dra", "dra": {"driver": "GPU.nvidia.com"}},
+            "does not match",
+            id="a driver that is not a DNS subdomain",
+        ),
+    ],
+)
+def test_the_schema_refuses_bad_devices_values(
+    render: Render, devices_values: dict[str, Any], complaint: str
+) -> None:
+    with pytest.raises(jsonschema.ValidationError, match=complaint):
+        render("member-agent", {"devices": devices_values})
+
+
 # -- the renderer keeps Helm's rules -------------------------------------------------------
 
 
@@ -486,6 +628,12 @@ def test_the_agent_gets_every_broker_replicas_url(render: Render) -> None:
             {"store": {"etcd": {"tls": {"enabled": True, "existingSecret": "client"}}}},
             "etcd.tls.existingSecret (the members' certificate) is required",
             id="the chart's etcd on TLS without its certificate",
+        ),
+        pytest.param(
+            "broker",
+            {"store": {"etcd": {"auth": {"user": "gpufed-broker"}}}},
+            "store.etcd.auth.existingSecret (the etcd user's password) is required",
+            id="an etcd user without its password's Secret",
         ),
         pytest.param(
             "member-agent",

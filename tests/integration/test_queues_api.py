@@ -218,13 +218,14 @@ def in_state(api: TestClient[Any, Any], job_id: str, state: str) -> Callable[[],
 # ---- the queues API -------------------------------------------------------------------------
 
 
-async def test_queues_are_admin_only_and_put_creates_then_updates(
+async def test_queues_are_put_by_the_admin_read_by_their_tenant_and_put_creates_then_updates(
     api: TestClient[Any, Any],
 ) -> None:
     spec = {"tenant": "team-a", "weight": 2, "quotas": {H100: {"guaranteed": 4, "limit": 8}}}
     denied = await api.put("/v1/queues/a-2", data=json.dumps(spec), headers=tenant("team-a"))
     assert denied.status == 403
-    assert (await api.get("/v1/queues", headers=tenant("team-a"))).status == 403
+    own = await (await api.get("/v1/queues", headers=tenant("team-a"))).json()
+    assert [q["name"] for q in own["items"]] == ["a-q"], "a tenant reads its own queues only"
     created = await api.put("/v1/queues/a-2", data=json.dumps(spec), headers=ADMIN)
     assert created.status == 201
     body = await created.json()
@@ -381,11 +382,11 @@ async def test_reclaim_preempts_a_borrower_which_goes_back_to_the_queue(
     assert queues["a-q"]["status"]["gpus"][0]["inUse"] == 8
     assert queues["b-q"]["status"]["gpus"][0]["inUse"] == 8
     assert queues["b-q"]["status"]["preemptions"] == 1
-    metrics = await (await api.get("/metrics")).text()
+    metrics = await (await api.get("/metrics", headers=ADMIN)).text()
     assert 'gpufed_preemptions_total{queue="b-q",reason="Reclaim"} 1.0' in metrics
 
     async def gauges() -> str | None:
-        text = await (await api.get("/metrics")).text()
+        text = await (await api.get("/metrics", headers=ADMIN)).text()
         return (
             text if f'gpufed_queue_gpus_in_use{{model="{H100}",queue="a-q"}} 8.0' in text else None
         )

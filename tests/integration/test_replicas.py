@@ -192,10 +192,11 @@ async def test_three_replicas_elect_one_leader_and_agree_on_it(replicas: Replica
         (answers[0]["leader"], answers[0]["term"])
     }
     assert answers[0]["term"] >= 1 and all(a["synced"] for a in answers)
-    metrics = await (await leader.get("/metrics")).text()
+    metrics = await (await leader.get("/metrics", headers=ADMIN)).text()
     assert "gpufed_broker_leader 1.0" in metrics
     for follower in replicas.followers(leader):
-        assert "gpufed_broker_leader 0.0" in await (await follower.get("/metrics")).text()
+        scraped = await (await follower.get("/metrics", headers=ADMIN)).text()
+        assert "gpufed_broker_leader 0.0" in scraped
         assert (await follower.get("/readyz")).status == 200
 
 
@@ -477,10 +478,10 @@ async def test_a_change_a_follower_commits_is_told_once_by_the_leader(
     assert (await follower.delete(f"/v1/jobs/{job_id}", headers=TEAM_A)).status == 202
 
     async def leader_counted() -> bool:
-        text = await (await leader.get("/metrics")).text()
+        text = await (await leader.get("/metrics", headers=ADMIN)).text()
         return 'gpufed_jobs_finished_total{state="Cancelled"} 1.0' in text
 
     await eventually(leader_counted)
     assert await state_of(leader, job_id) == "Cancelled"
-    text = await (await follower.get("/metrics")).text()
+    text = await (await follower.get("/metrics", headers=ADMIN)).text()
     assert 'gpufed_jobs_finished_total{state="Cancelled"}' not in text

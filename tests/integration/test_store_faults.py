@@ -269,7 +269,7 @@ async def test_an_unparsable_record_is_quarantined_counted_and_the_broker_starts
             listed = await (await api.get("/v1/jobs", headers=ADMIN)).json()
             names = {j["id"]: j["job"]["metadata"]["name"] for j in listed["items"]}
             assert good in names and set(names.values()) <= {"good", "after"}
-            metrics = await (await api.get("/metrics")).text()
+            metrics = await (await api.get("/metrics", headers=ADMIN)).text()
             assert 'gpufed_store_quarantined_records{kind="jobs"} 2.0' in metrics
             assert 'gpufed_store_quarantined_records{kind="queues"} 1.0' in metrics
             assert (await submit(api, make_job("after", gpus=1).document())).status == 202

@@ -27,7 +27,8 @@ only in part.
 
 Pods gpufed creates carry the labels `gpufed.io/job`, `gpufed.io/gang`, `gpufed.io/queue`,
 `gpufed.io/task`, the W3C `traceparent` annotation, `gpufed.io/gpus` (`0,1,2`): the GPU
-indices placement chose, for bookkeeping (the device plugin picks the devices itself), and
+indices placement chose, for bookkeeping (the device plugin picks the devices itself; in DRA
+mode the pod's claim holds exactly these), and
 `gpufed.io/epoch`, `gpufed.io/min-member`, `gpufed.io/gang-size` for a restarted agent.
 
 Events: a PodEvent when one of gpufed's pods changes phase (Pending is not reported; Unknown is
@@ -37,6 +38,21 @@ taint manager deleting it, its node deleted) as the reason; Deleted when it disa
 that is NotReady makes no PodEvent by itself (the kubelet or the taint manager decide the pods'
 fate); it leaves the free inventory at once. InventoryChanged when what the summary reads
 changed (coalesced: at most one waits unread).
+
+Devices (`devices`): `device-plugin` (the default) reads a node's GPUs from its allocatable
+`nvidia.com/gpu` and leaves the choice of devices to the kubelet, as above; sharing pods go only
+to nodes advertising the device plugin's shared replicas and request one of those
+(`kubernetes_objects`). `dra` reads the GPUs from the ResourceSlices of a DRA driver
+(`kubernetes_devices`, `gpu.nvidia.com` by default) and gives every pod a ResourceClaim
+allocated to exactly the devices placement chose (`kubernetes_claims`: a claim of its own, or
+one claim shared by the sharing pods of a GPU, with the driver's time-slicing or MPS
+configuration), created, then the pod bound to it, then the claim owned, allocated and reserved
+for the pod as the scheduler would (`kubernetes_claimed`; the calls are `kubernetes_claiming`'s,
+which also finds the version of `resource.k8s.io` the server offers: v1 from 1.34, else
+v1beta2). Deleting a pod deletes its
+claim (a shared one once no pod of gpufed's holds it); the pod's ownership deletes it too.
+Between the pod's create and its claim's reservation the kubelet, if it sees the pod, waits:
+it starts no container for a claim not reserved for the pod. See docs/kubernetes.md.
 
 Configuration: in a pod (`KUBERNETES_SERVICE_HOST` set) the service account is used; outside,
 a kubeconfig (`kubeconfig`, default `~/.kube/config`) and its `context`. Namespaces and label
@@ -49,18 +65,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from kubernetes_asyncio import client, config
 
 from broker.api import status
 from member_agent.cluster import base, errors, watching
+from member_agent.cluster import kubernetes_claimed as claimed
+from member_agent.cluster import kubernetes_claiming as claiming
+from member_agent.cluster import kubernetes_devices as devices
 from member_agent.cluster import kubernetes_errors as k8s_errors
 from member_agent.cluster import kubernetes_objects as objects
 from member_agent.cluster import kubernetes_quotas as quotas
@@ -70,6 +90,8 @@ from member_agent.inventory import model
 logger = logging.getLogger(__name__)
 
 LabelKeys = objects.LabelKeys
+DeviceKeys = devices.DeviceKeys
+Devices = Literal["device-plugin", "dra"]
 NAMESPACES_ENV = "GPUFED_NAMESPACES"
 LABEL_KEYS_ENV = "GPUFED_LABEL_KEYS"
 DEFAULT_BACKOFF = watching.Backoff()
@@ -137,21 +159,36 @@ class KubernetesBackend:
         backoff: watching.Backoff = DEFAULT_BACKOFF,
         watch_timeout_seconds: int = 300,
         request_timeout_seconds: float = 30.0,
+        devices: Devices = "device-plugin",
+        device_keys: DeviceKeys | None = None,
+        shared_gpu_resource: str | None = None,
     ) -> None:
         self.cluster = cluster
+        self.devices = devices
         self._kubeconfig = kubeconfig
         self._context = context
         if namespaces is None:
             namespaces = namespaces_from_env(os.environ)
         self._namespaces = frozenset(namespaces) if namespaces is not None else None
         self._keys = label_keys if label_keys is not None else label_keys_from_env(os.environ)
+        if shared_gpu_resource:
+            self._keys = dataclasses.replace(self._keys, shared_gpu_resource=shared_gpu_resource)
         self._api = api_client
         self._owns_api = api_client is None
         self._backoff = backoff
         self._watch_timeout = watch_timeout_seconds
         self._request_timeout = request_timeout_seconds
         self._queue: asyncio.Queue[base.BackendEvent | None] = asyncio.Queue()
-        self._state = state.ClusterState(cluster, self._keys, self._queue.put_nowait)
+        self._book = _book(devices, device_keys)
+        self._state = state.ClusterState(
+            cluster,
+            self._keys,
+            self._queue.put_nowait,
+            device_plugin=self._book is None,
+            node_view=self._book_view if self._book is not None else None,
+        )
+        self._claims: claiming.Claims | None = None
+        self._claimed: claimed.ClaimedPods | None = None
         self._quotas = quotas.QuotaBook()
         self._watches: list[watching.ListWatch] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -202,6 +239,10 @@ class KubernetesBackend:
         self._owns_api = True
         return self._api
 
+    def _book_view(self, node: model.Node) -> model.Node:
+        assert self._book is not None
+        return devices.with_devices(node, self._book.devices(node.name))
+
     def _core(self) -> client.CoreV1Api:
         if self._api is None:
             raise errors.PermanentBackendError("the backend is not started")
@@ -212,8 +253,26 @@ class KubernetesBackend:
     async def start(self) -> None:
         """List nodes, pods and ResourceQuotas (errors raise: a wrong config or RBAC fails
         fast), then watch them in the background."""
-        await self._connect()
+        api = await self._connect()
         core = self._core()
+        dra: list[watching.ListWatch] = []
+        if self._book is not None:
+            version = await claiming.detect_version(api, timeout=self._request_timeout)
+            self._claims = claiming.Claims(
+                api, version=version, keys=self._book.keys, request_timeout=self._request_timeout
+            )
+            self._claimed = claimed.ClaimedPods(
+                self._claims,
+                self._state,
+                self._book,
+                admit=self._record_of,
+                post=self._post_pod,
+                delete=functools.partial(self._delete, grace=0),
+            )
+            dra = self._claims.watches(
+                self._state, self._book, backoff=self._backoff, timeout_seconds=self._watch_timeout
+            )
+            logger.info("cluster %s: DRA mode, resource.k8s.io/%s", self.cluster, version)
         self._watches = [
             watching.ListWatch(
                 "nodes",
@@ -230,8 +289,10 @@ class KubernetesBackend:
                 timeout_seconds=self._watch_timeout,
             ),
             *self._quota_watches(core),
+            *dra,
         ]
-        for watch in self._watches:
+        # the slices first: nodes and pods are read onto the GPUs they publish
+        for watch in sorted(self._watches, key=lambda w: w.kind != "resourceslices"):
             await watch.relist()
         self._tasks = [
             asyncio.create_task(watch.run(), name=f"watch-{watch.kind}") for watch in self._watches
@@ -288,9 +349,19 @@ class KubernetesBackend:
 
     @property
     def watches(self) -> list[watching.ListWatch]:
-        """The list+watch loops (nodes, pods, then ResourceQuotas): their resourceVersion and
-        counters."""
+        """The list+watch loops (nodes, pods, then ResourceQuotas; in DRA mode then
+        ResourceSlices and ResourceClaims): their resourceVersion and counters."""
         return list(self._watches)
+
+    @property
+    def device_keys(self) -> DeviceKeys | None:
+        """DRA mode: the driver, its DeviceClass and the attribute names read."""
+        return self._book.keys if self._book is not None else None
+
+    @property
+    def resource_api_version(self) -> str | None:
+        """DRA mode, once started: the `resource.k8s.io` version in use (v1 or v1beta2)."""
+        return self._claims.version if self._claims is not None else None
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -319,11 +390,28 @@ class KubernetesBackend:
                 f"pod {request.name}: namespace {request.namespace} is not one this agent "
                 f"may create pods in ({', '.join(sorted(self._namespaces))})"
             )
-        body = objects.build_pod(request, self._keys)
-        record = objects.read_pod(body)
+        if self._claimed is not None:
+            await self._claimed.create(request, objects.build_pod(request, self._keys))
+            return
+        node = self._state.inventory.nodes.get(request.node)
+        labels = node.labels if node is not None else {}
+        shared = labels.get(model.SHARED_RESOURCE_LABEL, "")
+        if labels.get(model.SHARING_LABEL) != model.SHARING_REPLICAS:
+            shared = ""
+        body = objects.build_pod(request, self._keys, shared_resource=shared)
+        record = self._record_of(body)
+        await self._post_pod(request, body)
+        self._state.add_created(record, at=time.monotonic())
+
+    def _record_of(self, body: dict[str, Any]) -> objects.PodRecord:
+        """The pod's record, if it fits its node now (else PermanentBackendError)."""
+        record = objects.read_pod(body, shared_resource=self._keys.shared_gpu_resource)
         problem = self._state.check_fits(record)
         if problem:
-            raise errors.PermanentBackendError(f"pod {request.name}: {problem}")
+            raise errors.PermanentBackendError(f"pod {record.name}: {problem}")
+        return record
+
+    async def _post_pod(self, request: base.PodRequest, body: dict[str, Any]) -> dict[str, Any]:
         what = f"create pod {request.namespace}/{request.name}"
         create: RawCall = self._core().create_namespaced_pod
         async with k8s_errors.translating(what):
@@ -334,13 +422,19 @@ class KubernetesBackend:
                 _request_timeout=self._request_timeout,
             )
             async with response:
-                await k8s_errors.check_response(response, what=what)
-        self._state.add_created(record, at=time.monotonic())
+                created: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+        return created
 
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: float) -> None:
         """Delete one pod with a grace period; a pod that does not exist is not an error. Its
-        GPUs stay held until the watch reports it gone (it runs through its grace period)."""
-        grace = max(0, round(grace_seconds))
+        GPUs stay held until the watch reports it gone (it runs through its grace period). In
+        DRA mode its claim goes too (a shared one when no other pod of gpufed's holds it)."""
+        record = self._state.record(name)
+        await self._delete(namespace, name, grace=max(0, round(grace_seconds)))
+        if self._claimed is not None:
+            await self._claimed.release(namespace, name, record)
+
+    async def _delete(self, namespace: str, name: str, *, grace: int) -> None:
         what = f"delete pod {namespace}/{name}"
         options = client.V1DeleteOptions(
             grace_period_seconds=grace, propagation_policy="Background"
@@ -360,3 +454,11 @@ class KubernetesBackend:
                     self._state.forget(namespace, name)
                     return
                 await k8s_errors.check_response(response, what=what)
+
+
+def _book(mode: Devices, keys: DeviceKeys | None) -> devices.DeviceBook | None:
+    if mode == "dra":
+        return devices.DeviceBook(keys or DeviceKeys())
+    if mode != "device-plugin":
+        raise errors.PermanentBackendError(f"devices: {mode!r} is not device-plugin or dra")
+    return None

@@ -11,12 +11,25 @@ Node labels read (keys configurable through `LabelKeys`, defaults below):
 | NVLink domain | `nvidia.com/gpu.clique` | GFD, on multi-node NVLink systems (GB200 NVL72) |
 | rack | `gpufed.io/rack` | the platform team (no standard label exists) |
 | NVLink island size | `gpufed.io/nvlink-island` | the platform team (8 on an HGX board) |
+| shared replicas per GPU | `nvidia.com/gpu.replicas` | GFD, with time-slicing or MPS sharing |
 
 GPUs are `status.allocatable["nvidia.com/gpu"]`; MIG devices are every `nvidia.com/mig-<profile>`
 in `allocatable` (names read, not hard-coded), exposed on the inventory Node as labels
 `gpufed.io/mig.<profile>` (allocatable) and `gpufed.io/mig-free.<profile>` (not requested by a
 live pod); `mig_slices(node)` reads them back. Nodes without GPUs are in the inventory too, with
 `gpu_count` 0 and model "" (CPU-only tasks of a gang can go there).
+
+Shared GPUs with the device plugin (`read_node(..., device_plugin=True)`, the default): a node
+whose allocatable has the shared resource (`LabelKeys.shared_gpu_resource`, default
+`nvidia.com/gpu.shared`: time-slicing or MPS replicas with `renameByDefault`) and no
+`nvidia.com/gpu` has its physical GPUs (`nvidia.com/gpu.count`, else shared replicas / replicas
+per GPU) marked `model.SHARING_REPLICAS`: sharing pods only, each requesting one replica of that
+resource (`build_pod`). A node whose `nvidia.com/gpu` are themselves replicas (replicas per GPU
+above 1 and no renamed resource) is marked the same, its sharing pods requesting one
+`nvidia.com/gpu`. Any other GPU node is `model.SHARING_NONE`: whole GPUs only, since a pod asking
+part of a GPU there would be handed a whole one. A foreign pod holding shared replicas holds a
+replica's share (1000 / replicas milli) of a GPU for each. In DRA mode (`kubernetes_devices`) the
+GPUs come from ResourceSlices instead and claims share them, so none of this applies.
 
 A node is available when its Ready condition is True, `spec.unschedulable` is false and it has
 no NoSchedule/NoExecute taint outside `LabelKeys.tolerated_taints` (default `nvidia.com/gpu`,
@@ -48,6 +61,9 @@ GANG_LABEL = "gpufed.io/gang"
 QUEUE_LABEL = "gpufed.io/queue"
 TASK_LABEL = "gpufed.io/task"
 GPUS_ANNOTATION = "gpufed.io/gpus"
+CLAIM_ANNOTATION = "gpufed.io/claim"  # DRA mode: the ResourceClaim of a pod's GPUs
+SHARING_ANNOTATION = "gpufed.io/gpu-sharing"  # timeslice (default) or mps
+SHARED_GPU_RESOURCE = "nvidia.com/gpu.shared"  # the device plugin's renamed shared replicas
 TRACEPARENT_ANNOTATION = "traceparent"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 MIG_LABEL_PREFIX = "gpufed.io/mig."
@@ -83,6 +99,8 @@ class LabelKeys:
     nvlink_domain: str = "nvidia.com/gpu.clique"
     nvlink_island: str = "gpufed.io/nvlink-island"
     tolerated_taints: tuple[str, ...] = (jobs.GPU_RESOURCE,)
+    gpu_replicas: str = "nvidia.com/gpu.replicas"
+    shared_gpu_resource: str = SHARED_GPU_RESOURCE  # an allocatable resource, not a label
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> LabelKeys:
@@ -95,6 +113,8 @@ class LabelKeys:
             "nvlinkDomain": "nvlink_domain",
             "nvlinkIsland": "nvlink_island",
             "toleratedTaints": "tolerated_taints",
+            "gpuReplicas": "gpu_replicas",
+            "sharedGpuResource": "shared_gpu_resource",
         }
         unknown = sorted(set(values) - set(names) - set(names.values()))
         if unknown:
@@ -125,6 +145,10 @@ class PodRecord:
     mig: dict[str, int] = field(default_factory=dict)
     # gpufed's pods: the annotations a restarted agent rebuilds the job from (`base.held_job`)
     job_meta: dict[str, str] = field(default_factory=dict)
+    quota_gpus: int = 0  # `nvidia.com/gpu` requested: what a ResourceQuota on it counts
+    shared: bool = False  # requests the device plugin's shared replicas (`gpus` of them)
+    claim: str = ""  # gpufed's pods in DRA mode: the ResourceClaim holding its GPUs
+    sharing: str = ""  # gpufed's sharing pods: `gpufed.io/gpu-sharing` (timeslice, mps)
 
     @property
     def ours(self) -> bool:
@@ -159,8 +183,11 @@ def _quantity(value: Any, kind: str, where: str) -> int:
         return 0
 
 
-def read_node(raw: Mapping[str, Any], keys: LabelKeys) -> model.Node | None:
-    """The inventory Node of a Kubernetes Node (None for an object without a name)."""
+def read_node(
+    raw: Mapping[str, Any], keys: LabelKeys, *, device_plugin: bool = True
+) -> model.Node | None:
+    """The inventory Node of a Kubernetes Node (None for an object without a name); its GPUs
+    as the device plugin advertises them (`device_plugin`), or none (DRA: from slices)."""
     meta = raw.get("metadata") or {}
     spec = raw.get("spec") or {}
     state = raw.get("status") or {}
@@ -175,6 +202,7 @@ def read_node(raw: Mapping[str, Any], keys: LabelKeys) -> model.Node | None:
     }
     if not name:
         return None
+    gpus = _read_sharing(allocatable, labels, keys, whole=gpus) if device_plugin else 0
     for profile, count in sorted(mig.items()):
         labels[MIG_LABEL_PREFIX + profile] = str(count)
     ready = any(
@@ -203,6 +231,34 @@ def read_node(raw: Mapping[str, Any], keys: LabelKeys) -> model.Node | None:
     )
 
 
+def _read_sharing(
+    allocatable: Mapping[str, Any], labels: dict[str, str], keys: LabelKeys, *, whole: int
+) -> int:
+    """How the device plugin hands out the node's GPUs (see the module docstring): marks the
+    labels, returns the node's GPU count."""
+    shared = parse_count(allocatable.get(keys.shared_gpu_resource, 0))
+    replicas = parse_count(labels.get(keys.gpu_replicas, 0))
+    physical = parse_count(labels.get(keys.gpu_count, 0))
+    if shared > 0 and whole <= 0:
+        resource, gpus = keys.shared_gpu_resource, physical or shared // max(replicas, 1)
+    elif whole > 0 and replicas > 1 and shared <= 0:  # nvidia.com/gpu are replicas themselves
+        resource, gpus = jobs.GPU_RESOURCE, physical or whole // replicas
+    else:
+        if whole > 0:
+            labels[model.SHARING_LABEL] = model.SHARING_NONE
+            labels[model.SHARED_RESOURCE_LABEL] = keys.shared_gpu_resource
+        return whole
+    labels[model.SHARING_LABEL] = model.SHARING_REPLICAS
+    labels[model.SHARED_RESOURCE_LABEL] = resource
+    return gpus
+
+
+def replica_milli(node: model.Node, keys: LabelKeys) -> int:
+    """The share of a GPU one device-plugin replica is on this node (1000: not shared)."""
+    replicas = parse_count(node.labels.get(keys.gpu_replicas, 0))
+    return model.GPU_MILLI // replicas if replicas > 1 else model.GPU_MILLI
+
+
 def fresh_copy(node: model.Node) -> model.Node:
     """A copy of a parsed node with everything free (for rebuilding it in the inventory)."""
     return dataclasses.replace(
@@ -218,9 +274,10 @@ def mig_slices(node: model.Node, *, free: bool = True) -> dict[str, int]:
     }
 
 
-def _requests_of(spec: Mapping[str, Any]) -> dict[str, int]:
+def _requests_of(spec: Mapping[str, Any], shared_resource: str) -> dict[str, int]:
     """Effective requests of a pod: the sum over containers, at least the largest init
-    container (as the scheduler counts them), in GPUs, milli-CPU, MiB and MIG devices."""
+    container (as the scheduler counts them), in GPUs, shared GPU replicas, milli-CPU, MiB and
+    MIG devices."""
 
     def one(container: Mapping[str, Any]) -> dict[str, int]:
         res = container.get("resources") or {}
@@ -228,7 +285,7 @@ def _requests_of(spec: Mapping[str, Any]) -> dict[str, int]:
         requests = {**limits, **(res.get("requests") or {})}
         out: dict[str, int] = {}
         for name, qty in requests.items():
-            if name == jobs.GPU_RESOURCE or name.startswith(MIG_RESOURCE_PREFIX):
+            if name in (jobs.GPU_RESOURCE, shared_resource) or name.startswith(MIG_RESOURCE_PREFIX):
                 out[name] = parse_count(qty)
             elif name == "cpu":
                 out[name] = _quantity(qty, "cpu", "pod")
@@ -281,19 +338,26 @@ def _slots_of(annotations: Mapping[str, str], gpus: int) -> tuple[status.GPUSlot
     return tuple(status.GPUSlot.model_construct(index=i, milli=milli) for i in indices)
 
 
-def read_pod(raw: Mapping[str, Any]) -> PodRecord:
-    """What gpufed keeps of a Kubernetes Pod (any pod: its own or a foreign one)."""
+def read_pod(raw: Mapping[str, Any], *, shared_resource: str = SHARED_GPU_RESOURCE) -> PodRecord:
+    """What gpufed keeps of a Kubernetes Pod (any pod: its own or a foreign one). A pod of
+    gpufed's holding its GPUs through a ResourceClaim (DRA) requests none: it holds the ones
+    its `gpufed.io/gpus` annotation names."""
     meta = raw.get("metadata") or {}
     spec = raw.get("spec") or {}
     state = raw.get("status") or {}
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
     phase_raw = str(state.get("phase") or "Pending")
-    requests = _requests_of(spec)
-    gpus = requests.get(jobs.GPU_RESOURCE, 0)
+    requests = _requests_of(spec, shared_resource)
+    quota_gpus = requests.get(jobs.GPU_RESOURCE, 0)
+    shared = requests.get(shared_resource, 0) if shared_resource != jobs.GPU_RESOURCE else 0
+    gpus = quota_gpus + shared
     node = str(spec.get("nodeName") or "")
     phase = _PHASES.get(phase_raw, status.PodPhase.FAILED)  # Unknown: the node is lost
     job_id = str(labels.get(JOB_LABEL, ""))
+    claim = str(annotations.get(CLAIM_ANNOTATION, "")) if job_id else ""
+    if claim and not gpus:
+        gpus = len([p for p in str(annotations.get(GPUS_ANNOTATION, "")).split(",") if p.strip()])
     return PodRecord(
         namespace=str(meta.get("namespace") or "default"),
         name=str(meta.get("name", "")),
@@ -313,7 +377,37 @@ def read_pod(raw: Mapping[str, Any]) -> PodRecord:
             if k.startswith(MIG_RESOURCE_PREFIX) and v > 0
         },
         job_meta={k: str(annotations[k]) for k in _JOB_META if k in annotations} if job_id else {},
+        quota_gpus=quota_gpus,
+        shared=shared > 0,
+        claim=claim,
+        sharing=str(annotations.get(SHARING_ANNOTATION, "")) if job_id else "",
     )
+
+
+def is_sharing(request: base.PodRequest) -> bool:
+    """Whether a pod to create holds part of one GPU (gpu-milli below 1000)."""
+    return len(request.gpus) == 1 and request.gpus[0].milli < model.GPU_MILLI
+
+
+def _requesting(spec: dict[str, Any], resource: str) -> dict[str, Any]:
+    """The spec with every container's `nvidia.com/gpu` asked as `resource` instead."""
+    out = dict(spec)
+    for kind in ("initContainers", "containers"):
+        containers = []
+        for raw in spec.get(kind) or []:
+            container = dict(raw)
+            res = dict(container.get("resources") or {})
+            for part in ("limits", "requests"):
+                quantities = dict(res.get(part) or {})
+                if jobs.GPU_RESOURCE in quantities:
+                    quantities[resource] = quantities.pop(jobs.GPU_RESOURCE)
+                    res[part] = quantities
+            if res:
+                container["resources"] = res
+            containers.append(container)
+        if kind in spec:
+            out[kind] = containers
+    return out
 
 
 def label_value(value: str) -> str:
@@ -322,9 +416,13 @@ def label_value(value: str) -> str:
     return cleaned.strip("-_.")
 
 
-def build_pod(request: base.PodRequest, keys: LabelKeys) -> dict[str, Any]:
+def build_pod(
+    request: base.PodRequest, keys: LabelKeys, *, shared_resource: str = ""
+) -> dict[str, Any]:
     """The Pod to create: the user's template bound to the chosen node with `spec.nodeName`,
-    gpufed's labels, the trace context and the chosen GPU indices as annotations."""
+    gpufed's labels, the trace context and the chosen GPU indices as annotations. A sharing pod
+    given a `shared_resource` (the device plugin's replicas on its node) requests one of it in
+    place of `nvidia.com/gpu`."""
     template = copy.deepcopy(request.template)
     meta: dict[str, Any] = dict(template.get("metadata") or {})
     spec: dict[str, Any] = dict(template.get("spec") or {})
@@ -345,6 +443,8 @@ def build_pod(request: base.PodRequest, keys: LabelKeys) -> dict[str, Any]:
         name=request.name, namespace=request.namespace, labels=labels, annotations=annotations
     )
     spec["nodeName"] = request.node
+    if shared_resource and is_sharing(request):
+        spec = _requesting(spec, shared_resource)
     spec.setdefault("restartPolicy", "Never")  # a batch pod ends; Always would never finish
     tolerations = list(spec.get("tolerations") or [])
     tolerated = {t.get("key") for t in tolerations if t.get("operator") == "Exists"}

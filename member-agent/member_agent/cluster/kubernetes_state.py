@@ -13,6 +13,10 @@ then replaces that entry instead of adding to it.
 It also counts the GPUs every namespace's live pods request (for ResourceQuotas, see
 `kubernetes_quotas`) and groups gpufed's pods by job (`held_jobs`: what a restarted agent
 adopts).
+
+DRA mode (`kubernetes_devices`): nodes carry no GPUs of their own (`device_plugin=False`); the
+`node_view` hook gives each node the GPUs its ResourceSlices publish, and ResourceClaims that
+other schedulers allocated are held like pods (`hold`: a record per claim, never reported).
 """
 
 from __future__ import annotations
@@ -56,11 +60,20 @@ class ClusterState:
     create/delete; single-threaded (one event loop), so no locking."""
 
     def __init__(
-        self, cluster: str, keys: objects.LabelKeys, emit: Callable[[base.BackendEvent], None]
+        self,
+        cluster: str,
+        keys: objects.LabelKeys,
+        emit: Callable[[base.BackendEvent], None],
+        *,
+        device_plugin: bool = True,
+        node_view: Callable[[model.Node], model.Node] | None = None,
     ) -> None:
         self.inventory = model.Inventory(cluster=cluster)
         self._keys = keys
         self._emit = emit
+        self._device_plugin = device_plugin
+        self._node_view = node_view
+        self._held: dict[str, objects.PodRecord] = {}  # not pods: foreign claims (DRA)
         self._nodes: dict[str, model.Node] = {}  # as parsed, everything free
         self._pods: dict[str, objects.PodRecord] = {}  # by key, as the API reports them
         self._created: dict[str, tuple[objects.PodRecord, float]] = {}  # created, not seen yet
@@ -75,7 +88,7 @@ class ClusterState:
 
     def replace_nodes(self, items: list[dict[str, Any]], *, started: float) -> None:
         del started
-        parsed = [objects.read_node(item, self._keys) for item in items]
+        parsed = [self._read_node(item) for item in items]
         nodes = {node.name: node for node in parsed if node is not None}
         listed = {str((item.get("metadata") or {}).get("name", "")) for item in items}
         lost = set(self._nodes) - listed  # gone from the cluster, not just out of GPUs
@@ -87,7 +100,7 @@ class ClusterState:
 
     def apply_node(self, kind: str, raw: dict[str, Any]) -> None:
         name = str((raw.get("metadata") or {}).get("name", ""))
-        node = None if kind == "DELETED" else objects.read_node(raw, self._keys)
+        node = None if kind == "DELETED" else self._read_node(raw)
         old = self._nodes.get(name)
         if node == old:
             return  # a heartbeat or a change gpufed does not read
@@ -101,10 +114,51 @@ class ClusterState:
         if _shape(node) != _shape(old):
             self._changed(f"node {name} changed")
 
+    def _read_node(self, raw: dict[str, Any]) -> model.Node | None:
+        return objects.read_node(raw, self._keys, device_plugin=self._device_plugin)
+
+    def _read_pod(self, raw: dict[str, Any]) -> objects.PodRecord:
+        return objects.read_pod(raw, shared_resource=self._keys.shared_gpu_resource)
+
+    def nodes_changed(self, names: Iterable[str], *, reason: str) -> None:
+        """What these nodes have changed outside their Node objects (their devices): build
+        them again."""
+        for name in sorted(set(names)):
+            self._rebuild_node(name)
+        self._changed(reason)
+
+    # -- holdings that are not pods (DRA: claims other schedulers allocated) ----------------
+
+    def hold(self, key: str, rec: objects.PodRecord | None) -> None:
+        """Hold what `rec` holds under `key`, in place of what was held under it (None: give
+        it back)."""
+        old = self._held.pop(key, None)
+        if old is not None:
+            self._drop(old)
+        if rec is not None:
+            self._held[key] = rec
+            self._track(rec)
+            self._place(rec)
+            self._refresh_mig(rec.node)
+        if _holding(old) != _holding(rec):
+            self._changed(f"{key} changed")
+
+    def holders(self, node: str) -> list[objects.PodRecord]:
+        """What holds GPUs on a node now: pods and claims."""
+        return [rec for rec in map(self.record, sorted(self._by_node.get(node, ()))) if rec]
+
+    def claim_users(self, namespace: str, claim: str) -> list[str]:
+        """gpufed's pods holding their GPUs through a claim (DRA mode)."""
+        return sorted(
+            rec.name
+            for rec in self._records()
+            if rec.claim == claim and rec.namespace == namespace and rec.holds
+        )
+
     # -- pods --------------------------------------------------------------------------------
 
     def replace_pods(self, items: list[dict[str, Any]], *, started: float) -> None:
-        pods = {rec.key: rec for rec in map(objects.read_pod, items)}
+        pods = {rec.key: rec for rec in map(self._read_pod, items)}
         # a pod created after the list was asked for may be missing from it: keep it
         self._created = {
             key: entry
@@ -126,7 +180,7 @@ class ClusterState:
         self._changed("pods listed")
 
     def apply_pod(self, kind: str, raw: dict[str, Any]) -> None:
-        rec = objects.read_pod(raw)
+        rec = self._read_pod(raw)
         key = rec.key
         created = self._created.pop(key, None)
         old = self._pods.get(key) or (created[0] if created else None)
@@ -183,7 +237,7 @@ class ClusterState:
         if rec is not None:
             return rec
         created = self._created.get(key)
-        return created[0] if created else None
+        return created[0] if created else self._held.get(key)
 
     def check_fits(self, rec: objects.PodRecord) -> str:
         """Why a pod to create does not fit its node now ("" when it does)."""
@@ -199,7 +253,36 @@ class ClusterState:
         slots = self._slots_for(node, rec)
         if len(slots) < rec.gpus:
             return f"node {rec.node} has {len(slots)} GPUs free for {rec.name}, needs {rec.gpus}"
+        sharing = node.labels.get(model.SHARING_LABEL)
+        partial = bool(rec.slots) and rec.slots[0].milli < model.GPU_MILLI
+        resource = node.labels.get(model.SHARED_RESOURCE_LABEL, "shared replicas")
+        if sharing == model.SHARING_NONE and partial:
+            return (
+                f"node {rec.node} advertises no {resource}: a pod of {rec.slots[0].milli} "
+                "milli would be handed a whole GPU"
+            )
+        if sharing == model.SHARING_REPLICAS and rec.gpus and not partial and not rec.shared:
+            return f"node {rec.node} offers its GPUs only as {resource} replicas"
+        if sharing == model.SHARING_REPLICAS:
+            return self._check_replicas(node)
         return ""
+
+    def _check_replicas(self, node: model.Node) -> str:
+        """Why the device plugin has no shared replica left on the node for one more sharing
+        pod ("" when it has): its replicas per GPU bound the pods, whatever their milli."""
+        unit = objects.replica_milli(node, self._keys)
+        if unit >= model.GPU_MILLI:
+            return ""
+        replicas = node.gpu_count * (model.GPU_MILLI // unit)
+        used = sum(
+            rec.gpus
+            for rec in self.holders(node.name)
+            if rec.shared or (rec.slots and rec.slots[0].milli < model.GPU_MILLI)
+        )
+        if used < replicas:
+            return ""
+        resource = node.labels.get(model.SHARED_RESOURCE_LABEL, "shared replicas")
+        return f"node {node.name}: all {replicas} {resource} replicas are in use"
 
     def pods_of(self, job_id: str) -> list[status.PodStatus]:
         out = []
@@ -246,8 +329,8 @@ class ClusterState:
     # -- bookkeeping -------------------------------------------------------------------------
 
     def _count(self, rec: objects.PodRecord) -> None:
-        if rec.gpus > 0 and rec.phase not in _TERMINAL:
-            self._gpu_use[rec.namespace][rec.key] = rec.gpus
+        if rec.quota_gpus > 0 and rec.phase not in _TERMINAL:
+            self._gpu_use[rec.namespace][rec.key] = rec.quota_gpus
         else:
             self._uncount(rec)
 
@@ -260,6 +343,7 @@ class ClusterState:
         yield from self._pods.values()
         for rec, _ in self._created.values():
             yield rec
+        yield from self._held.values()
 
     def _track(self, rec: objects.PodRecord) -> None:
         if rec.holds:
@@ -283,7 +367,7 @@ class ClusterState:
         if node is None or not rec.holds:
             return
         slots = self._slots_for(node, rec)
-        if len(slots) < rec.gpus:
+        if len(slots) < rec.gpus and not rec.shared:
             logger.warning(
                 "pod %s asks %d GPUs of %s, %d free in the inventory: counting what is free",
                 rec.key,
@@ -297,8 +381,7 @@ class ClusterState:
         )
         self.inventory.apply(placement, cpu_milli=rec.cpu_milli, memory_mib=rec.memory_mib)
 
-    @staticmethod
-    def _slots_for(node: model.Node, rec: objects.PodRecord) -> list[status.GPUSlot]:
+    def _slots_for(self, node: model.Node, rec: objects.PodRecord) -> list[status.GPUSlot]:
         if rec.gpus <= 0:
             return []
         free = node.gpu_free
@@ -309,6 +392,8 @@ class ClusterState:
             and all(s.index < len(free) and free[s.index] >= s.milli for s in rec.slots)
         ):
             return list(rec.slots)
+        if rec.shared and not rec.slots:  # a foreign pod's device-plugin replicas
+            return _replica_slots(free, objects.replica_milli(node, self._keys), rec.gpus)
         milli = rec.slots[0].milli if rec.slots else model.GPU_MILLI
         if rec.gpus == 1 and milli < model.GPU_MILLI:
             shared = [i for i, f in enumerate(free) if f >= milli]
@@ -326,7 +411,7 @@ class ClusterState:
         self._by_node.clear()
         self._by_job.clear()
         for node in self._nodes.values():
-            self.inventory.add(objects.fresh_copy(node))
+            self.inventory.add(self._fresh(node))
         records = sorted(self._records(), key=lambda rec: not rec.ours)  # ours keep their GPUs
         for rec in records:
             self._track(rec)
@@ -339,11 +424,16 @@ class ClusterState:
             self.inventory.release(key)
         self.inventory.nodes.pop(name, None)
         if name in self._nodes:
-            self.inventory.add(objects.fresh_copy(self._nodes[name]))
+            self.inventory.add(self._fresh(self._nodes[name]))
         records = [rec for rec in map(self.record, keys) if rec is not None]
         for rec in sorted(records, key=lambda rec: not rec.ours):
             self._place(rec)
         self._refresh_mig(name)
+
+    def _fresh(self, node: model.Node) -> model.Node:
+        """The inventory's node: everything free, with the devices DRA publishes for it."""
+        fresh = objects.fresh_copy(node)
+        return self._node_view(fresh) if self._node_view is not None else fresh
 
     def _refresh_mig(self, *names: str) -> None:
         for name in names:
@@ -401,6 +491,20 @@ class ClusterState:
             self._report(
                 dataclasses.replace(rec, phase=status.PodPhase.FAILED, reason=objects.NODE_LOST)
             )
+
+
+def _replica_slots(free: list[int], milli: int, count: int) -> list[status.GPUSlot]:
+    """`count` device-plugin replicas of `milli` each, each on the freest GPU left (which GPU
+    the kubelet chose is not known, only that each replica is a share of one)."""
+    left = list(free)
+    taken: dict[int, int] = {}
+    for _ in range(count):
+        best = max(range(len(left)), key=lambda i: (left[i], -i), default=None)
+        if best is None or left[best] < milli:
+            break
+        left[best] -= milli
+        taken[best] = taken.get(best, 0) + milli
+    return [status.GPUSlot.model_construct(index=i, milli=m) for i, m in sorted(taken.items())]
 
 
 class NodeFeed:

@@ -16,6 +16,16 @@ from broker.api import jobs, status
 
 GPU_MILLI = 1000
 
+# What a backend may say about how a node's GPUs can be shared (inventory labels, set by the
+# Kubernetes backend in device-plugin mode; absent: whole and shared pods alike, as on the
+# simulated backend and with DRA claims). `replicas`: the GPUs are the device plugin's
+# time-slicing or MPS replicas, advertised as the resource in SHARED_RESOURCE_LABEL, so only
+# sharing pods go there; `none`: whole GPUs only, a sharing pod would be handed a whole GPU.
+SHARING_LABEL = "gpufed.io/gpu-sharing"
+SHARING_REPLICAS = "replicas"
+SHARING_NONE = "none"
+SHARED_RESOURCE_LABEL = "gpufed.io/gpu-shared-resource"
+
 
 @dataclass
 class Node:

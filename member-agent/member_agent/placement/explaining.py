@@ -2,8 +2,8 @@
 
 Called by `gang.place_gang` only after every topology group failed; the reasons go back to
 the broker in a rejection and to the user through `gpufed why`. It walks the filters in the
-order a user thinks of them (ready nodes, GPU model, node affinity, GPU memory, GPUs, CPU,
-memory) and names the first one that leaves too few nodes.
+order a user thinks of them (ready nodes, GPU model, node affinity, GPU sharing, GPU memory,
+GPUs, CPU, memory) and names the first one that leaves too few nodes.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from member_agent.inventory import model
 from member_agent.placement import filtering, indexing
 
 
@@ -83,6 +84,11 @@ def _nodes_built_for(
                 f"node affinity: no ready node{' with GPUs' if demand.gpus else ''} matches "
                 f"{selector.describe()} (cluster has {', '.join(present) or 'no GPUs'})"
             )
+    if nodes and demand.gpus:
+        shareable = [entry for entry in nodes if filtering.sharing_allowed(entry, demand)]
+        if not shareable:
+            return [], _sharing_reason(nodes, demand)
+        nodes = shareable
     if demand.min_gpu_memory_mib:
         largest = max((entry.gpu_memory_mib for entry in nodes), default=0)
         nodes = [entry for entry in nodes if entry.gpu_memory_mib >= demand.min_gpu_memory_mib]
@@ -97,6 +103,21 @@ def _nodes_built_for(
     if demand.nvlink and max((entry.island for entry in nodes), default=1) < demand.gpus:
         return [], f"nvlink: no node has an NVLink island of {demand.gpus} GPUs"
     return nodes, ""
+
+
+def _sharing_reason(nodes: Sequence[indexing.Entry], demand: filtering.Demand) -> str:
+    """Why no node can hand out its GPUs the way the pod asks (`filtering.sharing_allowed`)."""
+    named = (entry.labels.get(model.SHARED_RESOURCE_LABEL, "") for entry in nodes)
+    resource = next((name for name in named if name), "") or "a shared GPU resource"
+    if demand.sharing:
+        return (
+            f"gpu sharing: no ready GPU node advertises {resource} (the device plugin's "
+            f"shared GPU replicas): a pod of {demand.describe()} would be handed a whole GPU"
+        )
+    return (
+        f"gpu sharing: the ready GPU nodes offer their GPUs only as {resource} replicas, "
+        f"none whole for a pod of {demand.describe()}"
+    )
 
 
 def _explain_room(nodes: Sequence[indexing.Entry], demand: filtering.Demand, *, need: int) -> str:

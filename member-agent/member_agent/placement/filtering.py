@@ -6,7 +6,9 @@ models (if any), its labels and name match the pod's node selector and required 
 (`broker.api.affinity`, Kubernetes semantics: terms ORed, expressions ANDed, `In`, `NotIn`,
 `Exists`, `DoesNotExist`, `Gt`, `Lt`), its GPUs have enough memory, it has the CPU and memory
 free, and it has `gpus` GPUs wholly free (a whole-GPU pod, all on this node, inside one NVLink
-island when the pod requires NVLink) or one GPU with `gpu_milli` free (a sharing pod).
+island when the pod requires NVLink) or one GPU with `gpu_milli` free (a sharing pod), and
+its GPUs can be had that way (`sharing_allowed`: the device plugin's shared replicas take
+sharing pods only).
 Preferred node affinity is not weighed (see `broker.api.affinity`).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from broker.api import affinity, jobs
+from member_agent.inventory import model
 from member_agent.placement import indexing
 
 GPU_MILLI = indexing.GPU_MILLI
@@ -82,6 +85,8 @@ def fits(entry: indexing.Entry, demand: Demand) -> bool:
         return False
     if not fits_gpus(entry, demand):
         return False
+    if demand.gpus and not sharing_allowed(entry, demand):
+        return False
     # last: the dearest check, on the nodes with room only
     return demand.selector is None or demand.selector.matches(entry.labels, entry.name)
 
@@ -97,6 +102,14 @@ def fits_gpus(entry: indexing.Entry, demand: Demand) -> bool:
     if demand.nvlink:
         return largest_island_block(entry) >= gpus
     return True
+
+
+def sharing_allowed(entry: indexing.Entry, demand: Demand) -> bool:
+    """Whether the node's GPUs can be had the way the pod asks (`model.SHARING_LABEL`): a
+    sharing pod only where the GPUs are shared replicas, a whole-GPU pod only where they are
+    not; both where the backend says nothing."""
+    mode = entry.labels.get(model.SHARING_LABEL)
+    return mode is None or (mode == model.SHARING_REPLICAS) == demand.sharing
 
 
 def largest_island_block(entry: indexing.Entry) -> int:

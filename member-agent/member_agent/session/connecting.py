@@ -8,7 +8,9 @@ drops the session; it is opened again with exponential backoff and jitter, on th
 URL after a connection failure, on the leader a follower names after a 409 (`brokers`).
 Once a replica has answered 409, the brokers are up and choosing a leader: until a session is
 welcomed, no wait is longer than the replica's Retry-After (a dead leader it still names, and
-the next URL, are tried at that pace rather than at the backoff's ceiling).
+the next URL, are tried at that pace rather than at the backoff's ceiling). An agent
+behind an egress proxy names it (`--proxy`); the environment's `HTTP_PROXY` is not read, so a
+proxy set for package downloads never comes between an agent and its broker by surprise.
 A 401/403 is permanent until the token changes: an agent that no broker has welcomed yet and
 that holds no running job exits with the reason (`brokers.AuthError` out of `run`); otherwise
 it is logged and retried slowly (exiting would leave its pods unfenced).
@@ -64,6 +66,7 @@ class ConnectSettings:
     auth_retry_seconds: float = 30.0
     connect_timeout_seconds: float = 10.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    proxy_url: str | None = None  # an HTTP proxy for every broker connection
 
 
 def connect_url(broker: str) -> str:
@@ -297,6 +300,7 @@ class Connector:
                         url,
                         headers=headers,
                         autoping=True,
+                        proxy=self.settings.proxy_url,
                         max_msg_size=self.settings.max_message_bytes,
                         timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0),
                     ),

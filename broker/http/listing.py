@@ -1,0 +1,89 @@
+"""`GET /v1/jobs`: one page of jobs, live and finished, with a continue token.
+
+Query parameters (all optional; every one given must hold):
+
+- `queue`, `state` (a job state), `cluster`;
+- `labelSelector` — Kubernetes' label selector syntax on the job's `metadata.labels`
+  (`team=vision,tier in (spot,batch),!debug`);
+- `finishedAfter`, `finishedBefore` — RFC 3339 times: finished jobs in `[after, before)`;
+- `limit` — 1 to 1,000 jobs a page (default `DEFAULT_LIMIT`);
+- `continue` — the token of the previous page (`metadata.continue`), with the same filters.
+
+The page runs over the book (live jobs and the finished ones not yet retired) and the history
+store together (`state.history.listing.page_jobs`), newest first: live jobs by creation, then
+finished ones by finish time. `metadata.continue` is absent on the last page. A tenant sees its
+own jobs; an admin every tenant's. A bad parameter is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+
+from aiohttp import web
+
+from broker.api import errors, selectors, status
+from broker.state.history import listing, protocol
+from broker.state.history import query as queries
+
+DEFAULT_LIMIT = 500
+
+
+def _bad(field: str, problem: str) -> errors.Malformed:
+    return errors.Malformed(f"{field}: {problem}", field=field, title="Bad query")
+
+
+def _time(query: Mapping[str, str], field: str) -> datetime | None:
+    text = query.get(field)
+    if text is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise _bad(field, "an RFC 3339 time, e.g. 2026-12-01T10:00:00Z") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    try:
+        queries.to_us(moment)
+    except OverflowError:
+        raise _bad(field, "a time the history can hold") from None
+    return moment
+
+
+def parse(request: web.Request, *, tenant: str | None) -> tuple[queries.JobQuery, int, str | None]:
+    """The query, the page size and the continue token a request asks for."""
+    query = request.query
+    state = query.get("state")
+    if state is not None and state not in {s.value for s in status.JobState}:
+        raise _bad("state", f"one of {', '.join(s.value for s in status.JobState)}")
+    try:
+        limit = int(query.get("limit", str(DEFAULT_LIMIT)))
+    except ValueError:
+        raise _bad("limit", "a whole number") from None
+    if not 1 <= limit <= protocol.MAX_PAGE:
+        raise _bad("limit", f"1 to {protocol.MAX_PAGE}")
+    selector = query.get(selectors.FIELD)  # a bad one is a 400 naming labelSelector
+    labels = selectors.parse(selector) if selector else ()
+    job_query = queries.JobQuery(
+        tenant=tenant,
+        queue=query.get("queue"),
+        state=status.JobState(state) if state is not None else None,
+        cluster=query.get("cluster"),
+        labels=labels,
+        finished_after=_time(query, "finishedAfter"),
+        finished_before=_time(query, "finishedBefore"),
+    )
+    return job_query, limit, query.get("continue")
+
+
+async def page(
+    held: list[status.JobRecord],
+    history: protocol.HistoryStore | None,
+    job_query: queries.JobQuery,
+    *,
+    limit: int,
+    cont: str | None,
+) -> status.JobList:
+    """One page: `items` and, unless it is the last, `metadata.continue`."""
+    found = await listing.page_jobs(held, history, job_query, limit=limit, cont=cont)
+    return status.JobList(items=found.items, metadata=status.ListMeta(continue_=found.next))

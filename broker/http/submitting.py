@@ -1,0 +1,309 @@
+"""What a submit means, one job or a batch: the checks both routes make, and the batch route.
+
+`POST /v1/jobs` (`http/jobs.submit`) and `POST /v1/jobs:batch` (`submit_batch`, here) hold
+every job to the same checks through the same functions: a tenant's token, the job's rules
+(`admit`: `api.jobs.validate_submitted`, then the queue, `state.registry.check_job`), the
+key's rule (`api.submits.check_idempotency_key`); `new_record` makes the record both store.
+
+A batch answers one status per item, in request order (`api.submits.BatchAnswer`). A body
+that is not a batch (not JSON or YAML, over `MAX_BATCH_BYTES`, no `items`, none or over
+`MAX_BATCH_ITEMS` of them) is one problem, and nothing is stored. Past that, an item that
+breaks a rule is that item's problem, its field named from the body's root
+(`items[3].job.spec.queue`), and nothing of it is stored; the other items are stored together,
+in as few store transactions as the book's group commit allows (`Jobs.submit_many`), each job
+with its own trace and its `job.submit` span, counted as a single submit is. A key used
+again within the batch is decided once the item that used it first is answered, as if the two
+had been sent one after the other: the same body replays that job (200), another body is 422
+`idempotency-key-reused`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+from aiohttp import web
+from opentelemetry import trace
+
+from broker.api import errors, jobs, status, submits
+from broker.http import auth, documents, keys, problems
+from broker.jobs import service
+from broker.state import registry
+from broker.telemetry import jobspans, tracing
+
+KEY_HEADER = "Idempotency-Key"
+# items read between two turns of the event loop: a batch of 1,000 takes a few tenths of a
+# second to check, which must not hold up heartbeats and the leader's lease renewals
+ITEMS_PER_TURN = 100
+_ID_CHARS = string.ascii_lowercase + string.digits
+_ITEM_FIELDS = frozenset({"job", "idempotencyKey"})
+
+
+def new_job_id(name: str) -> str:
+    return f"{name[:50].rstrip('-')}-{''.join(secrets.choice(_ID_CHARS) for _ in range(8))}"
+
+
+# ---- what both routes check and make ----------------------------------------------------------
+
+
+def admit(
+    principal: auth.Principal,
+    document: Any,
+    *,
+    queues: registry.QueueRegistry | None,
+    where: str = "",
+) -> jobs.GPUJob:
+    """The job `document` asks for, held to every rule of a submit and to the queue's; the
+    refusal names its field from `where` on (a batch item's `items[3].job`; "": the body)."""
+    if not isinstance(document, dict):
+        raise errors.Invalid(
+            f"{where or 'the body'} must be a GPUJob object",
+            field=where or None,
+            title="Invalid job",
+        )
+    try:
+        job = jobs.validate_submitted(document)
+    except pydantic.ValidationError as exc:
+        raise problems.from_validation(exc, prefix=f"{where}." if where else "") from None
+    if queues is not None:
+        try:
+            queues.check_job(principal.name, job)
+        except errors.GpufedError as exc:
+            raise problems.relocated(exc, where) from None
+    return job
+
+
+def new_record(
+    book: service.Jobs, principal: auth.Principal, job: jobs.GPUJob, *, key: str | None
+) -> status.JobRecord:
+    """A new job of `principal`'s, with a trace of its own."""
+    traceparent, parent = book.new_trace()
+    return status.JobRecord(
+        id=new_job_id(job.metadata.name),
+        tenant=principal.name,
+        job=job,
+        traceparent=traceparent,
+        trace_parent=parent,
+        trace_id=traceparent.split("-")[1],
+        idempotency_key=key,
+    )
+
+
+def _span_attributes(record: status.JobRecord) -> dict[str, str]:
+    return {
+        "gpufed.job": record.id,
+        "gpufed.tenant": record.tenant,
+        "gpufed.queue": record.job.spec.queue,
+    }
+
+
+async def submit_one(
+    book: service.Jobs, principal: auth.Principal, job: jobs.GPUJob, *, key: str | None
+) -> tuple[status.JobRecord, bool]:
+    """Store one admitted job; returns it and whether it was replayed (its key's job, the
+    same body: IdempotencyKeyReused if another)."""
+    if key:
+        existing = await book.find_idempotent(principal.name, key, job)
+        if existing is not None:
+            return existing, True
+    record = new_record(book, principal, job, key=key)
+    with jobspans.tracer.start_as_current_span(
+        "job.submit",
+        context=tracing.context_of(record.traceparent),
+        attributes=_span_attributes(record),
+    ):
+        stored = await book.submit(record)
+    return stored, stored is not record
+
+
+# ---- the batch route ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Repeat:
+    """An item whose key an earlier item of the batch uses: decided after that one."""
+
+    index: int
+    key: str
+    job: jobs.GPUJob
+
+
+async def submit_batch(request: web.Request) -> web.Response:
+    principal = auth.caller(request)  # a tenant's (broker.http.roles)
+    if KEY_HEADER in request.headers:
+        raise errors.Malformed(
+            f"{KEY_HEADER}: not on a batch; each item has its own idempotencyKey",
+            field=KEY_HEADER,
+            title="Bad Idempotency-Key",
+        )
+    items = _items_of(await _read_batch(request))
+    book = request.app[keys.JOBS]
+    queue_registry = request.app.get(keys.QUEUES)
+    answers: list[submits.BatchItemAnswer | None] = [None] * len(items)
+    admitted: list[tuple[int, status.JobRecord]] = []
+    repeats: list[_Repeat] = []
+    keyed: set[str] = set()
+    for index, item in enumerate(items):
+        if index and index % ITEMS_PER_TURN == 0:
+            await asyncio.sleep(0)
+        try:
+            key, job = _read_item(principal, item, index, queues=queue_registry)
+        except errors.GpufedError as exc:  # anything else: a 500, and nothing stored yet
+            answers[index] = _refused(index, exc, status_code=problems.status_of(exc))
+            continue
+        if key is not None and key in keyed:
+            repeats.append(_Repeat(index, key, job))
+            continue
+        if key is not None:
+            keyed.add(key)
+        admitted.append((index, new_record(book, principal, job, key=key)))
+    results = await _store(book, [record for _, record in admitted], batch=len(items))
+    for (index, record), result in zip(admitted, results, strict=True):
+        answers[index] = _answer(index, result, replayed=result is not record, request=request)
+    for repeat in repeats:
+        try:
+            stored, replayed = await submit_one(book, principal, repeat.job, key=repeat.key)
+        except Exception as exc:  # the others are stored: this item's answer, not the batch's
+            answers[repeat.index] = _answer(repeat.index, exc, replayed=False, request=request)
+        else:
+            answers[repeat.index] = _answer(
+                repeat.index, stored, replayed=replayed, request=request
+            )
+    done = [a for a in answers if a is not None]
+    answer = submits.BatchAnswer(
+        items=done,
+        accepted=sum(1 for a in done if a.status == 202),
+        replayed=sum(1 for a in done if a.status == 200),
+        failed=sum(1 for a in done if a.status >= 400),
+    )
+    return web.json_response(answer.model_dump(mode="json", by_alias=True, exclude_none=True))
+
+
+async def _read_batch(request: web.Request) -> Any:
+    try:  # the app's bound is one job's body (1 MiB); a batch may carry more
+        raw = await request.clone(client_max_size=submits.MAX_BATCH_BYTES).read()
+    except web.HTTPRequestEntityTooLarge:
+        raise errors.TooLarge(
+            f"the body is over {submits.MAX_BATCH_BYTES // (1024 * 1024)} MiB: send fewer "
+            "jobs per batch",
+            title="Body too large",
+        ) from None
+    return documents.read_document(
+        raw, content_type=request.content_type, what="a batch of jobs", checked=False
+    )
+
+
+def _items_of(document: Any) -> list[Any]:
+    """The items of a batch body; Invalid naming the field if it is not one."""
+    wanted = f"a list of 1 to {submits.MAX_BATCH_ITEMS} items {{idempotencyKey, job}}"
+    if not isinstance(document, dict):
+        raise errors.Invalid(
+            f'the body must be an object {{"items": {wanted}}}', title="Invalid batch"
+        )
+    for name in document:
+        if name != "items":
+            raise errors.Invalid(f"{name}: unknown field", field=str(name), title="Invalid batch")
+    items = document.get("items")
+    if not isinstance(items, list):
+        said = "required" if items is None else f"not a {type(items).__name__}"
+        raise errors.Invalid(f"items: {said}; {wanted}", field="items", title="Invalid batch")
+    if not 1 <= len(items) <= submits.MAX_BATCH_ITEMS:
+        raise errors.Invalid(
+            f"items: {len(items)} items; {wanted}", field="items", title="Invalid batch"
+        )
+    return items
+
+
+def _read_item(
+    principal: auth.Principal,
+    item: Any,
+    index: int,
+    *,
+    queues: registry.QueueRegistry | None,
+) -> tuple[str | None, jobs.GPUJob]:
+    """The key and the job of one item, held to the single route's checks, in its order:
+    the job bounded (`documents.check_tree`, depth counted from the job), admitted, the key."""
+    where = f"items[{index}]"
+    if not isinstance(item, dict):
+        raise errors.Invalid(
+            f"{where}: an object {{idempotencyKey, job}}", field=where, title="Invalid job"
+        )
+    for name in item:
+        if name not in _ITEM_FIELDS:
+            field = f"{where}.{name}"
+            raise errors.Invalid(f"{field}: unknown field", field=field, title="Invalid job")
+    if "job" not in item:
+        raise errors.Invalid(f"{where}.job: required", field=f"{where}.job", title="Invalid job")
+    documents.check_tree(item["job"], path=f"{where}.job")
+    job = admit(principal, item["job"], queues=queues, where=f"{where}.job")
+    field = f"{where}.idempotencyKey"
+    key = submits.check_idempotency_key(item.get("idempotencyKey"), field=field)
+    documents.check_tree(key, path=field)  # no lone surrogate: the key is hashed as UTF-8
+    return key, job
+
+
+async def _store(
+    book: service.Jobs, new: Sequence[status.JobRecord], *, batch: int
+) -> list[status.JobRecord | Exception]:
+    """Store the admitted jobs together, each in its `job.submit` span."""
+    if not new:
+        return []
+    spans = [
+        jobspans.tracer.start_span(
+            "job.submit",
+            context=tracing.context_of(record.traceparent),
+            attributes={**_span_attributes(record), "gpufed.batch_items": batch},
+        )
+        for record in new
+    ]
+    results: list[status.JobRecord | Exception] = []
+    try:
+        results = await book.submit_many(new)
+    finally:
+        for index, span in enumerate(spans):
+            result = results[index] if index < len(results) else None
+            if isinstance(result, Exception):
+                span.record_exception(result)
+                span.set_status(trace.StatusCode.ERROR, str(result)[:200])
+            span.end()
+    return results
+
+
+def _answer(
+    index: int,
+    result: status.JobRecord | BaseException,
+    *,
+    replayed: bool,
+    request: web.Request,
+) -> submits.BatchItemAnswer:
+    """The answer of an item the book was given: its job, or the problem (store faults as
+    the single route says them), its field named at the item."""
+    if isinstance(result, status.JobRecord):
+        return submits.BatchItemAnswer(
+            index=index,
+            status=200 if replayed else 202,
+            id=result.id,
+            state=result.status.state,
+            trace_id=result.trace_id,
+        )
+    error, code = problems.problem_of(result, where=f"{request.method} {request.path}")
+    item = f"items[{index}]"
+    if error.field == KEY_HEADER:  # the key was used for another body: the item's key
+        error.field = f"{item}.idempotencyKey"
+        error.detail = error.detail.replace(f"{KEY_HEADER}: ", f"{error.field}: ", 1)
+    elif isinstance(error, errors.TooLarge):  # the job, as the store would hold it
+        error.field = f"{item}.job"
+    return _refused(index, error, status_code=code)
+
+
+def _refused(index: int, error: errors.GpufedError, *, status_code: int) -> submits.BatchItemAnswer:
+    return submits.BatchItemAnswer(
+        index=index,
+        status=status_code,
+        problem=problems.body_of(error, f"/v1/jobs:batch#/items/{index}", status=status_code),
+    )

@@ -1,0 +1,130 @@
+"""Finished jobs move to history; history is pruned: the hot store holds live jobs only.
+
+A job that finished stays in the hot store (etcd or SQLite, and the book in memory) for
+`retain` seconds (`--retain-finished`, 1 h by default), so `gpufed get` and the agents' late
+reports find it where they always did. Then the leader (`dispatch.leading`) retires it, a
+bounded pass at a time (`retire_once`):
+
+1. the book's finished jobs (`book.finished`) that finished before the cut-off, oldest first,
+   at most `batch`;
+2. written to the history store (`HistoryStore.put_many`: by job id, so a pass cut short after
+   this step writes the same rows again next time);
+3. deleted from the hot store (`book.retire`: each compared with the revision the book has,
+   fenced by the leader's term); the book forgets them once the delete committed, and the
+   followers' books when their watch delivers it.
+
+History first, the delete second: a crash between the two leaves a job in both (a list shows
+it once: `state.history.listing`), never in neither. A job that changed meanwhile (a late
+report, a copy another replica committed) fails its compare and is kept for the next pass.
+
+Every `prune_every` seconds (an hour; a tenth of a TTL shorter than 10 h) the rows that
+finished more than `ttl` ago (`--history-ttl`, 7 d) are pruned from history
+(`HistoryStore.prune`, in bounded transactions). An Idempotency-Key keeps its own window
+(`book.idempotency_window`): a retry of a retired job's key still finds it, in history.
+
+A store error is logged and counted (`gpufed_background_errors{task="retirement"}`) and the
+passes back off while it lasts: the task never dies of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime, timedelta
+
+from broker.api import status
+from broker.jobs import book
+from broker.state import errors
+from broker.state.history import protocol as history_store
+from broker.state.history import query as queries
+from broker.telemetry import metrics
+
+logger = logging.getLogger(__name__)
+
+TASK = "retirement"
+RETIRE_BATCH = 500  # jobs moved per pass, at most
+PRUNE_EVERY_SECONDS = 3600.0
+MAX_BACKOFF_SECONDS = 60.0
+
+
+def retire_interval(retain: float) -> float:
+    """Seconds between passes: a tenth of the retention, between 0.5 s and 60 s."""
+    return min(60.0, max(0.5, retain / 10))
+
+
+def due(jobs: book.JobBook, *, now: datetime, retain: float, batch: int) -> list[status.JobRecord]:
+    """The finished jobs to retire now, oldest finished first, at most `batch`."""
+    cutoff = now - timedelta(seconds=retain)
+    aged = []
+    for record in jobs.finished():
+        finished = queries.finished_at(record)
+        if finished < cutoff:
+            aged.append((finished, record.id, record))
+    aged.sort(key=lambda item: (item[0], item[1]))
+    return [record for _, _, record in aged[:batch]]
+
+
+async def retire_once(
+    jobs: book.JobBook,
+    history: history_store.HistoryStore,
+    *,
+    retain: float,
+    batch: int = RETIRE_BATCH,
+    now: datetime | None = None,
+) -> tuple[int, bool]:
+    """One pass: (jobs moved to history, whether more are due)."""
+    moment = now or status.utcnow()
+    chosen = due(jobs, now=moment, retain=retain, batch=batch + 1)
+    more = len(chosen) > batch
+    chosen = chosen[:batch]
+    if not chosen:
+        return 0, False
+    await history.put_many(chosen)
+    return await jobs.retire(chosen), more
+
+
+async def run_retirer(
+    jobs: book.JobBook,
+    history: history_store.HistoryStore,
+    *,
+    retain: float,
+    ttl: float,
+    meters: metrics.BrokerMetrics | None = None,
+    interval: float | None = None,
+    prune_every: float = PRUNE_EVERY_SECONDS,
+    batch: int = RETIRE_BATCH,
+) -> None:
+    """Retire finished jobs and prune history until cancelled."""
+    every = interval if interval is not None else retire_interval(retain)
+    prune_every = min(prune_every, max(1.0, ttl / 10))  # a short TTL is kept to closely
+    failures = 0
+    pruned_at = float("-inf")
+    while True:
+        pause = every
+        try:
+            moved, more = await retire_once(jobs, history, retain=retain, batch=batch)
+            if moved:
+                logger.info("moved %d finished jobs to history", moved)
+            if more:
+                pause = 0.0  # a backlog (after a long outage, an upgrade): keep going
+            if time.monotonic() - pruned_at >= prune_every:
+                cutoff = status.utcnow() - timedelta(seconds=ttl)
+                pruned = await history.prune(cutoff)
+                pruned_at = time.monotonic()
+                if pruned:
+                    logger.info("pruned %d jobs that finished before %s", pruned, cutoff)
+            failures = 0
+        except errors.NotLeaderError:
+            raise  # the term ended: the leader's work stops this task
+        except (errors.StoreError, ValueError) as exc:
+            failures += 1
+            logger.warning("retiring finished jobs failed (%d in a row): %s", failures, exc)
+        except Exception:  # a bug here must not end retirement for the broker's lifetime
+            failures += 1
+            logger.exception("retiring finished jobs failed (%d in a row)", failures)
+        if failures:
+            pause = max(pause, min(MAX_BACKOFF_SECONDS, 2.0**failures))
+            if meters is not None:
+                meters.background_errors.labels(task=TASK).inc()
+        await asyncio.sleep(pause)

@@ -1,0 +1,200 @@
+"""A soak: many short 1-pod jobs through real processes — etcd, one broker with a history
+store, 3 simulated clusters of 1,000 nodes — submitted with the batch route, finished jobs
+retired to history as they age.
+
+    .venv/bin/python -m e2e.bench_soak [--jobs 100000] [--nodes 1000] [--batch 1000]
+                                       [--retain 30s] [--clients 4]
+
+Printed (no assertions; these machines are shared and noisy): sustained pods/s (first
+Running to last Succeeded), submits/s, submit → Running p50/p99 (the broker's own event times,
+read back through the paged list, history included), broker RSS at start, peak and at the end
+once `--retain` has passed, etcd's database size and key count, the history's size and rows.
+The job durations are 0.5–5 s (uniform).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from e2e import bench_throughput
+from gpufed import client
+from gpufed.daemons import duration
+from gpufed.local import processes
+from tests import etcdserver
+
+CLUSTERS = bench_throughput.CLUSTERS
+
+
+def job_item(n: int, rand: random.Random) -> dict[str, Any]:
+    body = bench_throughput.job_body(n, 1)
+    template = body["spec"]["tasks"][0]["template"]
+    template["metadata"]["annotations"]["gpufed.io/sim-duration"] = f"{rand.uniform(0.5, 5):.2f}"
+    return {"idempotencyKey": f"soak-{n}", "job": body}
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def event_time(job: dict[str, Any], state: str) -> datetime | None:
+    for event in job["status"]["events"]:
+        if event["state"] == state:
+            return datetime.fromisoformat(event["time"])
+    return None
+
+
+class Sampler:
+    """The broker's RSS every half second: start, peak, latest."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = rss_mib(pid)
+        self.peak = self.start
+        self.latest = self.start
+
+    async def run(self) -> None:
+        while True:
+            self.latest = rss_mib(self.pid)
+            self.peak = max(self.peak, self.latest)
+            await asyncio.sleep(0.5)
+
+
+async def submit_all(api: client.BrokerClient, items: list[dict[str, Any]], *, batch: int,
+                     clients: int) -> int:  # fmt: skip
+    chunks = [items[i : i + batch] for i in range(0, len(items), batch)]
+    queue: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue()
+    for chunk in chunks:
+        queue.put_nowait(chunk)
+    refused = 0
+
+    async def worker() -> None:
+        nonlocal refused
+        while not queue.empty():
+            chunk = queue.get_nowait()
+            while True:
+                try:
+                    answer = await api.submit_batch(chunk)
+                    break
+                except (client.BrokerError, aiohttp.ClientError, TimeoutError) as exc:
+                    print(f"  batch refused, again: {exc}")
+                    await asyncio.sleep(0.5)
+            refused += sum(1 for item in answer["items"] if item["status"] >= 400)
+
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return refused
+
+
+async def etcd_size(url: str) -> tuple[int, int]:
+    """(database bytes, keys) of the etcd server at `url` (etcd://host:port)."""
+    endpoint = url.removeprefix("etcd://")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://{endpoint}/v3/maintenance/status", json={}) as r:
+            status = await r.json()
+        async with session.post(
+            f"http://{endpoint}/v3/kv/range",
+            json={"key": "AA==", "range_end": "AA==", "count_only": True},
+        ) as r:
+            count = await r.json()
+    return int(status.get("dbSize", 0)), int(count.get("count", 0))
+
+
+async def run(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="gpufed-soak-"))
+    server = etcdserver.EtcdServer.start()
+    retain = duration(args.retain)
+    fleet = processes.LocalFleet(workdir=work, heartbeat=1.0, lost_after=30.0)
+    fleet.store = server.url
+    history = work / "history.db"
+    fleet.broker_args = ["--history", f"sqlite:///{history}", "--retain-finished",
+                               args.retain]  # fmt: skip
+    try:
+        fleet.write_tokens(tenants=["team-a"], clusters=CLUSTERS)
+        broker = await fleet.start_broker()
+        for name in CLUSTERS:
+            nodes = work / f"{name}.yaml"
+            bench_throughput.write_cluster(nodes, name, args.nodes)
+            await fleet.start_agent(name, nodes)
+        await fleet.wait_clusters_ready(CLUSTERS, timeout=120)
+        sampler = Sampler(broker.process.pid)
+        sampling = asyncio.create_task(sampler.run())
+        rand = random.Random(1)
+        items = [job_item(n, rand) for n in range(args.jobs)]
+        print(
+            f"{args.jobs} jobs, {len(CLUSTERS)} clusters x {args.nodes} nodes, batches of "
+            f"{args.batch} from {args.clients} clients; broker RSS {sampler.start:.0f} MiB"
+        )
+        async with client.BrokerClient(fleet.url, fleet.tokens["team-a"], timeout=120) as api:
+            started = time.perf_counter()
+            refused = await submit_all(api, items, batch=args.batch, clients=args.clients)
+            submitted = time.perf_counter() - started
+            print(f"submitted in {submitted:.1f} s: {args.jobs / submitted:.0f} submits/s, "
+                  f"{refused} refused")  # fmt: skip
+            while True:
+                waiting = [
+                    state for state in ("Queued", "Dispatched", "Running")
+                    if (await api.job_page(state=state, limit=1))[0]
+                ]  # fmt: skip
+                if not waiting:
+                    break
+                print(f"  {time.perf_counter() - started:6.0f} s: jobs still {', '.join(waiting)}"
+                      f"; broker RSS {sampler.latest:.0f} MiB")  # fmt: skip
+                await asyncio.sleep(5)
+            finished = time.perf_counter() - started
+            jobs = await api.jobs(limit=None)
+            print(f"all finished after {finished:.1f} s; waiting {retain:g} s of retention")
+            await asyncio.sleep(retain + 2 * min(60.0, max(0.5, retain / 10)) + 5)
+        sampling.cancel()
+        runs = [event_time(j, "Running") for j in jobs]
+        ends = [event_time(j, "Succeeded") for j in jobs]
+        waits = [
+            (ran - datetime.fromisoformat(j["status"]["events"][0]["time"])).total_seconds()
+            for j, ran in zip(jobs, runs, strict=True) if ran is not None
+        ]  # fmt: skip
+        first = min(r for r in runs if r is not None)
+        last = max(e for e in ends if e is not None)
+        span = (last - first).total_seconds()
+        db_bytes, keys = await etcd_size(server.url)
+        print(
+            f"sustained {len(jobs) / span:.0f} pods/s over {span:.1f} s; submit -> Running "
+            f"p50 {statistics.median(waits) * 1000:.0f} ms, p99 "
+            f"{percentile(waits, 0.99) * 1000:.0f} ms\n"
+            f"broker RSS start {sampler.start:.0f} MiB, peak {sampler.peak:.0f} MiB, end "
+            f"{rss_mib(broker.process.pid):.0f} MiB (after retention)\n"
+            f"etcd: {db_bytes / 2**20:.1f} MiB, {keys} keys; history: "
+            f"{history.stat().st_size / 2**20:.1f} MiB, {len(jobs)} jobs listed"
+        )
+    finally:
+        await fleet.stop()
+        server.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=100_000)
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=1000)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--retain", default="30s", help="--retain-finished of the broker")
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

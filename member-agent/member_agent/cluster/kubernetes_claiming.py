@@ -1,0 +1,286 @@
+"""Writing gpufed's ResourceClaims (DRA mode): which `resource.k8s.io` version the server
+offers, create, reserve for a pod, delete. The bodies are `kubernetes_claims`'; this sends them
+through kubernetes-asyncio's generated `ResourceV1Api` or `ResourceV1beta2Api` (the same calls
+in both), raw JSON in and out as elsewhere in the backend.
+
+Reserving a claim for a pod is a read-modify-write, as the scheduler's: the ownership patch
+(metadata) then the reservation (status subresource), each a JSON merge patch carrying the
+resourceVersion it was computed from, so the API server refuses it (409) when another writer
+(the resourceclaim controller dropping a gone pod, a second pod joining a shared claim) came
+first; then it is read and computed again, a few times.
+
+`watches` are the list+watch loops DRA mode adds: ResourceSlices (the GPUs, `SliceFeed`) and
+the ResourceClaims of all namespaces (`ClaimFeed`: claims other schedulers allocated hold their
+devices in the inventory; gpufed's own are held through its pods).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kubernetes_asyncio import client
+
+from broker.api import status
+from member_agent.cluster import errors, watching
+from member_agent.cluster import kubernetes_claims as claims
+from member_agent.cluster import kubernetes_devices as devices
+from member_agent.cluster import kubernetes_errors as k8s_errors
+from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster import kubernetes_state as state
+from member_agent.inventory import model
+
+logger = logging.getLogger(__name__)
+
+RawCall = Callable[..., Awaitable[Any]]
+MERGE_PATCH = "application/merge-patch+json"
+CONFLICT = 409
+NOT_FOUND = 404
+ATTEMPTS = 5
+
+
+async def detect_version(api: client.ApiClient, *, timeout: float) -> str:
+    """`v1` when the server offers it (1.34+), else `v1beta2` (1.33); anything else is a
+    PermanentBackendError saying what the server has."""
+    what = f"discover {claims.GROUP}"
+    get: RawCall = client.ResourceApi(api).get_api_group
+    async with k8s_errors.translating(what):
+        response = await get(_preload_content=False, _request_timeout=timeout)
+        async with response:
+            if response.status == NOT_FOUND:
+                raise errors.PermanentBackendError(
+                    f"the API server offers no {claims.GROUP} API: DRA mode needs Kubernetes "
+                    "1.33+ (resource.k8s.io/v1beta2) or 1.34+ (v1) and a DRA driver"
+                )
+            group = await k8s_errors.read_json(response, what=what)
+    try:
+        return claims.choose_version(group)
+    except claims.ClaimProblem as exc:
+        raise errors.PermanentBackendError(str(exc)) from exc
+
+
+class Claims:
+    """The ResourceClaim calls of one API version."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        *,
+        version: str,
+        keys: devices.DeviceKeys,
+        request_timeout: float,
+    ) -> None:
+        self.version = version
+        self.keys = keys
+        self._timeout = request_timeout
+        self._resource: Any = (
+            client.ResourceV1Api(api) if version == "v1" else client.ResourceV1beta2Api(api)
+        )
+
+    def watches(
+        self,
+        cluster_state: state.ClusterState,
+        book: devices.DeviceBook,
+        *,
+        backoff: watching.Backoff,
+        timeout_seconds: int,
+    ) -> list[watching.ListWatch]:
+        foreign = ClaimFeed(cluster_state, book)
+        return [
+            watching.ListWatch(
+                "resourceslices",
+                self._resource.list_resource_slice,
+                SliceFeed(cluster_state, book, foreign),
+                backoff=backoff,
+                timeout_seconds=timeout_seconds,
+            ),
+            watching.ListWatch(
+                "resourceclaims",
+                self._resource.list_resource_claim_for_all_namespaces,
+                foreign,
+                backoff=backoff,
+                timeout_seconds=timeout_seconds,
+            ),
+        ]
+
+    async def create(self, plan: claims.ClaimPlan) -> dict[str, Any] | None:
+        """Create the plan's claim; returns it, or None when it exists already (a shared
+        claim other pods hold, or a pod's claim a create that failed left behind)."""
+        body = claims.build_claim(plan, version=self.version, keys=self.keys)
+        what = f"create resourceclaim {plan.namespace}/{plan.name}"
+        create: RawCall = self._resource.create_namespaced_resource_claim
+        async with k8s_errors.translating(what):
+            response = await create(
+                plan.namespace, body, _preload_content=False, _request_timeout=self._timeout
+            )
+            async with response:
+                if response.status == CONFLICT:
+                    return None
+                created: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+        return created
+
+    async def reserve(
+        self, plan: claims.ClaimPlan, *, uid: str, claim: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Own, allocate (if not yet) and reserve the claim for the pod `uid`."""
+        what = f"reserve resourceclaim {plan.namespace}/{plan.name} for pod {plan.pod}"
+        for attempt in range(1, ATTEMPTS + 1):
+            current = claim if claim is not None else await self.read(plan.namespace, plan.name)
+            claim = None
+            if current is None:
+                raise errors.PermanentBackendError(f"{what}: the claim is gone")
+            if (current.get("metadata") or {}).get("deletionTimestamp"):
+                raise errors.TemporaryBackendError(f"{what}: the claim is being deleted")
+            owned = await self._patch(plan, claims.ownership(current, plan, uid=uid), what=what)
+            if owned is not None:
+                patch = claims.reservation(owned, plan, uid=uid, keys=self.keys)
+                reserved = await self._patch(plan, patch, what=what, status=True)
+                if reserved is not None:
+                    return reserved
+            logger.debug("%s: conflict (attempt %d), reading it again", what, attempt)
+        raise errors.TemporaryBackendError(f"{what}: {ATTEMPTS} conflicting writes in a row")
+
+    async def read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        what = f"read resourceclaim {namespace}/{name}"
+        read: RawCall = self._resource.read_namespaced_resource_claim
+        async with k8s_errors.translating(what):
+            response = await read(
+                name, namespace, _preload_content=False, _request_timeout=self._timeout
+            )
+            async with response:
+                if response.status == NOT_FOUND:
+                    return None
+                found: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+        return found
+
+    async def delete(self, namespace: str, name: str) -> None:
+        """Delete a claim; a missing one is not an error (its finalizer keeps it while a
+        pod still uses its devices)."""
+        what = f"delete resourceclaim {namespace}/{name}"
+        delete: RawCall = self._resource.delete_namespaced_resource_claim
+        async with k8s_errors.translating(what):
+            response = await delete(
+                name, namespace, _preload_content=False, _request_timeout=self._timeout
+            )
+            async with response:
+                if response.status != NOT_FOUND:
+                    await k8s_errors.check_response(response, what=what)
+
+    async def _patch(
+        self, plan: claims.ClaimPlan, body: dict[str, Any], *, what: str, status: bool = False
+    ) -> dict[str, Any] | None:
+        """One merge patch; None on a conflict (the resourceVersion moved on)."""
+        resource = self._resource
+        call: RawCall = (
+            resource.patch_namespaced_resource_claim_status
+            if status
+            else resource.patch_namespaced_resource_claim
+        )
+        async with k8s_errors.translating(what):
+            response = await call(
+                plan.name,
+                plan.namespace,
+                body,
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+            async with response:
+                if response.status == CONFLICT:
+                    return None
+                patched: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+        return patched
+
+
+class ClaimFeed:
+    """The claims watch's sink: every allocated claim that is not gpufed's holds its devices
+    (a record per claim, `state.hold`); gpufed's are held through their pods."""
+
+    def __init__(self, cluster_state: state.ClusterState, book: devices.DeviceBook) -> None:
+        self._state = cluster_state
+        self._book = book
+        self._raw: dict[str, dict[str, Any]] = {}  # foreign allocated claims, by key
+
+    def replace(self, items: list[dict[str, Any]], *, started: float) -> None:
+        del started
+        keys = set(self._raw)
+        self._raw = {}
+        for raw in items:
+            key = _key(raw)
+            if not claims.is_ours(raw) and claims.allocated(raw):
+                self._raw[key] = raw
+        for key in sorted(keys | set(self._raw)):
+            self._resolve(key)
+
+    def apply(self, kind: str, obj: dict[str, Any]) -> None:
+        key = _key(obj)
+        if kind == "DELETED" or claims.is_ours(obj) or not claims.allocated(obj):
+            if self._raw.pop(key, None) is not None:
+                self._state.hold(key, None)
+            return
+        self._raw[key] = obj
+        self._resolve(key)
+
+    def resolve_all(self) -> None:
+        """The devices changed: find every claim's devices again."""
+        for key in sorted(self._raw):
+            self._resolve(key)
+
+    def _resolve(self, key: str) -> None:
+        raw = self._raw.get(key)
+        self._state.hold(key, None if raw is None else self._record(key, raw))
+
+    def _record(self, key: str, raw: dict[str, Any]) -> objects.PodRecord | None:
+        found = [self._book.find(*ref) for ref in claims.allocated(raw)]
+        held = [d for d in found if d is not None]
+        if not held:
+            return None  # another driver's devices, or a slice not seen yet
+        meta = raw.get("metadata") or {}
+        namespace = str(meta.get("namespace") or "default")
+        node = held[0].node
+        slots = tuple(
+            status.GPUSlot.model_construct(index=d.index, milli=model.GPU_MILLI)
+            for d in held
+            if d.node == node
+        )
+        return objects.PodRecord(
+            namespace=namespace,
+            name=key.partition("/")[2],
+            node=node,
+            gpus=len(slots),
+            cpu_milli=0,
+            memory_mib=0,
+            holds=True,
+            slots=slots,
+        )
+
+
+class SliceFeed:
+    """The slices watch's sink: the device book, then the nodes whose GPUs changed and the
+    claims whose devices may have."""
+
+    def __init__(
+        self, cluster_state: state.ClusterState, book: devices.DeviceBook, foreign: ClaimFeed
+    ) -> None:
+        self._state = cluster_state
+        self._book = book
+        self._foreign = foreign
+
+    def replace(self, items: list[dict[str, Any]], *, started: float) -> None:
+        del started
+        self._changed(self._book.replace(items))
+
+    def apply(self, kind: str, obj: dict[str, Any]) -> None:
+        self._changed(self._book.apply(kind, obj))
+
+    def _changed(self, nodes: set[str]) -> None:
+        if not nodes:
+            return
+        self._foreign.resolve_all()
+        self._state.nodes_changed(nodes, reason=f"devices of {len(nodes)} node(s) changed")
+
+
+def _key(raw: dict[str, Any]) -> str:
+    meta = raw.get("metadata") or {}
+    return f"{meta.get('namespace') or 'default'}/claim:{meta.get('name', '')}"

@@ -1,0 +1,295 @@
+"""ResourceSlices as gpufed reads them in DRA mode: the GPUs a DRA driver publishes, by node.
+Pure functions on the JSON dicts the API server sends (`resource.k8s.io/v1` and `v1beta2`
+have the same device shape), and `DeviceBook`, which keeps what the slices say now.
+
+A slice counts when its `spec.driver` is the configured driver (`gpu.nvidia.com` by default)
+and it names a node (`spec.nodeName`; slices for all nodes or a node selector publish network
+devices, not a node's GPUs). Of the slices of one pool only those of the highest
+`spec.pool.generation` count, as the scheduler reads them. A device is one of the node's GPUs
+when its `type` attribute, if published, is `gpu` (MIG devices and VFIO devices are not) and
+it has no NoSchedule or NoExecute taint. What is read of it (attribute names configurable
+through `DeviceKeys`; an unqualified name is also looked up in the driver's domain, as
+`gpu.nvidia.com/uuid`):
+
+| what | default | NVIDIA's k8s-dra-driver-gpu |
+|---|---|---|
+| GPU index on the node | attribute `index`, else the name's digits | `gpu-<minor>`; no `index` |
+| UUID | attribute `uuid` | `GPU-…` |
+| product | attribute `productName` | `NVIDIA H100 80GB HBM3` |
+| memory | capacity `memory` | e.g. `81559Mi` |
+| NVLink clique | attribute `cliqueID` | not per GPU: the node's GFD label counts |
+
+(NVIDIA's driver published `index` and `minor` until 25.8 and names GPUs `gpu-<minor>`.)
+
+The inventory node (`with_devices`): GPU index i is the device whose index is i; an index the
+driver does not publish below the node's highest (a GPU turned into MIG devices, tainted or
+gone) is counted as taken, so gpufed never places on it. The model is the node's GFD product
+label when it has one (what jobs select and the broker knows), else the product with spaces
+made dashes, as GFD writes it; memory is the smallest device's; the NVLink domain the clique
+all the node's devices share, else the node's label.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from broker.api import jobs
+from member_agent.inventory import model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRIVER = "gpu.nvidia.com"
+_NAME_INDEX = re.compile(r"^[A-Za-z]+-([0-9]+)$")
+_BLOCKING = ("NoSchedule", "NoExecute")
+
+
+@dataclass(frozen=True)
+class DeviceKeys:
+    """The driver, the DeviceClass claims ask for, and which attributes mean what."""
+
+    driver: str = DEFAULT_DRIVER
+    device_class: str = DEFAULT_DRIVER  # the DeviceClass NVIDIA's chart installs
+    index: str = "index"
+    uuid: str = "uuid"
+    product: str = "productName"
+    memory: str = "memory"
+    clique: str = "cliqueID"
+    type: str = "type"
+    gpu_type: str = "gpu"
+    config_api: str = "resource.nvidia.com/v1beta1"  # the apiVersion of the driver's GpuConfig
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> DeviceKeys:
+        """From camelCase names (`deviceClass`, `productName`: the field, not the attribute)."""
+        names = {f.name: f.name for f in dataclasses.fields(cls)}
+        names.update(deviceClass="device_class", gpuType="gpu_type", configApi="config_api")
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(f"DRA keys: unknown {unknown}; known: {sorted(names)}")
+        return cls(**{names[key]: str(value) for key, value in values.items()})
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU a slice publishes, and where the allocation names it (driver, pool, name)."""
+
+    driver: str
+    pool: str
+    name: str
+    node: str
+    index: int
+    uuid: str = ""
+    product: str = ""
+    memory_mib: int = 0
+    clique: str = ""
+
+
+@dataclass(frozen=True)
+class Slice:
+    """What gpufed keeps of one ResourceSlice."""
+
+    name: str
+    pool: str
+    generation: int
+    node: str
+    devices: tuple[Device, ...]
+
+
+def _names(key: str, driver: str) -> tuple[str, ...]:
+    domain, slash, bare = key.partition("/")
+    if not slash:
+        return (key, f"{driver}/{key}")
+    return (key, bare) if domain == driver else (key,)
+
+
+def attribute(device: Mapping[str, Any], key: str, driver: str) -> Any:
+    """An attribute's value (string, int, bool or version), or None."""
+    attributes = device.get("attributes") or {}
+    for name in _names(key, driver):
+        value = attributes.get(name)
+        if isinstance(value, Mapping):
+            for kind in ("string", "int", "bool", "version"):
+                if kind in value:
+                    return value[kind]
+    return None
+
+
+def _memory_mib(device: Mapping[str, Any], keys: DeviceKeys) -> int:
+    capacity = device.get("capacity") or {}
+    for name in _names(keys.memory, keys.driver):
+        value = capacity.get(name)
+        if isinstance(value, Mapping) and "value" in value:
+            try:
+                return jobs.parse_memory_mib(value["value"])
+            except (ValueError, TypeError):
+                return 0
+    return 0
+
+
+def _index(device: Mapping[str, Any], keys: DeviceKeys) -> int | None:
+    value = attribute(device, keys.index, keys.driver)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    found = _NAME_INDEX.match(str(device.get("name", "")))
+    return int(found.group(1)) if found else None
+
+
+def read_device(raw: Mapping[str, Any], keys: DeviceKeys, *, pool: str, node: str) -> Device | None:
+    """One of a node's GPUs, or None for a device that is not one (or not usable now)."""
+    device = raw.get("basic") or raw  # v1beta1 wrapped the fields; v1beta2 and v1 do not
+    kind = attribute(device, keys.type, keys.driver)
+    if kind is not None and str(kind) != keys.gpu_type:
+        return None
+    if any(t.get("effect") in _BLOCKING for t in device.get("taints") or []):
+        return None
+    index = _index({**device, "name": raw.get("name", "")}, keys)
+    if index is None:
+        return None
+    return Device(
+        driver=keys.driver,
+        pool=pool,
+        name=str(raw.get("name", "")),
+        node=node,
+        index=index,
+        uuid=str(attribute(device, keys.uuid, keys.driver) or ""),
+        product=str(attribute(device, keys.product, keys.driver) or ""),
+        memory_mib=_memory_mib(device, keys),
+        clique=str(attribute(device, keys.clique, keys.driver) or ""),
+    )
+
+
+def read_slice(raw: Mapping[str, Any], keys: DeviceKeys) -> Slice | None:
+    """A node's slice of the configured driver, or None for any other."""
+    meta = raw.get("metadata") or {}
+    spec = raw.get("spec") or {}
+    node = str(spec.get("nodeName") or "")
+    if spec.get("driver") != keys.driver or not node:
+        return None
+    pool_spec = spec.get("pool") or {}
+    pool = str(pool_spec.get("name") or node)
+    devices = [read_device(d, keys, pool=pool, node=node) for d in spec.get("devices") or []]
+    return Slice(
+        name=str(meta.get("name", "")),
+        pool=pool,
+        generation=int(pool_spec.get("generation") or 0),
+        node=node,
+        devices=tuple(d for d in devices if d is not None),
+    )
+
+
+def model_name(product: str) -> str:
+    """A product name as GFD writes it in `nvidia.com/gpu.product` (spaces made dashes)."""
+    return "-".join(product.split())
+
+
+def with_devices(node: model.Node, devices: Mapping[int, Device]) -> model.Node:
+    """The inventory node with the GPUs a driver publishes for it (see the module)."""
+    if not devices:
+        return node
+    count = max(devices) + 1
+    products = sorted({d.product for d in devices.values() if d.product})
+    label = node.labels.get(jobs.GPU_PRODUCT_LABEL, "")
+    memory = [d.memory_mib for d in devices.values() if d.memory_mib]
+    cliques = {d.clique for d in devices.values()}
+    domain = cliques.pop() if len(cliques) == 1 and "" not in cliques else node.nvlink_domain
+    return dataclasses.replace(
+        node,
+        model=label or (model_name(products[0]) if products else ""),
+        gpu_count=count,
+        gpu_memory_mib=min(memory) if memory else node.gpu_memory_mib,
+        nvlink_domain=domain,
+        labels=dict(node.labels),
+        gpu_free=[model.GPU_MILLI if i in devices else 0 for i in range(count)],
+    )
+
+
+class DeviceBook:
+    """The GPUs the slices publish now, by node and by the name an allocation gives them.
+    A change is applied pool by pool: a driver updating one node's slice costs that node."""
+
+    def __init__(self, keys: DeviceKeys) -> None:
+        self.keys = keys
+        self._slices: dict[str, Slice] = {}
+        self._pools: dict[str, set[str]] = defaultdict(set)  # pool -> slice names
+        self._pool_devices: dict[str, list[Device]] = {}  # pool -> the devices that count
+        self._by_node: dict[str, dict[int, Device]] = defaultdict(dict)
+        self._by_ref: dict[tuple[str, str, str], Device] = {}
+
+    def replace(self, items: Iterable[Mapping[str, Any]]) -> set[str]:
+        """Every slice there is now; returns the nodes whose GPUs changed."""
+        before = {node: dict(found) for node, found in self._by_node.items()}
+        self._slices.clear()
+        self._pools.clear()
+        self._pool_devices.clear()
+        self._by_node.clear()
+        self._by_ref.clear()
+        for raw in items:
+            found = read_slice(raw, self.keys)
+            if found is not None:
+                self._slices[found.name] = found
+                self._pools[found.pool].add(found.name)
+        for pool in sorted(self._pools):
+            self._count_pool(pool)
+        nodes = set(before) | set(self._by_node)
+        return {n for n in nodes if before.get(n, {}) != self._by_node.get(n, {})}
+
+    def apply(self, kind: str, raw: Mapping[str, Any]) -> set[str]:
+        """One watch event; returns the nodes whose GPUs changed."""
+        name = str((raw.get("metadata") or {}).get("name", ""))
+        old = self._slices.pop(name, None)
+        if old is not None:
+            self._pools[old.pool].discard(name)
+        found = None if kind == "DELETED" else read_slice(raw, self.keys)
+        if found is not None:
+            self._slices[name] = found
+            self._pools[found.pool].add(name)
+        pools = {s.pool for s in (old, found) if s is not None}
+        nodes = {d.node for pool in pools for d in self._pool_devices.get(pool, ())}
+        nodes |= {s.node for s in (old, found) if s is not None}
+        before = {n: dict(self._by_node.get(n, {})) for n in nodes}
+        for pool in sorted(pools):
+            self._count_pool(pool)
+        return {n for n in nodes if before[n] != self._by_node.get(n, {})}
+
+    def devices(self, node: str) -> dict[int, Device]:
+        return self._by_node.get(node, {})
+
+    def find(self, driver: str, pool: str, name: str) -> Device | None:
+        return self._by_ref.get((driver, pool, name))
+
+    def _count_pool(self, pool: str) -> None:
+        """The pool's devices again: those of its newest generation's slices."""
+        for device in self._pool_devices.pop(pool, []):
+            on_node = self._by_node.get(device.node, {})
+            if on_node.get(device.index) is device:
+                del on_node[device.index]
+                if not on_node:
+                    self._by_node.pop(device.node, None)
+            self._by_ref.pop((device.driver, device.pool, device.name), None)
+        slices = [self._slices[n] for n in sorted(self._pools.get(pool, ()))]
+        if not slices:
+            self._pools.pop(pool, None)
+            return
+        newest = max(s.generation for s in slices)
+        counted = []
+        for one in slices:
+            if one.generation != newest:
+                continue
+            for device in one.devices:
+                taken = self._by_node[device.node].get(device.index)
+                if taken is not None:
+                    logger.warning(
+                        "node %s: devices %s and %s both have GPU index %d; using %s",
+                        device.node, taken.name, device.name, device.index, taken.name,
+                    )  # fmt: skip
+                    continue
+                self._by_node[device.node][device.index] = device
+                self._by_ref[(device.driver, device.pool, device.name)] = device
+                counted.append(device)
+        self._pool_devices[pool] = counted

@@ -1,0 +1,192 @@
+"""The scheduler shell with a parked backlog, on a real job book (SQLite): jobs that do not
+fit sit out the cycles, still count as pending and keep the reasons `why` shows; capacity
+freed brings the ones it could admit back; and a broker that parks dispatches, cycle by
+cycle, exactly what one that plans every job every cycle dispatches."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+from broker.api import messages, status
+from broker.api.status import JobState
+from broker.jobs import fleet, scheduling, service
+from broker.state import records, sqlite
+from broker.telemetry import metrics
+from tests.builders import make_job, make_model_summary, make_summary
+
+H100 = "NVIDIA-H100-80GB-HBM3"
+
+
+class RecordingLink:
+    def __init__(self) -> None:
+        self.offers: list[messages.Offer] = []
+
+    async def send(self, message: messages._Msg) -> None:
+        if isinstance(message, messages.Offer):
+            self.offers.append(message)
+
+    async def close(self, *, reason: str) -> None:
+        del reason
+
+
+@dataclass
+class Broker:
+    jobs: service.Jobs
+    scheduler: scheduling.Scheduler
+    clusters: fleet.Fleet
+    link: RecordingLink
+    seq: int = 1
+
+    async def summary(self, free_nodes: int) -> None:
+        """The agent's next summary: `free_nodes` of its 8 nodes with all 8 GPUs free."""
+        self.seq += 1
+        hist = [8 - free_nodes] + [0] * 7 + [free_nodes]
+        summary = make_summary("east", make_model_summary(H100, nodes_by_free=hist), seq=self.seq)
+        self.clusters.clusters["east"].apply_summary(messages.Summary(summary=summary, full=True))
+
+    async def submit(self, job_id: str, *, pods: int) -> None:
+        job = make_job(job_id, gpus=8).model(H100).gang(pods).build()
+        await self.jobs.submit(status.JobRecord(id=job_id, tenant="team-a", job=job))
+
+    def dispatched(self) -> list[str]:
+        return [o.job_id for o in self.link.offers]
+
+    def parked(self) -> set[str]:
+        return set(self.scheduler.backlog.parked())
+
+
+async def start(*, full_replan: bool = False) -> AsyncIterator[Broker]:
+    store = await sqlite.SqliteStore.open(":memory:")
+    clusters = fleet.Fleet()
+    meters = metrics.BrokerMetrics()
+    jobs = service.Jobs(records.JobStore(store), clusters, meters=meters)
+    scheduler = scheduling.Scheduler(
+        jobs.book,
+        clusters,
+        dispatcher=jobs.dispatcher,
+        accounts=jobs.accounts,
+        victims=jobs.victims,
+        meters=meters,
+        full_replan=full_replan,
+    )
+    link = RecordingLink()
+    await clusters.attach("east", link, epoch=1)
+    broker = Broker(jobs, scheduler, clusters, link)
+    await broker.summary(free_nodes=2)
+    try:
+        yield broker
+    finally:
+        scheduler.close()
+        await store.close()
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[Broker]:
+    async for item in start():
+        yield item
+
+
+@pytest.fixture
+async def twin() -> AsyncIterator[Broker]:
+    async for item in start(full_replan=True):
+        yield item
+
+
+def pending_gauge(b: Broker) -> float:
+    value = b.jobs.meters.registry.get_sample_value("gpufed_pending_jobs", {"queue": "default"})
+    return value or 0.0
+
+
+async def test_a_parked_job_is_pending_and_why_keeps_its_reasons(broker: Broker) -> None:
+    for i in range(4):
+        await broker.submit(f"big{i}", pods=4)  # 4 nodes wanted, 2 free
+    await broker.submit("small", pods=1)
+    await broker.scheduler.run_cycle()
+    assert [o.job_id for o in broker.link.offers] == ["small"]
+    assert broker.parked() == {f"big{i}" for i in range(4)}
+    before = broker.jobs.waiting("big0")
+    assert before is not None and before.reasons
+    assert "not enough free" in before.reasons[0]
+
+    await broker.scheduler.run_cycle()  # nothing changed: nothing planned
+    assert broker.scheduler.last_cycle is not None
+    assert broker.scheduler.last_cycle.planned == []
+    assert broker.jobs.waiting("big0") == before
+    # parked jobs are still pending for the queue views, the API and the gauges
+    assert {p.job_id for p in broker.jobs.pending()} == {f"big{i}" for i in range(4)}
+    assert broker.scheduler.backlog.pending_per_queue() == {"default": 4}
+    assert pending_gauge(broker) == 4
+    age = broker.jobs.meters.registry.get_sample_value(
+        "gpufed_pending_oldest_age_seconds", {"queue": "default"}
+    )
+    assert age is not None and 0 <= age < 60
+
+
+async def test_capacity_freed_dispatches_the_job_it_admits(broker: Broker) -> None:
+    for i in range(3):
+        await broker.submit(f"big{i}", pods=4)
+    await broker.scheduler.run_cycle()
+    assert broker.link.offers == []
+    await broker.summary(free_nodes=3)  # still short of 4: nobody wakes
+    await broker.scheduler.run_cycle()
+    assert broker.scheduler.last_cycle is not None
+    assert broker.scheduler.last_cycle.planned == []
+    await broker.summary(free_nodes=5)
+    await broker.scheduler.run_cycle()
+    assert [o.job_id for o in broker.link.offers] == ["big0"]  # the oldest
+    assert broker.parked() == {"big1", "big2"}
+
+
+async def test_a_cancelled_parked_job_leaves_the_backlog(broker: Broker) -> None:
+    await broker.submit("big", pods=4)
+    await broker.scheduler.run_cycle()
+    assert broker.parked() == {"big"}
+    await broker.jobs.cancel("big")
+    await broker.scheduler.run_cycle()
+    assert broker.parked() == set()
+    assert len(broker.scheduler.backlog) == 0
+    assert pending_gauge(broker) == 0
+
+
+async def test_parking_dispatches_what_the_full_replan_dispatches(
+    broker: Broker, twin: Broker
+) -> None:
+    steps: list[tuple[str, int]] = [
+        ("submit", 4),
+        ("submit", 1),
+        ("submit", 2),
+        ("submit", 3),
+        ("cycle", 0),
+        ("summary", 3),
+        ("cycle", 0),
+        ("submit", 1),
+        ("summary", 6),
+        ("cycle", 0),
+        ("finish", 0),
+        ("summary", 8),
+        ("cycle", 0),
+        ("cycle", 0),
+    ]
+    most_parked = 0
+    for n, (kind, arg) in enumerate(steps):
+        for b in (broker, twin):
+            if kind == "submit":
+                await b.submit(f"j{n}", pods=arg)
+            elif kind == "summary":
+                await b.summary(free_nodes=arg)
+            elif kind == "finish":  # the oldest running job succeeded
+                job_id = min(b.jobs.book.holding())
+                draft = b.jobs.book.draft(job_id)
+                assert draft is not None
+                draft.record(JobState.SUCCEEDED, "Succeeded", "done")
+                await b.jobs.book.commit([draft])
+            else:
+                await b.scheduler.run_cycle()
+        assert broker.dispatched() == twin.dispatched(), f"after step {n} ({kind})"
+        most_parked = max(most_parked, len(broker.parked()))
+    assert len(broker.dispatched()) >= 3
+    assert most_parked >= 2
+    assert twin.parked() == set()
