@@ -220,6 +220,9 @@ def create_app(settings: BrokerSettings) -> web.Application:
                 meters=meters,
                 queues=queue_registry,
                 min_interval=settings.cycle_interval_seconds,
+                # parked planning (the inadmissible set) is not on yet: a parked job's `why`
+                # can go stale (tests/integration/test_queues_api.py reclaim case)
+                full_replan=True,
             )
 
         def store_answers(up: bool) -> None:
