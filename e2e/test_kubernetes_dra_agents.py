@@ -56,6 +56,11 @@ async def test_an_agent_in_dra_mode_allocates_the_gpus_it_chose(
                 gang_id = (await api.submit(json.dumps(gang)))["id"]
                 claims = await claims_of(emulator, 3)
                 job = await wait_for(api, gang_id, {"Dispatched", "Running"})
+                deadline = time.monotonic() + 30
+                while len(job["status"]["pods"]) < 3:  # the agent's accept names the pods
+                    assert time.monotonic() < deadline, job["status"]
+                    await asyncio.sleep(0.05)
+                    job = await api.get(gang_id)
                 placed = {p["name"]: p for p in job["status"]["pods"]}
                 assert len(placed) == 3
                 for claim in claims:
