@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from e2e import helpers
+from gpufed.client import BrokerClient
 from gpufed.local import processes
 from tests.builders import make_job
 
@@ -90,6 +91,20 @@ def write_cluster(workdir: Path, name: str) -> Path:
 def job_document(tenant: str, index: int, seconds: float) -> str:
     builder = make_job(f"{tenant}-{index}", gpus=2, queue=tenant).model(H100).duration(seconds)
     return json.dumps(builder.document())
+
+
+async def probe_preemption(
+    admin: BrokerClient, job_ids: list[str], found: list[dict[str, Any]]
+) -> None:
+    """Ask `why` of team-d's jobs until one is told it waits for a preemption (beside the
+    usage poll, so its requests do not delay seeing the guarantee held)."""
+    while not found:
+        for job_id in job_ids:
+            answer = await admin.why(job_id)
+            if any(r["code"] == "WaitingForPreemption" for r in answer["reasons"]):
+                found.append(answer)
+                return
+        await asyncio.sleep(0.02)
 
 
 async def keep_backlog(
@@ -207,27 +222,29 @@ async def test_weighted_fair_share_then_reclaim_of_a_guarantee(
             cycles_before = await metric(fleet, "gpufed_scheduling_cycles_total")
             reclaims_before = await metric(fleet, "gpufed_preemptions_total")
             async with fleet.client("team-d") as team_d:
-                submitted = await asyncio.gather(
-                    *(team_d.submit(job_document("team-d", i, 60.0)) for i in range(16))
+                # One batch: the 16 jobs arrive in one commit, so no cycle sees only some of them.
+                answer = await team_d.submit_batch(
+                    [{"job": json.loads(job_document("team-d", i, 60.0))} for i in range(16)]
                 )
-                d_jobs = [s["id"] for s in submitted]
+                assert all(item["status"] == 202 for item in answer["items"]), answer
+                d_jobs = [item["id"] for item in answer["items"]]
                 sent = time.monotonic()
-                preempting: dict[str, Any] | None = None
-                while True:
-                    used = await usage(admin)
-                    if used.get("team-d", 0) >= GUARANTEED["team-d"]:
-                        break
-                    assert time.monotonic() - sent < 15, f"team-d holds only {used}"
-                    if preempting is None:
-                        for job_id in d_jobs:
-                            answer = await admin.why(job_id)
-                            if any(r["code"] == "WaitingForPreemption" for r in answer["reasons"]):
-                                preempting = answer
-                                break
-                    await asyncio.sleep(0.02)
+                found: list[dict[str, Any]] = []
+                probe = asyncio.create_task(probe_preemption(admin, d_jobs, found))
+                try:
+                    while True:
+                        used = await usage(admin)
+                        if used.get("team-d", 0) >= GUARANTEED["team-d"]:
+                            break
+                        assert time.monotonic() - sent < 15, f"team-d holds only {used}"
+                        await asyncio.sleep(0.02)
+                    # read after the usage that showed the guarantee held: never an undercount
+                    cycles = await metric(fleet, "gpufed_scheduling_cycles_total") - cycles_before
+                finally:
+                    probe.cancel()
                 took = time.monotonic() - sent
-                cycles = await metric(fleet, "gpufed_scheduling_cycles_total") - cycles_before
                 reclaims = await metric(fleet, "gpufed_preemptions_total") - reclaims_before
+            preempting = found[0] if found else None
             print(
                 f"\nteam-d submitted 16 x 2 GPUs (guaranteed {GUARANTEED['team-d']}): it held "
                 f"{used['team-d']} GPUs after {took:.2f}s = {cycles:.0f} scheduling cycles "
