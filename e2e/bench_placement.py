@@ -17,7 +17,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from broker.planning import planning, snapshot
 from gpufed.sim import runs, simulating
 from member_agent.inventory import model, summary
@@ -68,7 +68,7 @@ def bench_agent(repeat: int) -> None:
     inv = _cluster("agent", 5000, rng=rng, idle=0.2)
     whole = sum(1 for node in inv if node.whole_free == 8)
     shape = jobs.PodShape(gpus=8, cpu_milli=32_000, memory_mib=262_144)
-    request = jobs.GangRequest(job_id="bench", tasks=(("worker", 8, shape),), min_member=8)
+    request = gangs.GangRequest(job_id="bench", tasks=(("worker", 8, shape),), min_member=8)
     index = indexing.FreeIndex.build(inv)
     gc.collect()
     gc.freeze()  # as the agent does after start-up (AgentSettings.freeze_gc)
@@ -77,7 +77,7 @@ def bench_agent(repeat: int) -> None:
     kept = _timed(lambda: gang.place_gang(inv, request, index=index), repeat=repeat)
     fresh = _timed(lambda: gang.place_gang(inv, request), repeat=max(10, repeat // 10))
     small = jobs.PodShape(gpus=1, gpu_milli=500, cpu_milli=4000, memory_mib=16_384)
-    sharing = jobs.GangRequest(job_id="share", tasks=(("w", 64, small),), min_member=64)
+    sharing = gangs.GangRequest(job_id="share", tasks=(("w", 64, small),), min_member=64)
     shared = _timed(
         lambda: gang.place_gang(inv, sharing, index=index), repeat=max(10, repeat // 10)
     )
@@ -93,7 +93,7 @@ def bench_broker(repeat: int) -> None:
         summary.summarise(_cluster(f"c{i:02d}", 1000, rng=rng, idle=0.1)) for i in range(20)
     ]
     shape = jobs.PodShape(gpus=8)
-    request = jobs.GangRequest(job_id="bench", tasks=(("worker", 8, shape),), min_member=8)
+    request = gangs.GangRequest(job_id="bench", tasks=(("worker", 8, shape),), min_member=8)
     job = snapshot.PendingJob(
         job_id="bench",
         queue="q",

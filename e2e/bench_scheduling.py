@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from broker.api import inventory, jobs, messages, queues, status
+from broker.api import gangs, inventory, jobs, messages, queues, status
 from broker.api.status import JobState
 from broker.jobs import fleet, scheduling, service
 from broker.planning import planning, snapshot
@@ -94,7 +94,7 @@ def job_mix(rng: random.Random, n: int) -> snapshot.PendingJob:
         queue="training",
         priority=0,
         created=datetime(2026, 1, 1, tzinfo=UTC),
-        request=jobs.gang_request(f"j{n}", job),
+        request=gangs.gang_request(f"j{n}", job),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from broker.api import inventory, jobs
+from broker.api import gangs, inventory, jobs
 
 
 class JobBuilder:
@@ -98,8 +98,8 @@ class JobBuilder:
     def build(self) -> jobs.GPUJob:
         return jobs.GPUJob.model_validate(self.document())
 
-    def request(self, job_id: str | None = None) -> jobs.GangRequest:
-        return jobs.gang_request(job_id or self.doc["metadata"]["name"], self.build())
+    def request(self, job_id: str | None = None) -> gangs.GangRequest:
+        return gangs.gang_request(job_id or self.doc["metadata"]["name"], self.build())
 
 
 def make_job(name: str = "job", *, gpus: int = 1, queue: str = "default") -> JobBuilder:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from broker.api import jobs as jobs_api
-from broker.api import status
+from broker.api import gangs, status
 from broker.jobs import book, fleet
 from broker.planning import holdings, occupancy, quotas, snapshot
 
@@ -60,7 +59,7 @@ class Accounting:
         gpus = self._models_of.get(record.id)
         if gpus is None:
             gpus = occupancy.infer_models(
-                jobs_api.gang_request(record.id, record.job), self._cluster_models(record)
+                gangs.gang_request(record.id, record.job), self._cluster_models(record)
             )
         spec = record.job.spec
         key = (spec.queue, spec.priority, spec.priority_class)

@@ -13,8 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from broker.api import jobs as jobs_api
-from broker.api import messages, status
+from broker.api import gangs, messages, status
 from broker.api.status import JobState
 from broker.jobs import accounting, book, fleet, transitions
 from broker.planning import fitting, planning, snapshot
@@ -46,7 +45,7 @@ class Dispatcher:
         self.fleet = clusters
         self.accounts = accounts
         self.spans = spans
-        self._requests: dict[str, jobs_api.GangRequest] = {}  # queued jobs' parsed shapes
+        self._requests: dict[str, gangs.GangRequest] = {}  # queued jobs' parsed shapes
 
     def pending(self) -> list[snapshot.PendingJob]:
         """The queued jobs as the planner sees them; runs every cycle, so it only looks up."""
@@ -73,7 +72,7 @@ class Dispatcher:
         job_id: str,
         excluded: frozenset[str] = frozenset(),
         *,
-        request: jobs_api.GangRequest | None = None,
+        request: gangs.GangRequest | None = None,
     ) -> snapshot.PendingJob | None:
         """One job as the planner sees it, None if it is not pending (`request`: its shapes,
         parsed before; the scheduler keeps its pending jobs between cycles)."""
@@ -89,7 +88,7 @@ class Dispatcher:
             queue=record.job.spec.queue,
             priority=record.job.spec.priority,
             created=record.created,
-            request=request or jobs_api.gang_request(job_id, record.job),
+            request=request or gangs.gang_request(job_id, record.job),
             excluded=excluded,
             priority_class=record.job.spec.priority_class,
             queued_since=record.status.events[-1].time if record.status.events else None,

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from broker.planning import fitting, reservation, snapshot
 
 CLUSTER = "cluster"  # scope: the cluster's nodes
@@ -54,7 +54,7 @@ class Witness:
     need: int
 
 
-def demand(request: jobs.GangRequest) -> list[tuple[int, int]]:
+def demand(request: gangs.GangRequest) -> list[tuple[int, int]]:
     """(GPUs per pod, pods) of the gang's whole-GPU pods, largest first."""
     counts: dict[int, int] = {}
     for _, replicas, shape in request.tasks:
@@ -101,7 +101,7 @@ def _usable(
 
 
 def witness(
-    cluster: snapshot.ClusterCapacity, request: jobs.GangRequest, models: frozenset[str]
+    cluster: snapshot.ClusterCapacity, request: gangs.GangRequest, models: frozenset[str]
 ) -> tuple[Witness, ...] | None:
     """Proof that the gang fits nowhere on `cluster` on any subset of `models`, while the
     cluster only loses free GPUs: () for a certainty with nothing to watch (an unhealthy
@@ -140,7 +140,7 @@ def witness(
 
 
 def could_fit_empty(
-    cluster: snapshot.ClusterCapacity, request: jobs.GangRequest, models: frozenset[str]
+    cluster: snapshot.ClusterCapacity, request: gangs.GangRequest, models: frozenset[str]
 ) -> bool:
     """Could the gang fit `cluster` with every GPU free, on `models`? False only when a bound
     says it never could (`reservation.empty_like`: what a reservation there waits for)."""

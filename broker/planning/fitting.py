@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from broker.api.queues import ReasonCode
 from broker.planning import snapshot
 
@@ -90,7 +90,7 @@ def _take_whole(hist: list[int], gpus: int, *, max_block: int | None = None) -> 
     return None
 
 
-def _pods_by_size(request: jobs.GangRequest) -> list[jobs.PodShape]:
+def _pods_by_size(request: gangs.GangRequest) -> list[jobs.PodShape]:
     shapes = [shape for _, replicas, shape in request.tasks for _ in range(replicas)]
     return sorted(shapes, key=lambda s: (-s.gpus, -s.gpu_milli))
 
@@ -107,7 +107,7 @@ class _Gang:
     def of(
         cls,
         cluster: snapshot.ClusterCapacity,
-        request: jobs.GangRequest,
+        request: gangs.GangRequest,
         allowed: frozenset[str] | None,
     ) -> _Gang:
         pods = _pods_by_size(request)
@@ -195,7 +195,7 @@ def _fit_pods(
 
 def fit_gang(
     cluster: snapshot.ClusterCapacity,
-    request: jobs.GangRequest,
+    request: gangs.GangRequest,
     *,
     models: frozenset[str] | None = None,
 ) -> Fit | NoFit:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from broker.api import jobs, status
+from broker.api import gangs, status
 from broker.planning import snapshot
 
 WHOLE_GPU_MILLI = 1000
 
 
-def infer_models(request: jobs.GangRequest, cluster_models: Sequence[str]) -> dict[str, int]:
+def infer_models(request: gangs.GangRequest, cluster_models: Sequence[str]) -> dict[str, int]:
     shapes = [shape for _, _, shape in request.tasks if shape.gpus]
     allowed = sorted({m for shape in shapes for m in shape.models})
     usable = [m for m in cluster_models if any(shape.admits_model(m) for shape in shapes)]
@@ -33,7 +33,7 @@ def running_view(
     cluster_models: Sequence[str],
     preempting: bool,
 ) -> snapshot.RunningJob:
-    request = jobs.gang_request(record.id, record.job)
+    request = gangs.gang_request(record.id, record.job)
     pods = tuple(
         snapshot.PodSlot(
             node=pod.node, gpus=sum(1 for slot in pod.gpus if slot.milli >= WHOLE_GPU_MILLI)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from broker.api import jobs, queues
+from broker.api import gangs, queues
 from broker.api.queues import ReasonCode
 from broker.planning import snapshot
 
@@ -127,7 +127,7 @@ class Admission:
         return 0 if self.within else 1
 
 
-def allowed_models(request: jobs.GangRequest, fleet_models: Iterable[str]) -> frozenset[str]:
+def allowed_models(request: gangs.GangRequest, fleet_models: Iterable[str]) -> frozenset[str]:
     """The models of the fleet any GPU pod of the job may use: those its node selection
     admits (`PodShape.admits_model`: `In`, `NotIn`, `Exists`, `DoesNotExist`, `Gt`, `Lt` on
     the GPU product label decide; a requirement on a label the broker does not see excludes
@@ -275,7 +275,7 @@ class Ledger:
         return False
 
     def admit(
-        self, queue: str, request: jobs.GangRequest, fleet_models: Iterable[str]
+        self, queue: str, request: gangs.GangRequest, fleet_models: Iterable[str]
     ) -> Admission:
         """Which of the models the job allows its queue may take `request.gpus` of."""
         within: set[str] = set()

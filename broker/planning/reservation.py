@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from broker.api import jobs
+from broker.api import gangs
 from broker.planning import fitting, snapshot
 
 
@@ -87,7 +87,7 @@ def held_models(
 
 def choose_cluster(
     fleet: snapshot.FleetSnapshot,
-    request: jobs.GangRequest,
+    request: gangs.GangRequest,
     *,
     models: frozenset[str],
     held: Mapping[str, set[str]],

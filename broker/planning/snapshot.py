@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from broker.api import inventory, jobs
+from broker.api import gangs, inventory
 
 
 @dataclass
@@ -89,7 +89,7 @@ class PendingJob:
     queue: str
     priority: int
     created: datetime
-    request: jobs.GangRequest
+    request: gangs.GangRequest
     excluded: frozenset[str] = frozenset()  # clusters that rejected it and have not refreshed
     priority_class: str | None = None
     queued_since: datetime | None = None  # last time it (re)entered the queue; None: created

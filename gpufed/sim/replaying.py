@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from broker.api.inventory import ClusterSummary
 from broker.planning import planning, snapshot
 from gpufed.sim import traces
@@ -98,7 +98,7 @@ class Federation:
             for member in self.members:
                 member.summary = summary.summarise(member.inventory, workload=workload)
 
-    def request_for(self, pod: traces.TracePod) -> jobs.GangRequest:
+    def request_for(self, pod: traces.TracePod) -> gangs.GangRequest:
         key = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli, pod.models)
         shape = self.shapes.get(key)
         if shape is None:
@@ -110,7 +110,7 @@ class Federation:
                 memory_mib=pod.memory_mib,
             )
             self.shapes[key] = shape
-        return jobs.GangRequest(job_id=pod.name, tasks=(("pod", 1, shape),), min_member=1)
+        return gangs.GangRequest(job_id=pod.name, tasks=(("pod", 1, shape),), min_member=1)
 
     def place(self, pod: traces.TracePod) -> tuple[Member, gang.PlacedPod] | None:
         """Decide and apply one pod; None when it fits nowhere."""
@@ -136,7 +136,7 @@ class Federation:
                 return None
             rejected.add(member.name)
 
-    def choose(self, request: jobs.GangRequest, rejected: set[str]) -> list[str]:
+    def choose(self, request: gangs.GangRequest, rejected: set[str]) -> list[str]:
         """`planning.plan_cycle` for one job over the members' summaries: [cluster] or []."""
         fleet = snapshot.FleetSnapshot.build(
             [

@@ -17,7 +17,7 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from broker import app as broker_app
-from broker.api import jobs, messages, status
+from broker.api import gangs, messages, status
 from broker.http import keys
 from tests.builders import make_job, make_model_summary, make_summary
 
@@ -94,7 +94,7 @@ class FakeAgent:
                 asyncio.create_task(self._cancel(message))  # noqa: RUF006
 
     async def _offer(self, offer: messages.Offer) -> None:
-        request = jobs.gang_request(offer.job_id, offer.job)
+        request = gangs.gang_request(offer.job_id, offer.job)
         placed: list[tuple[str, int]] = []
         for _, _, shape in request.pod_names():
             fits = sorted((f, n) for n, f in self.free.items() if f >= shape.gpus)

@@ -9,7 +9,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from broker.api import affinity, jobs, status
+from broker.api import affinity, gangs, jobs, status
 from tests.builders import expr, make_job
 
 GPU = jobs.GPU_PRODUCT_LABEL
@@ -221,7 +221,7 @@ def test_a_submit_refuses_what_kubernetes_would(doc: dict[str, Any], field: str)
     assert field in str(caught.value)
     # a job stored before these rules is still read, and a bad required term matches nothing
     job = jobs.GPUJob.model_validate(doc)
-    shape = jobs.gang_request("old", job).tasks[0][2]
+    shape = gangs.gang_request("old", job).tasks[0][2]
     if field.startswith(NODE_TERMS):
         assert not shape.admits_model(H100)
 
@@ -318,7 +318,7 @@ def test_a_record_stored_before_the_rules_still_loads_and_is_safe() -> None:
     loaded = status.JobRecord.model_validate_json(stored)
     assert loaded.job.spec.queue == "Team_A"
     assert loaded.job.spec.priority == jobs.MAX_PRIORITY
-    request = jobs.gang_request(loaded.id, loaded.job)
+    request = gangs.gang_request(loaded.id, loaded.job)
     shape = request.tasks[0][2]
     assert shape.cpu_milli == 0 and not shape.admits_model(H100)
 
@@ -327,4 +327,4 @@ def test_a_job_at_the_bounds_passes_a_submit() -> None:
     doc = make_job("fine", gpus=8, queue="team-a").gang(2).model(H100, A100).document()
     doc["spec"]["priority"] = jobs.MAX_PRIORITY
     job = jobs.validate_submitted(doc)
-    assert jobs.gang_request("x", job).tasks[0][2].models == (A100, H100)
+    assert gangs.gang_request("x", job).tasks[0][2].models == (A100, H100)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from broker.api import jobs, messages
+from broker.api import gangs, jobs, messages
 from tests.builders import make_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 )
 def test_shipped_examples_are_valid_jobs(path: Path) -> None:
     job = jobs.validate_submitted(yaml.safe_load(path.read_text()))
-    assert jobs.gang_request("x", job).gpus > 0
+    assert gangs.gang_request("x", job).gpus > 0
 
 
 @pytest.mark.parametrize(

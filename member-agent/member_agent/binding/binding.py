@@ -9,7 +9,7 @@ Each pod carries what an agent restarted later needs to rebuild the job from its
 (`base.held_job` reads it back): the labels `gpufed.io/job` and `gpufed.io/task`, and the
 annotations `gpufed.io/epoch` (the offer's), `gpufed.io/attempt` (the offer's attempt: the
 pods of a job run again are its latest attempt's, and their names say so too, see
-`jobs.pod_name`), `gpufed.io/min-member`, `gpufed.io/gang-size`, `gpufed.io/cluster-lost` (the
+`gangs.pod_name`), `gpufed.io/min-member`, `gpufed.io/gang-size`, `gpufed.io/cluster-lost` (the
 job's `failurePolicy.clusterLost`: whether the agent's fence stops it) and the W3C `traceparent`.
 """
 

@@ -11,7 +11,7 @@ failed), and `Dispatched` while too few run yet. A gang that lost pods while the
 succeeded (the missing ones were cleaned up after they finished).
 
 A job the broker ran again on this cluster may have pods of several attempts (a failed pod
-stays for its logs). Each pod's attempt is in its name (`broker.api.jobs.pod_name`, `-a{n}`
+stays for its logs). Each pod's attempt is in its name (`broker.api.gangs.pod_name`, `-a{n}`
 from the second attempt on; the `gpufed.io/attempt` annotation says the same, 1 when absent,
 for pods named otherwise): the job is adopted at its latest attempt, and the handler deletes
 the pods of the earlier ones (`earlier_pods`).
@@ -27,7 +27,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 
-from broker.api import jobs, status
+from broker.api import gangs, jobs, status
 from member_agent.cluster import base
 from member_agent.jobs import table
 
@@ -42,7 +42,7 @@ def split_attempts(
     """The job's latest attempt, its pods, and the pods of earlier attempts."""
     by_attempt: dict[int, list[status.PodStatus]] = {}
     for pod in held.pods:
-        by_attempt.setdefault(jobs.attempt_of_pod(pod.name), []).append(pod)
+        by_attempt.setdefault(gangs.attempt_of_pod(pod.name), []).append(pod)
     if len(by_attempt) <= 1:  # one attempt: the annotation may know it when the names do not
         latest = max([*by_attempt, held.attempt])
         return latest, list(held.pods), []

@@ -15,7 +15,7 @@ keeps final reports until the broker acknowledges them.
 Attempts: an offer of the attempt the table holds is a re-send, answered with the same pods
 (and the final state, if reached); one of a later attempt (the broker runs the job again: a
 retry, a preemption, a lost cluster) deletes the earlier attempt's live pods, drops its record
-and is placed as new, its pods named for the attempt (`broker.api.jobs.pod_name`); one of an
+and is placed as new, its pods named for the attempt (`broker.api.gangs.pod_name`); one of an
 earlier attempt is rejected (`check_fresh`). A cancel stops only the attempt it names (or an
 earlier one).
 
@@ -40,7 +40,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from prometheus_client import Histogram
 
-from broker.api import jobs, messages, status
+from broker.api import gangs, jobs, messages, status
 from member_agent.binding import binding
 from member_agent.cluster import base
 from member_agent.jobs import adopting, deleting, placing, table, updating
@@ -78,7 +78,7 @@ def check_fresh(
 
 
 def _make_record(
-    offer: messages.Offer, requests: Sequence[base.PodRequest], *, request: jobs.GangRequest
+    offer: messages.Offer, requests: Sequence[base.PodRequest], *, request: gangs.GangRequest
 ) -> table.TrackedJob:
     """The table's record of an offer whose pods are about to be created."""
     return table.TrackedJob(
@@ -204,11 +204,11 @@ class JobHandler:
             self.updates.send_state(held, held.state, held.reason)
         return "resent"
 
-    def _check(self, offer: messages.Offer) -> jobs.GangRequest | Rejection:
+    def _check(self, offer: messages.Offer) -> gangs.GangRequest | Rejection:
         """The offer's gang, if its shape is valid and it fits the namespace's GPU limits (the
         limits file and the cluster's ResourceQuotas)."""
         try:
-            request = jobs.gang_request(offer.job_id, offer.job, attempt=offer.attempt)
+            request = gangs.gang_request(offer.job_id, offer.job, attempt=offer.attempt)
         except jobs.ShapeError as exc:
             return Rejection("invalid", [str(exc)])
         namespace = offer.job.metadata.namespace
@@ -224,7 +224,7 @@ class JobHandler:
         return request
 
     def _place(
-        self, offer: messages.Offer, request: jobs.GangRequest
+        self, offer: messages.Offer, request: gangs.GangRequest
     ) -> gang.GangPlacement | gang.NoPlacement:
         """Nodes and GPUs for every pod on the live inventory (pure placement, timed)."""
         with tracer.start_as_current_span(
@@ -235,7 +235,7 @@ class JobHandler:
             return self.placer.place(self.backend.inventory(), request)
 
     async def _bind(
-        self, offer: messages.Offer, placement: gang.GangPlacement, *, request: jobs.GangRequest
+        self, offer: messages.Offer, placement: gang.GangPlacement, *, request: gangs.GangRequest
     ) -> table.TrackedJob | Rejection:
         """Create the gang's pods, all or none. The job is in the table while they are
         created (`binding`), so pod events find it; a rollback takes it out again."""

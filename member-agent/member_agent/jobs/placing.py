@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from prometheus_client import Histogram
 
-from broker.api import jobs
+from broker.api import gangs
 from member_agent.inventory import model
 from member_agent.placement import gang, indexing
 
@@ -36,7 +36,7 @@ class Placer:
         self._stale_nodes: set[str] = set()
 
     def place(
-        self, inventory: model.Inventory, request: jobs.GangRequest
+        self, inventory: model.Inventory, request: gangs.GangRequest
     ) -> gang.GangPlacement | gang.NoPlacement:
         """Nodes and GPUs for every pod of `request` on `inventory`, or why not."""
         with self.duration.time():

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from broker.api import jobs, status
+from broker.api import gangs, jobs, status
 from member_agent.inventory import model
 from member_agent.placement import explaining, filtering, indexing, policies, scoring, topology
 
@@ -51,7 +51,7 @@ class _Pod:
 
 def place_gang(
     inventory: model.Inventory,
-    request: jobs.GangRequest,
+    request: gangs.GangRequest,
     *,
     policy: str | scoring.Scorer = policies.DEFAULT,
     index: indexing.FreeIndex | None = None,
@@ -93,7 +93,7 @@ def _place_in_group(
     *,
     order: Sequence[int],
     scorer: scoring.Scorer,
-    request: jobs.GangRequest,
+    request: gangs.GangRequest,
     names: frozenset[str] | None,
 ) -> list[PlacedPod] | None:
     scratch: dict[str, indexing.Entry] = {}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from member_agent.placement import indexing
 
 
@@ -29,7 +29,7 @@ class Group:
 
 
 def plan_groups(
-    entries: Iterable[indexing.Entry], request: jobs.GangRequest, *, gang_milli: int
+    entries: Iterable[indexing.Entry], request: gangs.GangRequest, *, gang_milli: int
 ) -> list[Group]:
     """The node groups to try for `request`, in order."""
     topo = request.topology

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from broker.api import jobs, messages, status
+from broker.api import gangs, messages, status
 from tests import builders as job_builders
 from tests.unit.agent import builders, harnesses
 
@@ -148,7 +148,7 @@ async def test_a_cancel_stops_the_attempt_it_names_or_an_earlier_one(
     ],
 )
 def test_a_pod_name_says_its_attempt(name: str, attempt: int) -> None:
-    assert jobs.attempt_of_pod(name) == attempt
+    assert gangs.attempt_of_pod(name) == attempt
 
 
 def test_pod_names_of_two_attempts_never_clash() -> None:
@@ -158,7 +158,7 @@ def test_pod_names_of_two_attempts_never_clash() -> None:
     names = [
         name
         for attempt in (1, 2, 3)
-        for name, _, _ in jobs.gang_request("j", job, attempt=attempt).pod_names()
+        for name, _, _ in gangs.gang_request("j", job, attempt=attempt).pod_names()
     ]
     assert len(set(names)) == len(names) == 12
     assert "j-a2-worker-0" in names and "j-worker-0-a2" in names

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from member_agent.binding import binding
 from member_agent.cluster import base, errors, simulated
 from member_agent.placement import gang
@@ -18,7 +18,7 @@ async def prepare(
     tmp_path: Path, job: jobs.GPUJob, *, epoch: int | None = 7, attempt: int = 1
 ) -> tuple[simulated.SimulatedBackend, list[base.PodRequest]]:
     backend = builders.small_backend(tmp_path)
-    request = jobs.gang_request("j1", job, attempt=attempt)
+    request = gangs.gang_request("j1", job, attempt=attempt)
     placement = gang.place_gang(backend.inventory(), request)
     assert isinstance(placement, gang.GangPlacement)
     requests = binding.build_requests(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from member_agent.inventory import model
 
 
@@ -79,8 +79,8 @@ def gang(
     nvlink: str = "none",
     rack: str = "none",
     job_id: str = "job",
-) -> jobs.GangRequest:
-    return jobs.GangRequest(
+) -> gangs.GangRequest:
+    return gangs.GangRequest(
         job_id=job_id,
         tasks=(("w", pods, pod_shape),),
         min_member=min_member if min_member is not None else pods,

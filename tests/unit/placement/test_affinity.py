@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from member_agent.inventory import model
 from member_agent.placement import filtering, gang, indexing
 from tests.builders import JobBuilder, expr, make_job
@@ -81,7 +81,7 @@ def test_match_fields_on_the_node_name() -> None:
             "nodeSelectorTerms": [{"matchFields": [expr("metadata.name", "NotIn", "h1")]}]
         }}
     }  # fmt: skip
-    shape = jobs.gang_request("j", jobs.validate_submitted(doc)).tasks[0][2]
+    shape = gangs.gang_request("j", jobs.validate_submitted(doc)).tasks[0][2]
     index = indexing.FreeIndex.build(fleet())
     demand = filtering.demand_of(shape)
     fitting = {e.name for e in index.entries.values() if filtering.fits(e, demand)}

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from broker.api import jobs
+from broker.api import gangs
 from member_agent.inventory import model
 from member_agent.placement import gang, indexing
 from tests.unit.placement import builders as b
@@ -109,7 +109,7 @@ def _ordered(inv: model.Inventory) -> indexing.FreeIndex:
 )
 def test_single_pod_placement(
     nodes: list[model.Node],
-    request_: jobs.GangRequest,
+    request_: gangs.GangRequest,
     expected: list[tuple[str, list[tuple[int, int]]]],
 ) -> None:
     inv = b.inventory(*nodes)
@@ -169,7 +169,7 @@ def test_single_pod_placement(
     ],
 )
 def test_gang_placement(
-    nodes: list[model.Node], request_: jobs.GangRequest, expected_nodes: list[str]
+    nodes: list[model.Node], request_: gangs.GangRequest, expected_nodes: list[str]
 ) -> None:
     inv = b.inventory(*nodes)
     result = gang.place_gang(inv, request_, policy="binpack", index=_ordered(inv))
@@ -230,7 +230,7 @@ def test_gang_placement(
     ],
 )
 def test_unplaceable_reasons_and_nothing_held(
-    nodes: list[model.Node], request_: jobs.GangRequest, reason: str
+    nodes: list[model.Node], request_: gangs.GangRequest, reason: str
 ) -> None:
     inv = b.inventory(*nodes)
     before = copy.deepcopy(inv)

@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
+from broker.api import gangs
 from broker.api import inventory as api
-from broker.api import jobs
 from broker.planning import planning, snapshot
 from member_agent.inventory import model, summary
 from tests.unit.placement import builders as b
@@ -60,7 +60,7 @@ def _summary(name: str, by_free: dict[int, int], *, frag: int = 0, shared: int =
     )
 
 
-def choose(summaries: list[api.ClusterSummary], request: jobs.GangRequest) -> planning.CyclePlan:
+def choose(summaries: list[api.ClusterSummary], request: gangs.GangRequest) -> planning.CyclePlan:
     """The broker's own decision for one job (`planning.plan_cycle`) over these summaries."""
     fleet = snapshot.FleetSnapshot.build(
         [snapshot.ClusterCapacity.from_summary(item, healthy=True) for item in summaries]
@@ -108,7 +108,7 @@ def choose(summaries: list[api.ClusterSummary], request: jobs.GangRequest) -> pl
     ],
 )
 def test_choose_cluster(
-    summaries: list[api.ClusterSummary], request_: jobs.GangRequest, ranked: tuple[str, ...]
+    summaries: list[api.ClusterSummary], request_: gangs.GangRequest, ranked: tuple[str, ...]
 ) -> None:
     plan = choose(summaries, request_)
     assert [a.cluster for a in plan.assignments] == [ranked[0]]

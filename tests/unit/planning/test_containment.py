@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from broker.api.queues import ReasonCode
 from broker.planning import containment, planning, snapshot
 from tests.builders import make_job
@@ -71,7 +71,7 @@ junk_shapes = st.builds(
     min_gpu_memory_mib=st.integers(min_value=-1, max_value=10**6),
 )
 junk_requests = st.builds(
-    lambda shapes, min_member: jobs.GangRequest(
+    lambda shapes, min_member: gangs.GangRequest(
         job_id="junk",
         tasks=tuple((f"t{i}", replicas, shape) for i, (replicas, shape) in enumerate(shapes)),
         min_member=min_member,
@@ -81,7 +81,7 @@ junk_requests = st.builds(
 )
 
 
-class PoisonedRequest(jobs.GangRequest):
+class PoisonedRequest(gangs.GangRequest):
     """A request that raises when the planner asks how many GPUs it wants: what a bug in
     a code path validation does not cover looks like to the planner."""
 
@@ -90,7 +90,7 @@ class PoisonedRequest(jobs.GangRequest):
         raise RuntimeError("poisoned request")
 
 
-def poisoned(request: jobs.GangRequest) -> jobs.GangRequest:
+def poisoned(request: gangs.GangRequest) -> gangs.GangRequest:
     return PoisonedRequest.model_validate(request.model_dump())
 
 
