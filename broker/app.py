@@ -18,6 +18,7 @@ from broker.api.queues import QueueMode
 from broker.dispatch import connecting, leading
 from broker.http import auth, clusters, jobs, keys, openapi, problems, queues
 from broker.jobs import fleet, scheduling, service, watching
+from broker.planning import budget
 from broker.state import (
     electing,
     etcd_credentials,
@@ -59,6 +60,7 @@ class BrokerSettings(BaseModel):
     # how long an Idempotency-Key replays its job (24 h); after it the key makes a new job
     idempotency_window_seconds: float = Field(records.IDEMPOTENCY_WINDOW_SECONDS, gt=0)
     cycle_interval_seconds: float = 0.005  # at most one scheduling cycle per interval
+    plan_limit: int = Field(budget.DEFAULT_LIMIT, ge=1)  # pending jobs one cycle plans, at most
     # the store's request limit (etcd's --max-request-bytes): commits stay under it
     max_request_bytes: int = 1536 * 1024
     # several replicas on etcd: the URL other replicas send agents to (default http://host:port)
@@ -220,9 +222,10 @@ def create_app(settings: BrokerSettings) -> web.Application:
                 meters=meters,
                 queues=queue_registry,
                 min_interval=settings.cycle_interval_seconds,
-                # parked planning (the inadmissible set) is not on yet: a parked job's `why`
-                # can go stale (tests/integration/test_queues_api.py reclaim case)
-                full_replan=True,
+                # parked planning (the inadmissible set, `planning.parking`) is on: True
+                # plans every queued job every cycle (the same decisions, O(backlog))
+                full_replan=False,
+                plan_limit=settings.plan_limit,
             )
 
         def store_answers(up: bool) -> None:

@@ -67,6 +67,13 @@ def add_broker_parser(sub: Any) -> None:
         help="seconds between scheduling cycles, at least",
     )
     broker.add_argument(
+        "--plan-limit",
+        type=int,
+        default=500,  # broker.planning.budget.DEFAULT_LIMIT
+        help="pending jobs one scheduling cycle plans, at most (heads of every queue first; "
+        "a deeper backlog is planned in slices over the next cycles)",
+    )
+    broker.add_argument(
         "--max-request-bytes",
         type=int,
         default=1536 * 1024,
@@ -353,6 +360,7 @@ def broker_settings(args: argparse.Namespace) -> Any:
         queue_mode=args.queue_mode,
         idempotency_window_seconds=args.idempotency_window,
         cycle_interval_seconds=args.cycle_interval,
+        plan_limit=args.plan_limit,
         max_request_bytes=args.max_request_bytes,
         advertise_url=args.advertise_url,
         leader_lease_seconds=args.leader_lease_seconds,

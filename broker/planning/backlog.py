@@ -32,12 +32,14 @@ K = TypeVar("K")
 @dataclass(frozen=True, order=True)
 class Threshold:
     """Wakes once the GPUs of `model` held by the queue (or cohort) `name` are at most
-    `at_most`: its quota verdict for the model could be better from there."""
+    `at_most` (its quota verdict for the model could be better from there) or, `rising`,
+    above it (worse: what `why` says of it changes)."""
 
     scope: str  # QUEUE | COHORT
     name: str
     model: str
     at_most: int
+    rising: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,20 @@ class Wake:
     thresholds: tuple[Threshold, ...]  # usage falls to one of them
     priority: int | None = None  # a job of a lower priority holds GPUs: it could preempt
     reserve: Reservable | None = None  # where it could be reserved, once due
+    timed: bool = False  # reservations on, a model admitted: once due, its reasons change
+    admitted: frozenset[str] = frozenset()  # its models its queue admits (reservations block)
     _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:  # the key of every index: hashed once, not per lookup
-        fields = (self.shape, self.witnesses, self.thresholds, self.priority, self.reserve)
+        fields = (
+            self.shape,
+            self.witnesses,
+            self.thresholds,
+            self.priority,
+            self.reserve,
+            self.timed,
+            self.admitted,
+        )
         object.__setattr__(self, "_hash", hash(fields))
 
     def __hash__(self) -> int:
@@ -73,6 +85,7 @@ class Park:
     job: snapshot.PendingJob
     wake: Wake
     order: Order
+    due: bool = True  # due for a reservation already (or never to be: not `wake.timed`)
 
 
 class _Line:
@@ -120,9 +133,11 @@ class Backlog:
         self._bounds: dict[bounds.Bound, dict[int, set[Wake]]] = {}  # bound -> need -> classes
         self._on_cluster: dict[str, set[bounds.Bound]] = {}
         self._thresholds: dict[UsageKey, dict[int, set[Wake]]] = {}
+        self._rising: dict[UsageKey, dict[int, set[Wake]]] = {}
         self._priorities: dict[int, set[Wake]] = {}
         self._lines: dict[str, dict[Hashable, _Line]] = {}  # queue -> shape -> parked jobs
-        self._reservable: dict[Wake, list[tuple[datetime, str]]] = {}  # -> (since, job) heap
+        self._timed: dict[Wake, list[tuple[datetime, str]]] = {}  # -> (since, job) heap
+        self._not_due: list[tuple[datetime, str]] = []  # heap of jobs parked before due
 
     # ---- the queued jobs ------------------------------------------------------------------
 
@@ -231,12 +246,15 @@ class Backlog:
         return out
 
     def by_thresholds(self, usage: Mapping[UsageKey, int], keys: Iterable[UsageKey]) -> set[Wake]:
-        """Classes a threshold of which the usage of `keys` has fallen to."""
+        """Classes a threshold of which the usage of `keys` has fallen to (or risen past)."""
         out: set[Wake] = set()
         for key in keys:
             held = usage.get(key, 0)
             for at_most, classes in self._thresholds.get(key, {}).items():
                 if held <= at_most:
+                    out |= classes
+            for at_most, classes in self._rising.get(key, {}).items():
+                if held > at_most:
                     out |= classes
         return out
 
@@ -262,12 +280,32 @@ class Backlog:
 
     def reservable(self) -> list[Wake]:
         """Classes that could be reserved somewhere once due."""
-        return list(self._reservable)
+        return [wake for wake in self._timed if wake.reserve is not None]
+
+    def timed(self) -> list[Wake]:
+        """Classes whose reasons depend on being due for a reservation."""
+        return list(self._timed)
+
+    def becoming_due(self, *, now: datetime, after: float) -> set[str]:
+        """Jobs parked before they were due for a reservation that are due now (the heap
+        walked from its root, subtrees not yet due left out: O(what it finds))."""
+        heap = self._not_due
+        out: set[str] = set()
+        stack = [0] if heap else []
+        while stack:
+            at = stack.pop()
+            since, job_id = heap[at]
+            if (now - since).total_seconds() < after:  # as `reservation.is_due` says
+                continue  # neither is anything below it, which waits since later
+            if self._waits(heap[at]):
+                out.add(job_id)
+            stack.extend(c for c in (2 * at + 1, 2 * at + 2) if c < len(heap))
+        return out
 
     def due(self, wake: Wake, *, now: datetime, after: float) -> set[str]:
-        """The jobs of a reservable class due for a reservation at `now` (waiting `after`
+        """The jobs of a timed class due for a reservation at `now` (waiting `after`
         seconds); the oldest first, so a class none of which is due costs O(1)."""
-        heap = self._reservable.get(wake)
+        heap = self._timed.get(wake)
         if not heap or not reservation.is_due(self._parked[heap[0][1]].job, now=now, after=after):
             return set()
         return {
@@ -284,9 +322,11 @@ class Backlog:
         wake = park.wake
         lines = self._lines.setdefault(park.job.queue, {})
         lines.setdefault(wake.shape, _Line()).add(park.order)
-        if wake.reserve is not None:  # by waiting time, stale entries dropped at the top
-            heap = self._reservable.setdefault(wake, [])
+        if wake.timed:  # by waiting time, stale entries dropped at the top
+            heap = self._timed.setdefault(wake, [])
             heapq.heappush(heap, (park.job.waiting_since, job_id))
+            if not park.due:
+                heapq.heappush(self._not_due, (park.job.waiting_since, job_id))
         members = self._classes.get(wake)
         if members is not None:
             members.add(job_id)
@@ -297,7 +337,8 @@ class Backlog:
             self._on_cluster.setdefault(witness.bound.cluster, set()).add(witness.bound)
         for threshold in wake.thresholds:
             key = (threshold.scope, threshold.name, threshold.model)
-            self._thresholds.setdefault(key, {}).setdefault(threshold.at_most, set()).add(wake)
+            index = self._rising if threshold.rising else self._thresholds
+            index.setdefault(key, {}).setdefault(threshold.at_most, set()).add(wake)
         if wake.priority is not None:
             self._priorities.setdefault(wake.priority, set()).add(wake)
 
@@ -311,14 +352,19 @@ class Backlog:
             del lines[wake.shape]
             if not lines:
                 del self._lines[park.job.queue]
+        if not self._parked:
+            self._not_due = []
+        elif len(self._not_due) > 2 * len(self._parked) + 64:  # mostly stale: keep the rest
+            self._not_due = [entry for entry in self._not_due if self._waits(entry)]
+            heapq.heapify(self._not_due)
         members = self._classes[wake]
         members.discard(job_id)
         if members:
-            if wake.reserve is not None:
+            if wake.timed:
                 self._tidy(wake, members)
             return park
         del self._classes[wake]
-        self._reservable.pop(wake, None)
+        self._timed.pop(wake, None)
         for witness in wake.witnesses:
             _unfile(self._bounds, witness.bound, witness.need, wake)
             if witness.bound not in self._bounds:
@@ -328,7 +374,8 @@ class Backlog:
                     del self._on_cluster[witness.bound.cluster]
         for threshold in wake.thresholds:
             key = (threshold.scope, threshold.name, threshold.model)
-            _unfile(self._thresholds, key, threshold.at_most, wake)
+            index = self._rising if threshold.rising else self._thresholds
+            _unfile(index, key, threshold.at_most, wake)
         if wake.priority is not None:
             classes = self._priorities[wake.priority]
             classes.discard(wake)
@@ -338,12 +385,17 @@ class Backlog:
 
     def _tidy(self, wake: Wake, members: set[str]) -> None:
         """Keep the top of a class's waiting-time heap a job of the class, as it is."""
-        heap = self._reservable[wake]
+        heap = self._timed[wake]
         if len(heap) > 2 * len(members) + 64:
             heap[:] = [(self._parked[j].job.waiting_since, j) for j in members]
             heapq.heapify(heap)
         while heap and not self._current(heap[0], members):
             heapq.heappop(heap)
+
+    def _waits(self, entry: tuple[datetime, str]) -> bool:
+        """Is the entry a job parked before it was due, as it is?"""
+        park = self._parked.get(entry[1])
+        return park is not None and not park.due and park.job.waiting_since == entry[0]
 
     def _current(self, entry: tuple[datetime, str], members: set[str]) -> bool:
         since, job_id = entry

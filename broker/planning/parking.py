@@ -16,7 +16,12 @@ fleet the cycle left (its assumed placements taken):
 2. if some model is admitted and the policy preempts: it is within its queue's guarantee on
    no model (no reclaim) and, if its class preempts lower priorities, no job of a lower
    priority holds GPUs. This is the planner's own first test (`preemption.Search.may_act`):
-   when it fails no victim is searched for.
+   when it fails no victim is searched for;
+3. what it was told is what the next cycles would tell it (`why` stays fresh): not that a
+   cluster's room went this cycle to jobs ahead of it (next cycle, with them placed, the
+   cluster is full), and its quota reasons those of the cycle's start (not of charges made
+   before its turn; none at all for the room a preemption makes for a job of its cohort,
+   gone next cycle). Else it is planned once more first.
 
 **What wakes it** (`decide_wakes`, at the start of every cycle, against the `Reference`):
 - the queues configuration changed, or the fleet's shape (a cluster joined, left, changed
@@ -27,6 +32,10 @@ fleet the cycle left (its assumed placements taken):
   it could reclaim);
 - a job of a lower priority than its own now holds GPUs (if its class preempts);
 - it is named as a preemptor whose victims are releasing (never, but it would act);
+- what `why` says of it would change: its queue's (or cohort's) GPUs of a model rising past
+  a `Threshold` (`rising`: the model refused, or no longer within the guarantee); a
+  reservation made or ended on models it may use (blocked somewhere, or free again), and
+  then, if it is due, whoever holds reservations; it becoming due for one (time alone);
 - reservations (`decide_reservation_wakes`): once due (`reserveAfterSeconds` since it was
   queued, which time alone brings), in a cycle where fewer than `maxReservations` are held
   after the planner's phase 2 and a cluster it could fit empty has models it may use that
@@ -64,39 +73,17 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from broker.api import queues as queues_api
-from broker.api.queues import ReasonCode
 from broker.planning import (
     backlog,
     bounds,
-    containment,
+    budget,
     planning,
     quotas,
     reservation,
     snapshot,
 )
-
-# a job with one of these reasons acts or may act next cycle: it stays in the plan
-ACTING = frozenset(
-    {
-        ReasonCode.REJECTED,
-        ReasonCode.PLANNING_FAILED,
-        ReasonCode.WAITING_FOR_PREEMPTION,
-        ReasonCode.PREEMPTION_BUDGET,
-        ReasonCode.MIN_RUN_TIME,
-    }
-)
-
-
-@dataclass(frozen=True)
-class Reference:
-    """What the parked jobs were last checked against: the next cycle's changes are taken
-    from here (the fleet as the cycle left it, the usage as it began)."""
-
-    config: queues_api.QueuesConfig | None
-    shape: tuple[object, ...]
-    fleet: snapshot.FleetSnapshot
-    usage: Mapping[backlog.UsageKey, int]
-    lowest: int | None  # the lowest priority holding GPUs (None: nothing may preempt)
+from broker.planning.cyclestart import Reference, Start
+from broker.planning.parks import decide_parks
 
 
 @dataclass
@@ -108,110 +95,22 @@ class BacklogPlan:
     parks: list[backlog.Park]
     reference: Reference
     rounds: int  # plan_cycle runs: 2 when a reservation slot opened for woken jobs
-
-
-class Start:
-    """The cycle's start as the planner's phases see it: the clusters it keeps, the models
-    and GPUs of the fleet, the ledger of what each queue holds."""
-
-    def __init__(
-        self,
-        fleet: snapshot.FleetSnapshot,
-        *,
-        tenancy: quotas.Tenancy,
-        running: Sequence[snapshot.RunningJob],
-        usage: quotas.Usage | None,
-        now: datetime | None,
-    ) -> None:
-        self.tenancy = tenancy
-        policy = tenancy.policy
-        self.checked = {
-            name: cluster
-            for name, cluster in fleet.clusters.items()
-            if containment.check_cluster(cluster) is None
-        }
-        self.fleet_models = frozenset(m for c in self.checked.values() for m in c.models)
-        gpus: dict[str, int] = {}
-        for cluster in self.checked.values():
-            for name, capacity in cluster.models.items():
-                gpus[name] = gpus.get(name, 0) + capacity.total_gpus
-        self.ledger = quotas.Ledger.build(tenancy, running, gpus, usage=usage)
-        self.preempts = policy.max_preemptions_per_cycle > 0
-        self.reserves = (
-            now is not None
-            and policy.reserve_after_seconds is not None
-            and policy.max_reservations > 0
-        )
-        self.lowest = _lowest(self.ledger, running) if self.preempts else None
-        self.usage: dict[backlog.UsageKey, int] = {}
-        for queue, held in self.ledger.usage.items():
-            for model, count in held.items():
-                if count:
-                    self.usage[(backlog.QUEUE, queue, model)] = count
-        for cohort, held in self.ledger.cohort_usage.items():
-            for model, count in held.items():
-                if count:
-                    self.usage[(backlog.COHORT, cohort, model)] = count
-        self.shape = shape_of(fleet, self.checked)
-
-    def order_of(self, job: snapshot.PendingJob) -> backlog.Order:
-        priority = self.tenancy.priority_of(job.queue, job.priority, job.priority_class)
-        return (-priority, job.created, job.job_id)
-
-    def may_be_within(self, job: snapshot.PendingJob) -> bool:
-        """Could the job be in tier 0 (within its guarantee) in this cycle's order?"""
-        try:
-            models = quotas.allowed_models(job.request, self.fleet_models)
-            gpus = job.request.gpus
-            return any(self.ledger.check(job.queue, m, gpus) is True for m in models)
-        except Exception:  # the planner orders it last (`_queue_key`): never ahead
-            return False
-
-
-def _lowest(ledger: quotas.Ledger, running: Sequence[snapshot.RunningJob]) -> int | None:
-    """`preemption.Search.lowest_priority`: the lowest priority of the jobs holding GPUs."""
-    held = ledger.held
-    if held is not None and held.priorities is not None:
-        return held.lowest_priority(ledger.tenancy)
-    tenancy = ledger.tenancy
-    return min(
-        (tenancy.priority_of(j.queue, j.priority, j.priority_class) for j in running),
-        default=None,
-    )
-
-
-def shape_of(
-    fleet: snapshot.FleetSnapshot, checked: Mapping[str, snapshot.ClusterCapacity]
-) -> tuple[object, ...]:
-    """What of the fleet is not free capacity: a change here wakes every parked job."""
-    out: list[object] = []
-    for name in sorted(fleet.clusters):
-        cluster = fleet.clusters[name]
-        models = []
-        for model_name in sorted(cluster.models):
-            model = cluster.models[model_name]
-            size = model.gpus_per_node or len(model.nodes_by_free) - 1
-            racks = tuple(sorted((r, len(h), sum(h)) for r, h in model.racks.items()))
-            models.append(
-                (
-                    model_name,
-                    model.gpu_memory_mib,
-                    model.gpus_per_node,
-                    model.total_gpus,
-                    len(model.nodes_by_free),
-                    max(model.largest_free_nvlink_block, size),
-                    racks,
-                )
-            )
-        out.append((name, cluster.healthy, name in checked, tuple(models)))
-    return tuple(out)
+    deferred: int = 0  # pending jobs over the cycle's limit, left live for the next cycles
 
 
 # ---- what wakes -------------------------------------------------------------------------
 
 
-def decide_wakes(parked: backlog.Backlog, before: Reference | None, now: Reference) -> set[str]:
-    """The parked jobs that what changed since `before` could admit."""
+def decide_wakes(
+    parked: backlog.Backlog,
+    before: Reference | None,
+    now: Reference,
+    *,
+    at: datetime | None = None,
+    after: float | None = None,
+) -> set[str]:
+    """The parked jobs that what changed since `before` could admit, or whose reasons it
+    changes (`at`, `after`: the time and `reserveAfterSeconds`, when reservations are on)."""
     if not parked.parked():
         return set()
     if before is None or before.config is not now.config or before.shape != now.shape:
@@ -232,7 +131,15 @@ def decide_wakes(parked: backlog.Backlog, before: Reference | None, now: Referen
     classes |= parked.by_thresholds(now.usage, keys)
     if now.lowest is not None and now.lowest != before.lowest:
         classes |= parked.by_priority(now.lowest)
-    return parked.members(classes)
+    for _, models in before.reserved:  # models blocked somewhere, or not any more
+        classes |= {wake for wake in parked.timed() if wake.admitted & models}
+    woken = parked.members(classes)
+    if at is not None and after is not None:
+        woken |= parked.becoming_due(now=at, after=after)  # told of reservations from now on
+        if before.reserved:  # told who holds them
+            for wake in parked.timed():
+                woken |= parked.due(wake, now=at, after=after)
+    return woken
 
 
 def decide_stand_ins(
@@ -315,122 +222,6 @@ def _could_reserve(
     return False
 
 
-# ---- what parks -------------------------------------------------------------------------
-
-
-def decide_parks(
-    plan: planning.CyclePlan,
-    planned: Sequence[snapshot.PendingJob],
-    *,
-    fleet: snapshot.FleetSnapshot,
-    start: Start,
-    releasing: Sequence[snapshot.Releasing] = (),
-) -> list[backlog.Park]:
-    """The planned jobs that may sit out the next cycles, each with what wakes it; `fleet`
-    is the fleet the cycle left (every cluster of its start, placements assumed)."""
-    by_id = {job.job_id: job for job in planned}
-    acting = {p.preemptor for p in plan.preemptions} | set(plan.reservations)
-    acting |= {r.preemptor for r in releasing}
-    acting |= {s.name for s in plan.set_aside if s.kind == containment.JOB}
-    wakes: dict[tuple[object, ...], backlog.Wake | None] = {}
-    out = []
-    for miss in plan.unplaceable:
-        job = by_id.get(miss.job_id)
-        if job is None or job.excluded or job.job_id in acting:
-            continue
-        if any(reason.code in ACTING for reason in miss.details):
-            continue
-        try:
-            priority = start.tenancy.priority_of(job.queue, job.priority, job.priority_class)
-        except Exception:
-            continue
-        shape = _request_shape(job)
-        key = (job.queue, job.priority_class, priority, shape)
-        if key not in wakes:
-            try:
-                wakes[key] = _wake_of(job, priority, shape, fleet=fleet, start=start)
-            except Exception:  # what the planner raises for, it sets aside: not parked
-                wakes[key] = None
-        wake = wakes[key]
-        if wake is not None:
-            out.append(backlog.Park(job, wake, (-priority, job.created, job.job_id)))
-    return out
-
-
-def _request_shape(job: snapshot.PendingJob) -> tuple[object, ...]:
-    request = job.request
-    pods = tuple((replicas, shape) for _, replicas, shape in request.tasks)
-    return (pods, request.topology.nvlink, request.topology.rack)
-
-
-def _wake_of(
-    job: snapshot.PendingJob,
-    priority: int,
-    shape: tuple[object, ...],
-    *,
-    fleet: snapshot.FleetSnapshot,
-    start: Start,
-) -> backlog.Wake | None:
-    """What must change for the job to act; None if it may act as things are."""
-    tenancy, ledger = start.tenancy, start.ledger
-    request = job.request
-    gpus = request.gpus
-    thresholds: set[backlog.Threshold] = set()
-    models: set[str] = set()
-    for model in sorted(quotas.allowed_models(request, start.fleet_models)):
-        verdict = ledger.check(job.queue, model, gpus)
-        if isinstance(verdict, quotas.Miss):
-            thresholds |= _refusal(job.queue, model, gpus, verdict, ledger)
-            continue
-        if verdict is True and start.preempts:
-            return None  # within its guarantee: it may reclaim
-        models.add(model)
-        if start.preempts:  # borrowing: within its guarantee once its queue holds less
-            at_most = ledger.guaranteed(job.queue, model) - gpus
-            thresholds.add(backlog.Threshold(backlog.QUEUE, job.queue, model, at_most))
-    usable = frozenset(models)
-    watched: int | None = None  # with no model admitted it never gets as far as preempting
-    if usable and start.preempts and tenancy.preempts(job.queue, job.priority_class):
-        if start.lowest is not None and start.lowest < priority:
-            return None  # a lower priority holds GPUs: it may preempt
-        watched = priority
-    witnesses: list[bounds.Witness] = []
-    if usable:
-        for name in sorted(fleet.clusters):
-            found = bounds.witness(fleet.clusters[name], request, usable)
-            if found is None:
-                return None
-            witnesses.extend(found)
-    reserve = None
-    if start.reserves and usable:
-        clusters = frozenset(
-            name
-            for name, cluster in fleet.clusters.items()
-            if cluster.healthy and bounds.could_fit_empty(cluster, request, usable)
-        )
-        if clusters:
-            reserve = backlog.Reservable(usable, clusters)
-    return backlog.Wake(shape, tuple(witnesses), tuple(sorted(thresholds)), watched, reserve)
-
-
-def _refusal(
-    queue: str, model: str, gpus: int, miss: quotas.Miss, ledger: quotas.Ledger
-) -> set[backlog.Threshold]:
-    """The usage at which a quota refusal (`quotas.Ledger.check`) could end."""
-    if miss.code == ReasonCode.BORROWING_LIMIT:
-        quota = ledger.tenancy.queue(queue).quota(model)
-        assert quota is not None and quota.limit is not None
-        return {backlog.Threshold(backlog.QUEUE, queue, model, quota.limit - gpus)}
-    if miss.code == ReasonCode.NO_IDLE_QUOTA:
-        cohort = ledger.cohort_of(queue)
-        capacity = ledger.cohort_capacity(cohort).get(model, 0)
-        return {
-            backlog.Threshold(backlog.QUEUE, queue, model, ledger.guaranteed(queue, model) - gpus),
-            backlog.Threshold(backlog.COHORT, cohort, model, capacity - gpus),
-        }
-    return set()  # no quota for the model: only the configuration changes it
-
-
 # ---- the cycle --------------------------------------------------------------------------
 
 
@@ -447,23 +238,31 @@ def plan_backlog(
     now: datetime | None = None,
     max_assignments: int = 10_000,
     park: bool = True,
+    limit: int | None = None,
 ) -> BacklogPlan:
     """One cycle over the live jobs and the parked ones a change woke: the same decisions
     as `planning.plan_cycle` over every pending job. `fleet` is not changed; `parked` is
     read only (the caller applies the outcome with `Backlog.settle`). `park=False`: plan
-    every pending job and park none (the full re-plan)."""
+    every pending job and park none (the full re-plan). `limit`: plan at most that many
+    (`budget.select`, heads of every queue first); the others stay live (woken ones too),
+    for the next cycles."""
     start = Start(fleet, tenancy=quotas.Tenancy(queues), running=running, usage=usage, now=now)
     current = Reference(queues, start.shape, fleet, start.usage, start.lowest)
+    after = start.tenancy.policy.reserve_after_seconds if start.reserves else None
     if park:
-        woken = decide_wakes(parked, previous, current)
+        woken = decide_wakes(parked, previous, current, at=now, after=after)
         woken |= {r.preemptor for r in releasing if parked.is_parked(r.preemptor)}
     else:
         woken = set(parked.parked())
     live = parked.live()
     held = reservations or {}
+    always = {r.job_id for r in held.values()} | {r.preemptor for r in releasing}
     rounds = 0
     while True:
-        planned = live + [_job(parked, job_id) for job_id in sorted(woken)]
+        pending = live + [_job(parked, job_id) for job_id in sorted(woken)]
+        planned, deferred = budget.select(
+            pending, limit=limit, order_of=start.order_of, always=always
+        )
         stand_ins = decide_stand_ins(parked, planned, start, woken=woken) if park else []
         scratch = fleet.copy()
         plan = planning.plan_cycle(
@@ -480,7 +279,7 @@ def plan_backlog(
         )
         rounds += 1
         more = decide_reservation_wakes(parked, plan, planned, held, start=start, now=now)
-        if not more - woken:
+        if not more - woken or deferred:  # a slice of the backlog: the next cycles go on
             break
         woken |= more
     left = snapshot.FleetSnapshot(dict(scratch.clusters))
@@ -488,10 +287,13 @@ def plan_backlog(
         left.clusters.setdefault(name, cluster)  # set aside this cycle: as it began
     parks = []
     if park:
-        parks = decide_parks(plan, planned, fleet=left, start=start, releasing=releasing)
-    reference = Reference(queues, start.shape, left, start.usage, start.lowest)
+        parks = decide_parks(plan, planned, fleet=left, start=start, releasing=releasing, now=now)
+    made = {(r.job_id, r.cluster, r.models) for r in plan.reservations.values()}
+    had = {(r.job_id, r.cluster, r.models) for r in held.values()}
+    reserved = tuple(sorted({(c, m) for _, c, m in made ^ had}, key=lambda x: (x[0], sorted(x[1]))))
+    reference = Reference(queues, start.shape, left, start.usage, start.lowest, reserved)
     stood = [job.job_id for job in stand_ins]
-    return BacklogPlan(plan, planned, woken, stood, parks, reference, rounds)
+    return BacklogPlan(plan, planned, woken, stood, parks, reference, rounds, len(deferred))
 
 
 def _job(parked: backlog.Backlog, job_id: str) -> snapshot.PendingJob:

@@ -69,6 +69,9 @@ TEMPORARY_CODES = frozenset(
 # etcd's answers to a token it does not know (it restarted; a JWT expired) or that predates a
 # change of users or roles: authenticating again is the cure.
 REFUSED_TOKEN_DETAILS = ("invalid auth token", "revision of auth store is old")
+# INTERNAL with these details is gRPC core failing to send on a connection that broke (a
+# member killed mid-call, seen on a watch), not an answer of etcd's: another member may serve
+LOCAL_TRANSPORT_FAILURE = "Internal error from Core"
 TEMPORARY_CLIENT_ERRORS = (
     aetcd.ConnectionFailedError,
     aetcd.ConnectionTimeoutError,
@@ -97,6 +100,8 @@ def translate_error(exc: BaseException, what: str) -> errors.StoreError:
         return errors.TemporaryStoreError(message)
     if isinstance(rpc_error, rpc.AioRpcError) and rpc_error.code() in TEMPORARY_CODES:
         return errors.TemporaryStoreError(message)
+    if isinstance(rpc_error, rpc.AioRpcError) and details.startswith(LOCAL_TRANSPORT_FAILURE):
+        return errors.TemporaryStoreError(message)  # gRPC's own: the member went away mid-call
     return errors.StoreError(message)
 
 

@@ -137,7 +137,14 @@ async def test_capacity_freed_dispatches_the_job_it_admits(broker: Broker) -> No
     await broker.summary(free_nodes=5)
     await broker.scheduler.run_cycle()
     assert [o.job_id for o in broker.link.offers] == ["big0"]  # the oldest
+    waiting = broker.jobs.waiting("big1")
+    assert waiting is not None
+    assert {r.code.value for r in waiting.details} == {"Priority"}  # big0 took the room
+    await broker.scheduler.run_cycle()  # planned once more before they park: why is fresh
     assert broker.parked() == {"big1", "big2"}
+    waiting = broker.jobs.waiting("big1")
+    assert waiting is not None
+    assert {r.code.value for r in waiting.details} == {"Capacity"}
 
 
 async def test_a_cancelled_parked_job_leaves_the_backlog(broker: Broker) -> None:

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from broker.api import queues as api
-from broker.planning import backlog, parking, planning, quotas, reservation, snapshot
+from broker.planning import backlog, cyclestart, parking, planning, quotas, reservation, snapshot
 from tests.builders import make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"
@@ -394,11 +394,12 @@ class Twins:
         self.world = world
         self.max_assignments = max_assignments
         self.backlog = backlog.Backlog()
-        self.reference: parking.Reference | None = None
+        self.reference: cyclestart.Reference | None = None
         self.kept_full: dict[str, reservation.Reservation] = {}
         self.kept_parked: dict[str, reservation.Reservation] = {}
         self.most_parked = 0
         self.cycles_parked = 0
+        self.why: dict[str, planning.Unplaceable] = {}  # what `why` shows: the last reasons
 
     def sync(self) -> None:
         """What the scheduler's book observer does: every pending job put, the rest dropped."""
@@ -435,6 +436,10 @@ class Twins:
         )
         self.backlog.settle(parked.woken, parked.parks)
         self.reference = parked.reference
+        for miss in parked.plan.unplaceable:  # the shell's `note_unplaced`
+            self.why[miss.job_id] = miss
+        for job_id in [j for j in self.why if j not in world.pending]:
+            del self.why[job_id]
         self.kept_full = full.reservations
         self.kept_parked = parked.plan.reservations
         self.most_parked = max(self.most_parked, len(self.backlog.parked()))
@@ -443,6 +448,34 @@ class Twins:
         world.step_releasing()
         world.apply(full)
         return Outcome(full, parked)
+
+
+def settled(outcome: Outcome, before: dict[str, reservation.Reservation]) -> bool:
+    """Did the cycle change nothing: no dispatch, no preemption, the same reservations?"""
+    full = outcome.full
+    return not full.assignments and not full.preemptions and full.reservations == before
+
+
+ROOM = {"Capacity", "Topology"}  # which of the two a fit fails with may lag (see parking)
+
+
+def codes_of(miss: planning.Unplaceable | None) -> set[tuple[str, str]]:
+    if miss is None:
+        return set()
+    return {(r.cluster, "Room" if r.code in ROOM else r.code.value) for r in miss.details}
+
+
+def stale(twins: Twins, outcome: Outcome) -> list[str]:
+    """Parked jobs whose `why` (their last reasons) the full plan contradicts, by code."""
+    told = {u.job_id: u for u in outcome.full.unplaceable}
+    out = []
+    for job_id in twins.backlog.parked():
+        if codes_of(twins.why.get(job_id)) != codes_of(told.get(job_id)):
+            out.append(
+                f"{job_id}: why says {sorted(codes_of(twins.why.get(job_id)))}, the full plan "
+                f"{sorted(codes_of(told.get(job_id)))}"
+            )
+    return out
 
 
 def differences(outcome: Outcome) -> list[str]:

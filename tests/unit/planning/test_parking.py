@@ -83,6 +83,23 @@ def test_a_queue_at_its_limit_parks_until_one_of_its_jobs_ends() -> None:
     assert [a.job_id for a in outcome.full.assignments] == [second]
 
 
+def test_a_queue_reaching_its_limit_wakes_its_parked_job_for_what_why_says() -> None:
+    """Admitted when it parked (borrowing, no room), refused once its queue holds more:
+    `why` must say BorrowingLimit, not Capacity, so the rise wakes it once."""
+    world, twins = world_of(2, busy=True)  # a may hold 16 H100
+    gang = world.submit(JobSpec(gpus=8, pods=2, queue="a", models=(H100,)))
+    first = cycle(twins)
+    assert [p.job.job_id for p in first.parked.parks] == [gang]
+    assert {r.code.value for r in twins.why[gang].details} == {"Capacity", "FairShare"}
+    world.set_free("c1", 0, 8)  # room for one node: not for the gang
+    small = world.submit(JobSpec(gpus=8, queue="a", models=(H100,)))
+    assert [a.job_id for a in cycle(twins).full.assignments] == [small]
+    outcome = cycle(twins)  # a holds 8 now: 8 + 16 is past its limit
+    assert gang in planned(outcome)
+    assert {r.code.value for r in twins.why[gang].details} == {"BorrowingLimit"}
+    assert gang in twins.backlog.parked()
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -128,9 +145,28 @@ def test_time_alone_makes_a_parked_job_due_for_a_reservation() -> None:
     assert planned(cycle(twins)) == set()
     world.advance(70)
     outcome = cycle(twins)
-    assert outcome.parked.woken == {gang}
-    assert outcome.parked.rounds == 2  # planned again once phase 2 left a slot free
+    assert outcome.parked.woken == {gang}  # due now: planned, and reserved
     assert set(outcome.full.reservations) == {gang}
+
+
+def test_a_slot_freed_in_phase_two_wakes_a_parked_due_job_in_the_same_cycle() -> None:
+    world, twins = world_of(1, busy=True)  # one reservation at most
+    world.set_free("c1", 0, 8)
+    holder = world.submit(JobSpec(gpus=8, pods=3, queue="open", models=(H100,)))
+    waiting = world.submit(JobSpec(gpus=8, pods=4, queue="open", models=(H100,)))
+    cycle(twins)
+    world.advance(130)
+    outcome = cycle(twins)  # both due: the first in the order holds the reservation
+    assert set(outcome.full.reservations) == {holder}
+    assert [p.job.job_id for p in outcome.parked.parks] == [waiting]
+    assert planned(cycle(twins)) == {holder, waiting}  # told of the reservation made
+    assert planned(cycle(twins)) == {holder}  # a holder is planned every cycle
+    world.set_free("c1", 1, 8)
+    world.set_free("c1", 2, 8)  # room for the holder (3 nodes), not for it (4)
+    outcome = cycle(twins)
+    assert [a.job_id for a in outcome.full.assignments] == [holder]
+    assert outcome.parked.rounds == 2  # planned again: phase 2 left the slot free
+    assert set(outcome.full.reservations) == {waiting}
 
 
 def test_a_parked_borrower_ahead_of_a_job_within_its_guarantee_keeps_its_turn() -> None:

@@ -14,7 +14,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
-from tests.unit.planning.backlogs import A100, H100, JobSpec, Twins, World, differences
+from tests.unit.planning.backlogs import (
+    A100,
+    H100,
+    JobSpec,
+    Twins,
+    World,
+    differences,
+    settled,
+    stale,
+)
 
 specs = st.builds(
     JobSpec,
@@ -82,6 +91,17 @@ def replay(history: list[list[tuple[Any, ...]]], *, first: int, max_assignments:
         outcome = twins.cycle()
         found = differences(outcome)
         assert not found, f"cycle {step}: " + "; ".join(found)
+    # then nothing happens: once the full plan decides nothing new, every parked job's why
+    # (its last reasons) is what the full plan tells it
+    for _ in range(12):
+        before = dict(twins.kept_full)
+        outcome = twins.cycle()
+        assert not differences(outcome)
+        if settled(outcome, before) and not world.releasing:
+            outcome = twins.cycle()
+            found = stale(twins, outcome)
+            assert not found, "settled, yet: " + "; ".join(found)
+            break
     return twins
 
 

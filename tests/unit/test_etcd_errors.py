@@ -1,0 +1,52 @@
+"""Which etcd and gRPC failures are temporary (try again, maybe on another member) and which
+are not: `state.etcd.translate_error`, on the errors gRPC itself raises."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc import aio
+
+from broker.state import errors, etcd
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> aio.AioRpcError:
+    return aio.AioRpcError(code, aio.Metadata(), aio.Metadata(), details=details)
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "temporary"),
+    [
+        pytest.param(grpc.StatusCode.UNAVAILABLE, "connection refused", True, id="unavailable"),
+        pytest.param(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline", True, id="deadline"),
+        pytest.param(
+            grpc.StatusCode.INTERNAL,
+            "Internal error from Core",
+            True,
+            id="gRPC core failing to send on a broken connection (a member killed mid-call)",
+        ),
+        pytest.param(
+            grpc.StatusCode.INTERNAL, "etcdserver: corrupt cluster", False, id="etcd's own"
+        ),
+        pytest.param(
+            grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: request is too large", False, id="bad"
+        ),
+    ],
+)
+def test_a_failure_is_temporary_only_where_another_try_can_succeed(
+    code: grpc.StatusCode, details: str, temporary: bool
+) -> None:
+    found = etcd.translate_error(rpc_error(code, details), "watch '/x/' from 5")
+    assert isinstance(found, errors.TemporaryStoreError) is temporary
+    assert isinstance(found, errors.StoreError)
+    assert details in str(found) and "watch '/x/' from 5" in str(found)
+
+
+def test_a_compacted_revision_is_its_own_error() -> None:
+    found = etcd.translate_error(
+        rpc_error(
+            grpc.StatusCode.OUT_OF_RANGE, "etcdserver: mvcc: required revision has been compacted"
+        ),
+        "watch",
+    )
+    assert isinstance(found, errors.CompactedError)
