@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -16,7 +17,24 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from broker.api import leases
 from broker.api.queues import QueueMode
 from broker.dispatch import connecting, leading
-from broker.http import auth, clusters, jobs, keys, openapi, problems, queues
+from broker.http import (
+    audit,
+    auth,
+    clusters,
+    console,
+    events,
+    gpumap,
+    headers,
+    jobs,
+    keys,
+    limits,
+    oidc,
+    openapi,
+    peers,
+    problems,
+    queues,
+    tls,
+)
 from broker.jobs import fleet, scheduling, service, watching
 from broker.planning import budget
 from broker.state import (
@@ -46,6 +64,15 @@ class BrokerSettings(BaseModel):
     reload_tokens_on_sighup: bool = False  # the service sets it; tests of many apps don't
     # /metrics without a token (a scraper that cannot send one); else admin, metrics, viewer
     metrics_public: bool = False
+    # people's JWTs from an OIDC provider (broker.http.oidc); None: the tokens file only
+    oidc_provider: oidc.OidcSettings | None = None
+    # a JSON line per mutating call and refused credential (broker.http.audit); "-": stdout
+    audit_log: str | None = None
+    # requests a second per bearer token, and the burst held (broker.http.limits); None: off
+    rate_limit: float | None = Field(None, gt=0)
+    rate_burst: float | None = Field(None, ge=1)
+    # seconds a client may take to send a body (the headers' timeout: broker.http.listening)
+    body_timeout_seconds: float = Field(30.0, gt=0)
     host: str = "127.0.0.1"
     port: int = 8080
     heartbeat_seconds: float = 5.0
@@ -83,6 +110,15 @@ class BrokerSettings(BaseModel):
     retain_finished_seconds: float = Field(3600.0, ge=0)
     # history keeps a finished job this long, then prunes it
     history_ttl_seconds: float = Field(7 * 86400.0, gt=0)
+    # the console's link to a job's trace: "http://grafana/explore?traceId={trace_id}"
+    trace_url_template: str | None = None
+    # HTTPS (and wss for agents): the listener's certificate chain and key, reloaded on change
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # agent mTLS: the CA of the agents' client certificates; a session then needs one, and
+    # the cluster it names (broker.http.peers)
+    client_ca_file: Path | None = None
+    tls_poll_seconds: float = Field(tls.POLL_SECONDS, gt=0)
 
     @property
     def history_url(self) -> str | None:
@@ -92,11 +128,34 @@ class BrokerSettings(BaseModel):
 
     @property
     def advertised(self) -> str:
-        return self.advertise_url or f"http://{self.host}:{self.port}"
+        scheme = "https" if self.tls_files is not None else "http"
+        return self.advertise_url or f"{scheme}://{self.host}:{self.port}"
+
+    @property
+    def tls_files(self) -> tls.ServerFiles | None:
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return tls.ServerFiles(self.tls_cert_file, self.tls_key_file, self.client_ca_file)
+
+    @model_validator(mode="after")
+    def _tls(self) -> BrokerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("--client-ca needs --tls-cert and --tls-key (HTTPS)")
+        return self
 
     @property
     def replica(self) -> str:
         return self.replica_id or f"{socket.gethostname()}:{self.port}"
+
+    @model_validator(mode="after")
+    def _trace_url_template(self) -> BrokerSettings:
+        if self.trace_url_template is not None:
+            problem = console.check_trace_url_template(self.trace_url_template)
+            if problem is not None:
+                raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _grace(self) -> BrokerSettings:
@@ -136,7 +195,14 @@ class BrokerSettings(BaseModel):
 def create_app(settings: BrokerSettings) -> web.Application:
     app = web.Application(
         client_max_size=jobs.MAX_BODY,
-        middlewares=[problems.problems_middleware, auth.middleware],  # errors, then who asks
+        # the audit line (of what the client got), errors, rate limits, who asks, the body
+        middlewares=[
+            audit.middleware,
+            problems.problems_middleware,
+            limits.rate_middleware,
+            auth.middleware,
+            limits.body_middleware,
+        ],
     )
     auth.install(  # the tokens, followed while the broker runs; each route's roles
         app,
@@ -145,11 +211,27 @@ def create_app(settings: BrokerSettings) -> web.Application:
         sighup=settings.reload_tokens_on_sighup,
         metrics_public=settings.metrics_public,
     )
+    if settings.oidc_provider is not None:
+        oidc.install(app, settings.oidc_provider)
+    if settings.audit_log is not None:
+        audit.install(app, settings.audit_log)
+    limits.install(
+        app,
+        rate=settings.rate_limit,
+        burst=settings.rate_burst,
+        body_timeout=settings.body_timeout_seconds,
+    )
+    headers.install(app)  # nosniff; no framing of HTML answers
+    problems.quiet_client_errors()  # a request aiohttp cannot parse: one line, no traceback
+    if settings.tls_files is not None:  # HTTPS; the caller serves with app[tls.SERVER_TLS]
+        server_tls = tls.install(app, settings.tls_files, poll_seconds=settings.tls_poll_seconds)
+        app[peers.AGENT_CERTIFICATES] = server_tls.client_certificates
     queue_registry = registry.QueueRegistry.from_file(
         settings.queues_file, mode=settings.queue_mode
     )
     app[keys.QUEUES] = queue_registry
     meters = metrics.BrokerMetrics()
+    meters.queue_label.follow(lambda: queue_registry.config)  # `queue`: declared, or other
     app[keys.READY] = {"store": False, "synced": False, "scheduler": False}
     handing_over: list[Callable[[], Awaitable[None]]] = []  # set once started
 
@@ -162,6 +244,9 @@ def create_app(settings: BrokerSettings) -> web.Application:
     clusters.add_routes(app)
     openapi.add_routes(app)
     queues.add_routes(app)
+    events.add_routes(app)  # job changes, live (server-sent events)
+    gpumap.add_routes(app)
+    console.add_routes(app, trace_url_template=settings.trace_url_template)  # /ui/
     app.router.add_get("/metrics", make_aiohttp_handler(registry=meters.registry))
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
@@ -283,10 +368,18 @@ def create_app(settings: BrokerSettings) -> web.Application:
             if handed:
                 return
             handed.append(True)
-            await work.close(leader_task)
-            await book.close()
-            await sessions.close_all(reason="the broker is shutting down")
-            await leadership.resign()
+            steps: list[str] = []
+            began = time.monotonic()
+            for name, step in (
+                ("the leader's work stopped", lambda: work.close(leader_task)),
+                ("waiting commits flushed", book.close),
+                ("agent sessions closed", lambda: sessions.close_all(reason="shutting down")),
+                ("lease given up", leadership.resign),
+            ):
+                started = time.monotonic()
+                await step()
+                steps.append(f"{name} {time.monotonic() - started:.2f} s")
+            logger.info("handed over in %.2f s: %s", time.monotonic() - began, ", ".join(steps))
 
         handing_over.append(hand_over)
         app[keys.READY]["scheduler"] = True

@@ -4,44 +4,97 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from gpufed import batches, client, daemons, tables
+from gpufed import client, completions, daemons, fleetcommands, jobcommands, problems, tlsflags
 
 DEFAULT_BROKER = "http://127.0.0.1:8080"
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each flag's default, unless there is none (None, off) or the help
+    already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or default in (None, False, argparse.SUPPRESS)
+            or default == []
+            or "default" in text
+            or "%(default)" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """gpufed's parser: every sub-command's too (argparse makes them of the same class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def version() -> str:
+    try:
+        return metadata.version("gpufed")
+    except metadata.PackageNotFoundError:  # a checkout that was never installed
+        return "unknown"
+
+
 def _token(args: argparse.Namespace) -> str:
+    """--token, --token-file, then env GPUFED_TOKEN, GPUFED_TOKEN_FILE: a flag wins."""
     if args.token:
         return str(args.token)
-    if os.environ.get("GPUFED_TOKEN"):
+    if not args.token_file and os.environ.get("GPUFED_TOKEN"):
         return os.environ["GPUFED_TOKEN"]
     path = args.token_file or os.environ.get("GPUFED_TOKEN_FILE")
     if path:
-        return Path(path).read_text().strip()
-    raise SystemExit("gpufed: no token: pass --token, --token-file, or set GPUFED_TOKEN")
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            raise problems.file_error(exc, what="token file") from exc
+    raise problems.CliError(
+        "no token: pass --token, --token-file, or set GPUFED_TOKEN (a dev token: "
+        "config/tokens.yaml; a real one: gpufed token create)",
+        kind="no-token",
+        title="No token",
+    )
 
 
-def _user_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
+def _user_parser(
+    sub: Any, name: str, help_text: str, *, outputs: Sequence[str] = ("table", "json")
+) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text)
     parser.add_argument(
         "--broker",
         default=os.environ.get("GPUFED_BROKER", DEFAULT_BROKER),
-        help="broker URL (env GPUFED_BROKER)",
+        help="broker URL, or every replica's comma-separated (env GPUFED_BROKER)",
     )
     parser.add_argument("--token", help="bearer token (env GPUFED_TOKEN)")
     parser.add_argument("--token-file", help="file holding the token (env GPUFED_TOKEN_FILE)")
-    parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    tlsflags.add_ca_flag(parser)
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=list(outputs),
+        default="table",
+        help="table for people; json for scripts: the API's JSON on stdout, and an error as "
+        "a problem document (RFC 9457) on stderr",
+    )
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpufed", description=__doc__)
+    parser = Parser(prog="gpufed", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"gpufed {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     daemons.add_broker_parser(sub)
@@ -67,22 +120,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="the job's key: submitting again with it replays the job. With several "
         "documents, the one at index i (from 0, in file order, files sorted) gets K-<i>",
     )
-    for name, text in [
-        ("get", "show one job"),
-        ("cancel", "cancel a job"),
-        ("why", "why a job is not running"),
-    ]:
-        _user_parser(sub, name, text).add_argument("job_id")
-    listing = _user_parser(sub, "list", "list jobs, live and finished (history), newest first")
+    get = _user_parser(sub, "get", "show one job: status, pods with nodes and GPUs, events")
+    get.add_argument("job_id", help="the job's id (gpufed list)")
+    get.add_argument(
+        "-w",
+        "--watch",
+        action="store_true",
+        help="print each event (state change) until the job ends; exit 0 if it Succeeded, "
+        "1 if it Failed or was Cancelled",
+    )
+    for name, text in [("cancel", "cancel a job"), ("why", "why a job is not running")]:
+        _user_parser(sub, name, text).add_argument("job_id", help="the job's id (gpufed list)")
+    listing = _user_parser(
+        sub,
+        "list",
+        "list jobs, live and finished (history), newest first",
+        outputs=("table", "wide", "json"),
+    )
     listing.add_argument("--queue", help="only this queue's jobs")
     listing.add_argument("--state", help="only jobs in this state (any case: running, Queued)")
     listing.add_argument("--cluster", help="only jobs placed on this cluster")
     listing.add_argument(
         "-l", "--selector", help="label selector on metadata.labels (team=vision,tier!=spot)"
     )
-    listing.add_argument(
-        "--limit", type=int, default=500, help="at most this many jobs (default 500)"
-    )
+    listing.add_argument("--limit", type=int, default=500, help="at most this many jobs")
     listing.add_argument("--all", action="store_true", help="every job, page after page")
     _user_parser(sub, "clusters", "member clusters and their GPUs")
     _user_parser(
@@ -113,11 +174,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--expires", metavar="WHEN", help="a duration (90m, 30d) or an RFC 3339 time; none: never"
     )
     create.add_argument("--name", help="names the token in the broker's logs and problems")
-    create.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    create.add_argument(
+        "-o",
+        "--output",
+        choices=["text", "json"],
+        default="text",
+        help="text: the token, then the entry as YAML; json: both in one document",
+    )
 
     demo = sub.add_parser("demo", help="broker + 3 simulated clusters + a mixed workload")
-    demo.add_argument("--jobs", type=int, default=72)
+    demo.add_argument("--jobs", type=int, default=72, help="jobs of the mixed workload")
     demo.add_argument("--keep", action="store_true", help="keep the work directory")
+
+    completion = sub.add_parser(
+        "completion",
+        help="print a shell completion script",
+        description="print a completion script for bash or zsh: `source <(gpufed completion "
+        "bash)` in ~/.bashrc, `source <(gpufed completion zsh)` in ~/.zshrc",
+    )
+    completion.add_argument("shell", choices=completions.SHELLS, help="the shell")
 
     from gpufed.sim import simulating
 
@@ -125,300 +200,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print(args: argparse.Namespace, data: Any, table: str) -> None:
-    if args.output == "json":
-        print(json.dumps(data, indent=2))
-    else:
-        print(table)
-
-
-def _job_table(items: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for job in items:
-        st = job["status"]
-        gpus = sum(len(p.get("gpus", [])) for p in st.get("pods", []))
-        rows.append(
-            [
-                job["id"],
-                job["job"]["spec"]["queue"],
-                st["state"],
-                st.get("cluster") or "",
-                gpus or "",
-                job["created"][:19].replace("T", " "),
-            ]
-        )
-    return tables.render(["ID", "QUEUE", "STATE", "CLUSTER", "GPUS", "CREATED"], rows)
-
-
-def _job_detail(job: dict[str, Any]) -> str:
-    st = job["status"]
-    lines = [
-        f"Job:      {job['id']}  ({job['job']['metadata']['name']})",
-        f"Tenant:   {job['tenant']}   Queue: {job['job']['spec']['queue']}",
-        f"State:    {st['state']}" + (f" on {st['cluster']}" if st.get("cluster") else ""),
-        f"Trace:    {job.get('traceId') or '-'}",
-    ]
-    if st.get("reasons"):
-        lines.append("Waiting:  " + "; ".join(st["reasons"]))
-    if st.get("pods"):
-        lines.append("")
-        lines.append(
-            tables.render(
-                ["POD", "NODE", "GPUS", "PHASE"],
-                [
-                    [
-                        p["name"],
-                        p["node"],
-                        ",".join(str(g["index"]) for g in p.get("gpus", [])),
-                        p.get("phase", ""),
-                    ]
-                    for p in st["pods"]
-                ],
-            )
-        )
-    lines.append("")
-    lines.append(
-        tables.render(
-            ["TIME", "STATE", "REASON", "MESSAGE"],
-            [
-                [e["time"][11:23], e["state"], e["reason"], e.get("message", "")]
-                for e in st["events"]
-            ],
-        )
-    )
-    return "\n".join(lines)
-
-
 async def _user_command(args: argparse.Namespace) -> int:
-    async with client.BrokerClient(args.broker, _token(args)) as api:
-        try:
-            return await _dispatch_user(args, api)
-        except client.BrokerError as exc:
-            print(f"gpufed {args.command}: {exc.detail}", file=sys.stderr)
-            for error in exc.body.get("errors", [])[1:]:
-                print(f"  {error.get('field')}: {error.get('message')}", file=sys.stderr)
-            return 1
-
-
-async def _submit(args: argparse.Namespace, api: client.BrokerClient) -> int:
-    path = args.filename or args.file
-    if path is None:
-        raise SystemExit("gpufed submit: name a file, '-' (stdin) or a directory (-f PATH)")
+    """A command that talks to the broker: its exit code, what went wrong said (`problems`)."""
+    if args.command == "status":  # no token needed
+        return await fleetcommands.status(args)
+    command = {
+        "submit": jobcommands.submit,
+        "get": jobcommands.get,
+        "cancel": jobcommands.cancel,
+        "why": jobcommands.why,
+        "list": jobcommands.list_jobs,
+        "clusters": fleetcommands.clusters,
+        "queues": fleetcommands.queues,
+    }[args.command]
+    output = "json" if args.output == "json" else "table"
     try:
-        documents = batches.read_documents(
-            path, stdin_text=sys.stdin.read() if path == "-" else None
-        )
-    except batches.DocumentError as exc:
-        print(f"gpufed submit: {exc}; nothing submitted", file=sys.stderr)
-        return 1
-    if not documents:
-        print(f"gpufed submit: no job in {path}", file=sys.stderr)
-        return 1
-    if len(documents) == 1:  # one job: the single route, the text as written
-        only = documents[0]
-        result = await api.submit(
-            only.text, yaml=not only.is_json, idempotency_key=args.idempotency_key
-        )
-        _print(args, result, f"{result['id']} {result['state']} (trace {result.get('traceId')})")
-        return 0
-    answered: list[dict[str, Any]] = []
-    try:
-        async for results in batches.submit_all(api, documents, key=args.idempotency_key):
-            answered.extend(results)
-            if args.output != "json":
-                for result in results:
-                    print(batches.line_of(result), flush=True)
-    except client.BrokerError:
-        left = len(documents) - len(answered)
-        print(f"gpufed submit: {left} of {len(documents)} jobs not submitted", file=sys.stderr)
-        if args.output == "json":
-            print(json.dumps(answered, indent=2))
-        raise
-    if args.output == "json":
-        print(json.dumps(answered, indent=2))
-    return 1 if any(int(r["status"]) >= 400 for r in answered) else 0
-
-
-async def _dispatch_user(args: argparse.Namespace, api: client.BrokerClient) -> int:
-    if args.command == "submit":
-        return await _submit(args, api)
-    elif args.command == "get":
-        job = await api.get(args.job_id)
-        _print(args, job, _job_detail(job))
-    elif args.command == "cancel":
-        job = await api.cancel(args.job_id)
-        _print(args, job, f"{job['id']} cancelling ({job['status']['state']})")
-    elif args.command == "why":
-        answer = await api.why(args.job_id)
-        rows = [[r["cluster"], r["code"], r["message"]] for r in answer.get("reasons", [])]
-        if not rows:
-            rows = [[c["cluster"], "", r] for c in answer["clusters"] for r in c["reasons"]]
-        text = f"{answer['id']}: {answer['state']} (queue {answer.get('queue', '-')})"
-        table = tables.render(["CLUSTER", "CODE", "REASON"], rows)
-        text += "\n" + (table if rows else answer["message"])
-        _print(args, answer, text)
-    elif args.command == "queues":
-        return await _queues_command(args, api)
-    elif args.command == "list":
-        items, more = await _list_jobs(args, api)
-        _print(args, items, _job_table(items))
-        if more:
-            print(f"(more jobs than --limit {args.limit}: raise it, or --all)", file=sys.stderr)
-    elif args.command == "clusters":
-        items = await api.clusters()
-        rows = [
-            [
-                c["name"],
-                c["health"],
-                m["model"],
-                m["total"],
-                m["free"],
-                m["allocated"],
-                m["unavailable"],
-                c["running_jobs"],
-            ]
-            for c in items
-            for m in (
-                c["models"]
-                or [{"model": "-", "total": "", "free": "", "allocated": "", "unavailable": ""}]
-            )
-        ]
-        table = tables.render(
-            ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"],
-            rows,
-        )
-        degraded = [f"{c['name']}: {c['reason']}" for c in items if c.get("reason")]
-        _print(args, items, "\n".join([table, *degraded]))
-    return 0
-
-
-async def _list_jobs(
-    args: argparse.Namespace, api: client.BrokerClient
-) -> tuple[list[dict[str, Any]], bool]:
-    """The jobs `gpufed list` shows, a page at a time; and whether more were left out."""
-    state = _state_name(args.state) if args.state else None
-    wanted = None if args.all else max(1, args.limit)
-    items: list[dict[str, Any]] = []
-    cont: str | None = None
-    while wanted is None or len(items) < wanted:
-        size = client.PAGE if wanted is None else min(client.PAGE, wanted - len(items))
-        page, cont = await api.job_page(
-            queue=args.queue,
-            state=state,
-            cluster=args.cluster,
-            selector=args.selector,
-            limit=size,
-            cont=cont,
-        )
-        items += page
-        if cont is None:
-            break
-    return items, cont is not None
-
-
-def _state_name(text: str) -> str:
-    """A job state as the API spells it, from any case (`running` → `Running`)."""
-    from broker.api import status
-
-    for state in status.JobState:
-        if state.value.lower() == text.lower():
-            return state.value
-    return text  # the broker names the states it takes
-
-
-def _queue_rows(views: Sequence[dict[str, Any]]) -> list[list[Any]]:
-    rows = []
-    for view in views:
-        spec, st = view["spec"], view["status"]
-        for item in st["gpus"] or [
-            {"model": "-", "inUse": "", "guaranteed": "", "limit": "", "fairShare": ""}
-        ]:
-            rows.append(
-                [
-                    view["name"],
-                    spec["tenant"],
-                    spec["cohort"],
-                    spec["weight"],
-                    st["pendingJobs"],
-                    st["runningJobs"],
-                    item["model"],
-                    item["inUse"],
-                    item["guaranteed"],
-                    "-" if item["limit"] is None else item["limit"],
-                    item["fairShare"],
-                    f"{st['dominantShare']:.3f}",
-                    st["preemptions"],
-                ]
-            )
-    return rows
-
-
-QUEUE_HEADERS = [
-    "QUEUE", "TENANT", "COHORT", "WEIGHT", "PENDING", "RUNNING", "MODEL", "IN USE",
-    "GUARANTEED", "LIMIT", "FAIR SHARE", "SHARE", "PREEMPTED",
-]  # fmt: skip
-
-
-async def _queues_command(args: argparse.Namespace, api: client.BrokerClient) -> int:
-    import yaml
-
-    if args.target is not None:
-        if args.name != "delete" or args.apply:
-            print("gpufed queues: use `gpufed queues delete NAME`", file=sys.stderr)
-            return 2
-        answer = await api.delete_queue(args.target)
-        text = f"queue {args.target} deleted"
-        if answer:
-            text = f"queue {args.target}: the API's override removed, the queues file's applies"
-        _print(args, answer, text)
-        return 0
-    if args.apply:
-        document = yaml.safe_load(Path(args.apply).read_text()) or {}
-        named = [{**document, "name": args.name}] if args.name else None
-        specs = named or list(document.get("queues", []))
-        views = [await api.put_queue(str(spec.pop("name")), spec) for spec in specs]
-    elif args.name:
-        views = [await api.queue(args.name)]
-    else:
-        listing = await api.queues()
-        views = listing["items"]
-    warnings = sorted({w for view in views for w in view.get("warnings", [])})
-    text = tables.render(QUEUE_HEADERS, _queue_rows(views))
-    if warnings:
-        text += "\n" + "\n".join(f"warning: {w}" for w in warnings)
-    _print(args, views if len(views) != 1 or not args.name else views[0], text)
-    return 0
-
-
-async def _status_command(args: argparse.Namespace) -> int:
-    """Each replica's own account of itself; 1 if one does not answer or none leads."""
-    urls = client.split_urls(args.broker)
-    answers = await asyncio.gather(*(client.replica_status(url) for url in urls))
-    rows: list[list[Any]] = []
-    for url, answer in zip(urls, answers, strict=True):
-        if isinstance(answer, client.BrokerError):
-            rows.append([url, "-", "unreachable", "-", "-", "-", answer.detail])
-            continue
-        synced = "yes" if answer.get("synced") else "no"
-        leader = answer.get("leader") or "(none)"
-        replica = answer.get("replica", "-")
-        rows.append([url, replica, answer.get("role"), leader, answer.get("term"), synced, ""])
-    seen = [a for a in answers if not isinstance(a, client.BrokerError)]
-    notes = []
-    leaders = {(a.get("leader"), a.get("term")) for a in seen}
-    if not any(a.get("role") == "leader" for a in seen):
-        notes.append("no replica leads")
-    elif len(leaders) > 1:
-        notes.append("the replicas do not agree on the leader yet")
-    table = tables.render(["BROKER", "REPLICA", "ROLE", "LEADER", "TERM", "SYNCED", "ERROR"], rows)
-    data = [
-        {"broker": url, **(a if not isinstance(a, client.BrokerError) else {"error": a.detail})}
-        for url, a in zip(urls, answers, strict=True)
-    ]
-    _print(args, data, table)
-    for note in notes:
-        print(f"gpufed status: {note}", file=sys.stderr)
-    return 1 if notes or len(seen) < len(urls) else 0
+        ca_file = tlsflags.ca_file(args)
+        async with client.BrokerClient(args.broker, _token(args), ca_file=ca_file) as api:
+            return await command(args, api)
+    except (client.BrokerError, problems.CliError) as exc:
+        return problems.report(args.command, exc, output=output)
 
 
 def _token_command(args: argparse.Namespace) -> int:
@@ -446,7 +247,8 @@ def _token_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "broker" and args.action is not None:
         from gpufed import stores
 
@@ -460,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "agent":
         return daemons.run_agent(args)
     if args.command == "token":
-        return _token_command(args)
+        return problems.run("token", lambda: _token_command(args))
+    if args.command == "completion":
+        return problems.run("completion", lambda: _print(completions.script(parser, args.shell)))
     if args.command == "demo":
         from gpufed.local import demo
 
@@ -469,12 +273,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpufed.sim import simulating
 
         return simulating.run(args)
-    try:
-        if args.command == "status":  # no token needed
-            return asyncio.run(_status_command(args))
-        return asyncio.run(_user_command(args))
-    except KeyboardInterrupt:
-        return 130
+    output = "json" if args.output == "json" else "table"
+    return problems.run(args.command, lambda: asyncio.run(_user_command(args)), output=output)
+
+
+def _print(text: str) -> int:
+    sys.stdout.write(text)
+    return 0
 
 
 if __name__ == "__main__":

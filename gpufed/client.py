@@ -8,7 +8,9 @@ replica answers the API (followers serve it from their cache, submits and cancel
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -34,11 +36,37 @@ def split_urls(urls: str) -> list[str]:
     return [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
 
 
-async def replica_status(url: str, *, timeout: float = 5.0) -> dict[str, Any] | BrokerError:
+def trust(ca_file: str | Path | None) -> ssl.SSLContext | bool:
+    """What verifies the broker's certificate: the CA of `ca_file` (--ca-file,
+    GPUFED_CA_FILE), else the system's CAs (True)."""
+    if ca_file is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=str(ca_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise BrokerError(0, f"cannot use the CA file {ca_file}: {exc}") from exc
+
+
+def untrusted(url: str, exc: aiohttp.ClientConnectorCertificateError) -> BrokerError:
+    """The error for a broker whose certificate does not verify: why, and what to do."""
+    why = getattr(exc.certificate_error, "verify_message", None) or str(exc.certificate_error)
+    return BrokerError(
+        0,
+        f"the broker at {url} has a certificate this client does not trust ({why}): give the "
+        "CA that signed it with --ca-file or GPUFED_CA_FILE",
+    )
+
+
+async def replica_status(
+    url: str, *, timeout: float = 5.0, ca_file: str | Path | None = None
+) -> dict[str, Any] | BrokerError:
     """`GET /v1/status` of one replica (no token), or the error that stopped it."""
     try:
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                connector=aiohttp.TCPConnector(ssl=trust(ca_file)),
+            ) as session,
             session.get(f"{url.rstrip('/')}/v1/status") as response,
         ):
             text = await response.text()
@@ -47,18 +75,30 @@ async def replica_status(url: str, *, timeout: float = 5.0) -> dict[str, Any] | 
                 return BrokerError(response.status, str(body.get("detail") or text), body)
             result: dict[str, Any] = body
             return result
+    except aiohttp.ClientConnectorCertificateError as exc:
+        return untrusted(url, exc)
+    except BrokerError as exc:
+        return exc
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         return BrokerError(0, f"cannot reach {url}: {str(exc) or type(exc).__name__}")
 
 
 class BrokerClient:
-    def __init__(self, url: str, token: str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout: float = 30.0,
+        ca_file: str | Path | None = None,
+    ) -> None:
         self.urls = split_urls(url) or [url.rstrip("/")]
         self.url = self.urls[0]
         self.token = token
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {token}"},
             timeout=aiohttp.ClientTimeout(total=timeout),
+            connector=aiohttp.TCPConnector(ssl=trust(ca_file)),  # an https:// broker's CA
         )
 
     async def __aenter__(self) -> BrokerClient:
@@ -90,6 +130,8 @@ class BrokerClient:
                         detail = body.get("detail") or body.get("title") or text
                         raise BrokerError(response.status, str(detail), body)
                     return body
+            except aiohttp.ClientConnectorCertificateError as exc:  # no replica will do better
+                raise untrusted(self.url, exc) from exc
             except aiohttp.ClientConnectorError as exc:  # nothing was sent: the next replica
                 if len(self.urls) == 1:
                     raise BrokerError(0, f"cannot reach the broker at {self.url}: {exc}") from exc

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpufed import logs
+from gpufed import accessflags, logs, tlsflags
 
 
 def add_broker_parser(sub: Any) -> None:
@@ -30,8 +30,8 @@ def add_broker_parser(sub: Any) -> None:
         action="store_true",
         help="serve /metrics without a token (default: an admin, metrics or fleet viewer token)",
     )
-    broker.add_argument("--host", default="127.0.0.1")
-    broker.add_argument("--port", type=int, default=8080)
+    broker.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    broker.add_argument("--port", type=int, default=8080, help="port to listen on")
     broker.add_argument("--heartbeat", type=float, default=5.0, help="agent heartbeat, seconds")
     broker.add_argument(
         "--lost-after",
@@ -114,8 +114,16 @@ def add_broker_parser(sub: Any) -> None:
         metavar="DURATION",
         help="history keeps a finished job this long (default 7d)",
     )
+    broker.add_argument(
+        "--trace-url-template",
+        metavar="URL",
+        help="the console links a job to its trace with this URL, {trace_id} replaced "
+        "(e.g. http://grafana:3000/explore?traceId={trace_id}; default: no link)",
+    )
     add_etcd_flags(broker)
-    broker.add_argument("--log-level", default="INFO")
+    tlsflags.add_broker_flags(broker)
+    accessflags.add_broker_flags(broker)
+    broker.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     _add_store_commands(broker)
 
 
@@ -127,9 +135,19 @@ def add_agent_parser(sub: Any) -> None:
         help="broker URL, or the replicas' URLs comma-separated (URL1,URL2,URL3): the agent "
         "tries the next on a connection failure and follows the leader a follower names",
     )
-    agent.add_argument("--cluster", required=True)
-    agent.add_argument("--token-file", required=True)
-    agent.add_argument("--backend", choices=["simulated", "kubernetes"], default="simulated")
+    agent.add_argument(
+        "--cluster", required=True, help="the member cluster's name (its token's agent:NAME)"
+    )
+    agent.add_argument(
+        "--token-file", help="the cluster's token (required unless --cert: mTLS, docs/security.md)"
+    )
+    tlsflags.add_agent_flags(agent)
+    agent.add_argument(
+        "--backend",
+        choices=["simulated", "kubernetes"],
+        default="simulated",
+        help="simulated: nodes from --nodes, pods that only pretend; kubernetes: a real cluster",
+    )
     agent.add_argument("--nodes", help="node pools YAML (simulated backend)")
     agent.add_argument("--limits", help="per-namespace GPU limits YAML")
     agent.add_argument("--kubeconfig", help="kubernetes backend: kubeconfig (default: in-cluster)")
@@ -194,8 +212,10 @@ def add_agent_parser(sub: Any) -> None:
         help="an HTTP proxy (http://host:port) for the connections to the broker; HTTP_PROXY "
         "is not read",
     )
-    agent.add_argument("--metrics-port", type=int, default=0)
-    agent.add_argument("--log-level", default="INFO")
+    agent.add_argument(
+        "--metrics-port", type=int, default=0, help="serve /metrics on this port (0: not at all)"
+    )
+    agent.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
 DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -294,11 +314,12 @@ def _add_store_commands(broker: argparse.ArgumentParser) -> None:
     )
     quarantine.add_argument("--store", default=argparse.SUPPRESS, help=store_help)
     add_etcd_flags(quarantine, default=argparse.SUPPRESS)
-    quarantine.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    quarantine.add_argument(
+        "-o", "--output", choices=["table", "json"], default="table", help="table, or JSON"
+    )
 
 
 def run_broker(args: argparse.Namespace) -> int:
-    import pydantic
     from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
 
     from broker import app
@@ -307,32 +328,36 @@ def run_broker(args: argparse.Namespace) -> int:
     logs.setup(service="gpufed-broker", level=args.log_level)
     try:
         settings = broker_settings(args)
-    except pydantic.ValidationError as exc:  # e.g. a --lost-after too short to fence in
+        listen = accessflags.listen_settings(args)
+    except ValueError as exc:  # e.g. a --lost-after too short to fence in (pydantic's too)
         print(f"gpufed broker: {settings_problem(exc)}", file=sys.stderr)
         return 2
     tracing.setup("gpufed-broker")
     # before any Application is created: the instrumentor patches the class
     AioHttpServerInstrumentor().instrument()
-    from aiohttp import web
-
-    from broker.http import tokens
+    from broker.http import listening, oidc, tls, tokens
     from broker.state import registry
 
     try:
         application = app.create_app(settings)
-    except (registry.QueuesFileError, tokens.TokensFileError) as exc:
+    except (
+        registry.QueuesFileError,
+        tokens.TokensFileError,
+        tls.TlsFilesError,
+        oidc.OidcError,
+    ) as exc:
         print(f"gpufed broker: {exc}", file=sys.stderr)
         return 2
+    server_tls = application.get(tls.SERVER_TLS)  # --tls-cert: HTTPS, reloaded on change
     from broker.state import errors
 
     try:
-        web.run_app(
+        listening.run(  # connections per client capped, the header timeout (--header-timeout)
             application,
             host=args.host,
             port=args.port,
-            print=None,
-            access_log=None,
-            handle_signals=True,
+            settings=listen,
+            ssl_context=server_tls.context if server_tls is not None else None,
         )
     except errors.StoreError as exc:  # the store cannot be used: say why in one line
         print(f"gpufed broker: {exc}", file=sys.stderr)
@@ -367,6 +392,9 @@ def broker_settings(args: argparse.Namespace) -> Any:
         history=args.history,
         retain_finished_seconds=args.retain_finished,
         history_ttl_seconds=args.history_ttl,
+        trace_url_template=args.trace_url_template,
+        **tlsflags.broker_settings(args),
+        **accessflags.broker_settings(args),
         # etcd_ca_file, etcd_cert_file, etcd_key_file, etcd_user, etcd_password(_file)
         **{f"etcd_{name}": value for name, value in etcd_flags(args).items()},
     )
@@ -385,8 +413,6 @@ def settings_problem(exc: Exception) -> str:
 
 
 def run_agent(args: argparse.Namespace) -> int:
-    import pydantic
-
     from broker.telemetry import tracing
     from member_agent import app as agent_app
     from member_agent.session import brokers
@@ -394,13 +420,16 @@ def run_agent(args: argparse.Namespace) -> int:
     logs.setup(service="gpufed-agent", level=args.log_level)
     try:
         settings = agent_settings(args)
-    except pydantic.ValidationError as exc:
+    except ValueError as exc:  # pydantic's, and neither a token nor a certificate
         print(f"gpufed agent: {settings_problem(exc)}", file=sys.stderr)
         return 2
     tracing.setup("gpufed-agent", cluster=args.cluster)
     try:
         asyncio.run(agent_app.run_agent(settings))
-    except brokers.AuthError as exc:  # before any session: a wrong token or token file
+    except brokers.TokenFileError as exc:  # before any session: no token to send
+        print(f"gpufed agent: {exc}", file=sys.stderr)
+        return 3
+    except brokers.AuthError as exc:  # before any session: a wrong token, another cluster's
         print(f"gpufed agent: the broker refused cluster {args.cluster}: {exc}", file=sys.stderr)
         return 3
     finally:
@@ -432,5 +461,6 @@ def agent_settings(args: argparse.Namespace) -> Any:
             "fence_after_seconds": args.fence_after,
             "journal_file": args.sim_journal,
             "proxy_url": args.proxy,
+            **tlsflags.agent_settings(args),
         }
     )

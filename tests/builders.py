@@ -82,6 +82,24 @@ class JobBuilder:
         self.doc["spec"].setdefault("failurePolicy", {})["clusterLost"] = policy
         return self
 
+    def failure_policy(self, **fields: Any) -> JobBuilder:
+        """More of `spec.failurePolicy`, as the API spells it (backoffLimit=1, retryOn=[...])."""
+        self.doc["spec"].setdefault("failurePolicy", {}).update(fields)
+        return self
+
+    def preemption(self, grace_seconds: int) -> JobBuilder:
+        """`spec.preemption.gracePeriodSeconds`."""
+        self.doc["spec"]["preemption"] = {"gracePeriodSeconds": grace_seconds}
+        return self
+
+    def ttl_after_finished(self, seconds: int) -> JobBuilder:
+        self.doc["spec"]["ttlSecondsAfterFinished"] = seconds
+        return self
+
+    def priority_class(self, name: str) -> JobBuilder:
+        self.doc["spec"]["priorityClass"] = name
+        return self
+
     def min_member(self, count: int) -> JobBuilder:
         self.doc["spec"]["gang"] = {"minMember": count}
         return self

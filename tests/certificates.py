@@ -5,7 +5,9 @@ the test extras).
 `make_pki(folder)` writes `ca.crt`, `server.crt`/`server.key` (SAN IP 127.0.0.1, DNS
 localhost; server and client usage, as an etcd member's certificate that also talks to its
 peers), `client.crt`/`client.key` (the broker's), and `other-ca.crt`, a CA that signed
-nothing here: a client that trusts only it cannot verify the server.
+nothing here: a client that trusts only it cannot verify the server. Others, such as an
+agent's with a URI SAN `spiffe://gpufed/cluster/<name>`: `make_ca`, `make_leaf(uris=...)`,
+`write_pair`, `write_ca`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALIDITY = datetime.timedelta(days=2)
+Authority = tuple[x509.Certificate, ec.EllipticCurvePrivateKey]  # a CA: what it signs with
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,11 @@ def make_leaf(
     *,
     ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
     server: bool,
+    uris: tuple[str, ...] = (),
+    valid_for: datetime.timedelta = VALIDITY,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate signed by `ca`: client usage; with `server` also server usage and the
-    loopback names."""
+    loopback names; `uris` as URI SANs (an agent's spiffe://gpufed/cluster/<name>)."""
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -102,17 +107,15 @@ def make_leaf(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + VALIDITY)
+        .not_valid_after(now + valid_for)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
     )
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri) for uri in uris]
     if server:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
+        names += [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     return builder.sign(ca_key, hashes.SHA256()), key
 
@@ -139,3 +142,21 @@ def make_pki(folder: Path) -> Pki:
     _write_key(client[1], pki.client_key)
     _write_cert(other_ca, pki.other_ca)
     return pki
+
+
+def write_pair(
+    pair: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], folder: Path, stem: str
+) -> tuple[Path, Path]:
+    """`pair` as `folder/stem.crt` and `folder/stem.key`; the two paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cert, key = folder / f"{stem}.crt", folder / f"{stem}.key"
+    _write_cert(pair[0], cert)
+    _write_key(pair[1], key)
+    return cert, key
+
+
+def write_ca(ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], path: Path) -> Path:
+    """The CA's certificate (not its key) as PEM at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_cert(ca[0], path)
+    return path

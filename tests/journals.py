@@ -37,7 +37,7 @@ def read(paths: Iterable[Path], *, until: float | None = None) -> dict[Copy, lis
             key = (copy, entry["pod"])
             if entry["event"] == "start":
                 started[key] = float(entry["t"])
-            elif key in started:
+            elif entry["event"] == "stop" and key in started:  # not `terminate`: it runs on
                 pods.setdefault(copy, []).append((started.pop(key), float(entry["t"])))
     for (copy, _), since in started.items():
         pods.setdefault(copy, []).append((since, end))

@@ -100,6 +100,19 @@ class TooLarge(GpufedError):
     title = "Too large"
 
 
+class TooManyRequests(GpufedError):
+    """The caller asks faster than its rate limit; `Retry-After` says when it may again."""
+
+    title = "Too many requests"
+    problem_type = "urn:gpufed:problem:rate-limited"
+
+
+class RequestTimeout(GpufedError):
+    """The client took too long to send its request; the connection is closed."""
+
+    title = "Request timeout"
+
+
 class Unavailable(GpufedError):
     """A part the broker needs does not answer now; the same request may work later."""
 

@@ -27,7 +27,12 @@ from pydantic import (
     model_validator,
 )
 
-from broker.api import affinity
+from broker.api import affinity, policies
+
+# the policies live in `policies`; their names here too, as `jobs.ClusterLostPolicy` is read
+ClusterLostPolicy = policies.ClusterLostPolicy
+FailurePolicy = policies.FailurePolicy
+PreemptionPolicy = policies.PreemptionPolicy
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = affinity.GPU_PRODUCT_LABEL
@@ -46,7 +51,7 @@ MAX_MEMORY_MIB = 2**40  # an exbibyte
 MAX_GPU_MEMORY_MIB = 2**24  # 16 TiB per GPU
 MAX_SIM_SECONDS = 10**9
 MAX_ANNOTATIONS_BYTES = 256 * 1024  # Kubernetes' limit on an object's annotations
-SUBMIT_CONTEXT = "gpufed.submit"
+SUBMIT_CONTEXT = policies.SUBMIT_CONTEXT
 _QUANTITY = re.compile(
     r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,3}))?$"
 )
@@ -60,8 +65,7 @@ def validate_submitted(document: object) -> GPUJob:
 
 
 def _at_submit(info: ValidationInfo) -> bool:
-    context = info.context
-    return isinstance(context, dict) and context.get(SUBMIT_CONTEXT) is True
+    return policies.at_submit(info)
 
 
 def _check_dns_label(value: str) -> str:
@@ -220,38 +224,7 @@ class Topology(_Strict):
     rack: TopologyMode = TopologyMode.NONE
 
 
-class ClusterLostPolicy(StrEnum):
-    """What happens to a job whose cluster is lost (its agent away past the broker's grace)."""
-
-    REQUEUE = "requeue"  # its agent deletes the pods (fencing); the broker runs it elsewhere
-    WAIT = "wait"  # its pods keep running; the broker waits for the cluster to return
-
-
-class FailurePolicy(_Strict):
-    """What the broker and the agent do when something fails under a job (more to come:
-    retries, deadlines)."""
-
-    cluster_lost: Annotated[
-        ClusterLostPolicy,
-        Field(
-            alias="clusterLost",
-            description=(
-                "requeue (default): once its cluster is away past the broker's --lost-after "
-                "grace the job runs elsewhere, its agent having deleted the pods first; wait: "
-                "the pods keep running through the partition and the job stays on its cluster "
-                "until it returns (a long training run that would rather wait than restart)"
-            ),
-        ),
-    ] = ClusterLostPolicy.REQUEUE
-
-    @field_validator("cluster_lost", mode="before")
-    @classmethod
-    def _cluster_lost(cls, value: object, info: ValidationInfo) -> object:
-        # a stored record or offer with a value this version does not know: the safe default
-        known = {policy.value for policy in ClusterLostPolicy}
-        if not _at_submit(info) and isinstance(value, str) and value not in known:
-            return ClusterLostPolicy.REQUEUE
-        return value
+_DEFAULT_FAILURES = FailurePolicy()
 
 
 class JobSpec(_Strict):
@@ -282,12 +255,26 @@ class JobSpec(_Strict):
         alias="failurePolicy",
         description="what happens when something fails under the job; absent: the defaults",
     )
+    preemption: PreemptionPolicy | None = Field(
+        None, description="how the job's pods stop when it is preempted; absent: the defaults"
+    )
+    ttl_seconds_after_finished: policies.TTLSeconds = None
 
     @property
     def cluster_lost(self) -> ClusterLostPolicy:
         """The job's `failurePolicy.clusterLost`, the default when it gives none."""
         policy = self.failure_policy
         return ClusterLostPolicy.REQUEUE if policy is None else policy.cluster_lost
+
+    @property
+    def failures(self) -> FailurePolicy:
+        """The job's failure policy, the defaults where it gives none."""
+        return self.failure_policy or _DEFAULT_FAILURES
+
+    @field_validator("ttl_seconds_after_finished", mode="before")
+    @classmethod
+    def _ttl(cls, value: object, info: ValidationInfo) -> object:
+        return policies.read_ttl(value, info)
 
     @field_validator("queue")
     @classmethod

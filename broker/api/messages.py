@@ -31,23 +31,35 @@ the agent's lease, and an agent that hears nothing for its fence time fences its
 pods; the pods of jobs whose `clusterLost` policy is `requeue` deleted). A broker welcomes an
 agent whose hello says `v` >= `LEASE_SINCE` with its grace (`lost_after_seconds`), from which
 the agent takes its fence time; an older agent is not sent the field, which it would refuse.
+
+Checkpoints (protocol 4): a workload may keep the annotation `gpufed.io/last-checkpoint` (an
+RFC 3339 time) current on its pods; the agent reports the newest of a job's pods in a
+`job_status` (`checkpoint`), only to a broker whose welcome says `v` >= `CHECKPOINTS_SINCE`,
+and the broker prefers victims that lose the least work since theirs. A Cancel with reason
+`Preempted` is a preemption: the agent first annotates the pods
+`gpufed.io/preemption-notice` with the deadline (now + `grace_seconds`), then deletes them with
+that grace, and reports the job Cancelled only once its pods are gone, so the broker never
+counts their GPUs free before. An offer carries of the job's policies only `clusterLost`
+(`policies.BROKER_ONLY` is left out of the frame): every agent version reads it.
 """
 
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from broker.api import inventory, jobs, status
+from broker.api import inventory, jobs, policies, status
 
 # every number on the wire is bounded (int64): a frame with a larger one is refused
 WireInt = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, Field(ge=1, le=2**63 - 1)]
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 ACKS_SINCE = 2  # the protocol version from which brokers acknowledge final reports
 LEASE_SINCE = 3  # the protocol version from which agents read the broker's grace in welcome
+CHECKPOINTS_SINCE = 4  # the protocol version from which brokers read `JobUpdate.checkpoint`
 
 
 class _Msg(BaseModel):
@@ -133,6 +145,8 @@ class JobUpdate(_Msg):
     attempt: Positive = 1
     # a final report's sequence number, kept by the agent until acked (protocol 2)
     seq: Positive | None = None
+    # the newest `gpufed.io/last-checkpoint` of the job's pods (protocol 4)
+    checkpoint: datetime | None = None
 
 
 class Cancel(_Msg):
@@ -194,9 +208,10 @@ def decode(text: str | bytes) -> Message:
 
 
 def encode(message: _Msg) -> str:
-    return message.model_dump_json(
-        by_alias=True, exclude_none=True, exclude=_first_attempts(message)
-    )
+    exclude = _first_attempts(message)
+    if isinstance(message, Offer):
+        exclude = {"job": {"spec": policies.BROKER_ONLY}, **({"attempt": True} if exclude else {})}
+    return message.model_dump_json(by_alias=True, exclude_none=True, exclude=exclude)
 
 
 def welcome_for(

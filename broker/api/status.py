@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from broker.api import jobs
 
@@ -48,6 +50,8 @@ class JobEvent(_Model):
     reason: str
     message: str = ""
     cluster: str | None = None
+    # who asked for it (a cancel: `submitter of tenant team-a (token 'ci-a')`); left out if none
+    by: str | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class GPUSlot(_Model):
@@ -82,7 +86,13 @@ class JobStatus(_Model):
     events: list[JobEvent] = Field(default_factory=list)
     reasons: list[str] = Field(default_factory=list, description="why it is not placed yet")
     cancel_requested: bool = Field(False, alias="cancelRequested")
+    # failed attempts retried so far (what `failurePolicy.backoffLimit` bounds)
     infra_retries: int = Field(0, alias="infraRetries")
+    # the newest `gpufed.io/last-checkpoint` its pods showed (the agents report it)
+    last_checkpoint: datetime | None = Field(None, alias="lastCheckpoint")
+
+
+STORED_ONLY = frozenset({"trace_parent"})  # JobRecord fields the API does not show
 
 
 class JobRecord(_Model):
@@ -93,13 +103,25 @@ class JobRecord(_Model):
     job: jobs.GPUJob
     status: JobStatus = Field(default_factory=JobStatus)
     created: datetime = Field(default_factory=utcnow)
+    # the job's trace context (W3C: the `job` span of trace `traceId`): the one job JSON shows
     traceparent: str | None = None
-    trace_parent: str | None = Field(None, alias="traceParent")
+    # the submit request's span, the `job` span's parent: kept in the store, never shown
+    trace_parent: SkipJsonSchema[str | None] = Field(None, alias="traceParent")
     trace_id: str | None = Field(None, alias="traceId")
     idempotency_key: str | None = Field(None, alias="idempotencyKey")
 
+    def api_json(self) -> dict[str, Any]:
+        """The job as the API shows it: as stored, less what only the store keeps."""
+        return self.model_dump(mode="json", by_alias=True, exclude=set(STORED_ONLY))
+
     def record(
-        self, state: JobState, reason: str, message: str = "", *, now: datetime | None = None
+        self,
+        state: JobState,
+        reason: str,
+        message: str = "",
+        *,
+        now: datetime | None = None,
+        by: str | None = None,
     ) -> None:
         """Move to `state`, keeping the transition in the history."""
         self.status.state = state
@@ -110,6 +132,7 @@ class JobRecord(_Model):
                 reason=reason,
                 message=message,
                 cluster=self.status.cluster,
+                by=by,
             )
         )
 
@@ -128,6 +151,11 @@ class ListMeta(_Model):
 class JobList(_Model):
     items: list[JobRecord]
     metadata: ListMeta = Field(default_factory=ListMeta)
+
+    def api_json(self) -> dict[str, Any]:
+        """The page as the API shows it (each job's `JobRecord.api_json`)."""
+        hidden = {"items": {"__all__": set(STORED_ONLY)}}
+        return self.model_dump(mode="json", by_alias=True, exclude=hidden)
 
 
 class SubmitResponse(_Model):

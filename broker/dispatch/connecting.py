@@ -1,9 +1,10 @@
 """The agent's WebSocket session on the broker side: hello, welcome, then messages both ways.
 
-`GET /v1/agents/connect` with an agent token. The first frame must be Hello for the token's
-cluster; the broker bumps the cluster's epoch (fencing), reconciles the jobs the agent holds,
-answers Welcome, and then handles summaries, acknowledgements and job status until the
-socket closes (final reports are acknowledged on the session they came on, once committed).
+`GET /v1/agents/connect` with an agent token or client certificate (`http.peers`). The first
+frame must be Hello for the cluster they name; the broker bumps the cluster's epoch
+(fencing), reconciles the jobs the agent holds, answers Welcome, and then handles summaries,
+acknowledgements and job status until the socket closes (final reports are acknowledged on
+the session they came on, once committed).
 A watchdog marks silent clusters Unreachable and, past a grace period, runs their jobs
 elsewhere, and withdraws offers left unanswered past the offer timeout.
 
@@ -31,8 +32,11 @@ from broker.state import electing, errors, records
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
+# why a session was refused at its hello (closed 4003): the audit line says it (http.audit)
+REFUSED_HELLO = web.RequestKey("refused_hello", str)
 
 GUARD_SECONDS = 1.0  # how often a session's credentials are checked again
+CLOSE_ALL_SECONDS = 1.0  # a handover closes the agent sessions for at most this long
 
 
 def describe(exc: Exception) -> str:
@@ -85,12 +89,21 @@ class Sessions:
         self.leadership = leadership
         self._links: set[SocketLink] = set()
 
-    async def close_all(self, *, reason: str) -> int:
-        """Close every agent session (this replica stops leading); returns how many."""
+    async def close_all(self, *, reason: str, timeout: float = CLOSE_ALL_SECONDS) -> int:
+        """Close every agent session (this replica stops leading), all at once and for at
+        most `timeout` (a close waits for the agent's answer: one busy agent must not hold a
+        handover up); returns how many."""
         links = list(self._links)
-        for link in links:
+
+        async def close(link: SocketLink) -> None:
             with contextlib.suppress(Exception):
                 await link.close(reason=reason)
+
+        closing = [asyncio.ensure_future(close(link)) for link in links]
+        if closing:
+            _, late = await asyncio.wait(closing, timeout=timeout)
+            for task in late:  # the socket goes with the server; the agent reconnects
+                task.cancel()
         return len(links)
 
     async def serve(
@@ -108,7 +121,9 @@ class Sessions:
         except (TimeoutError, pydantic.ValidationError):
             hello = None
         if not isinstance(hello, messages.Hello) or hello.cluster != cluster_name:
-            await ws.close(code=4003, message=b"first message must be hello for this token")
+            refusal = f"first message must be hello for {cluster_name} (its token's, certificate's)"
+            request[REFUSED_HELLO] = refusal
+            await ws.close(code=4003, message=refusal.encode()[:120])
             return ws
         link = SocketLink(ws)
         try:
@@ -238,7 +253,7 @@ class Sessions:
             if not allowed():
                 break
             await asyncio.sleep(GUARD_SECONDS)
-        logger.warning("closing the session of %s: its token was revoked or expired", cluster)
+        logger.warning("closing the session of %s: its token or certificate lapsed", cluster)
         with contextlib.suppress(Exception):
             await link.close(reason="the agent's token was revoked or has expired")
 

@@ -6,9 +6,10 @@ job change the former leader committed is in the book), counts every cluster the
 jobs on as away from now (`fleet.start_term`: the lost-cluster grace starts over), and then
 starts the leader's tasks, each made anew for the term: the scheduling cycle, the sessions'
 watchdog (offer timeouts, lost clusters), the idempotency sweep, the cancels followers commit
-(`requests.ForwardedCancels`), the cluster views for the followers (`state.views`) and, with a
-history store, the retirement of finished jobs to it (`jobs.retiring`). Only
-then is it `active`: `http.clusters` accepts agents on an active leader only.
+(`requests.ForwardedCancels`), the active deadlines (`jobs.deadlines`), the cluster views
+for the followers (`state.views`) and the retirement of finished jobs (`jobs.retiring`: to
+the history store; without one, only the jobs past their own `ttlSecondsAfterFinished`,
+deleted). Only then is it `active`: `http.clusters` accepts agents on an active leader only.
 
 When the term ends (`following` set: lease lost, a fenced commit refused, resigned), the tasks
 are cancelled at once, every agent session is closed (the agents reconnect to the new
@@ -106,17 +107,23 @@ class LeaderWork:
             ("sessions-watchdog", self.sessions.watch()),
             ("idempotency-sweep", self.jobs.run_key_sweeper()),
             ("forwarded-cancels", self.jobs.forwarded.run()),
+            ("deadlines", self.jobs.run_deadlines()),
         ]
         if self.leadership.replicated:
             work.append(("cluster-views", self._publish_views()))
         history = self.jobs.history
-        if history is not None and self.retention is not None:
+        if self.retention is not None:  # without a history: only the jobs' own TTLs
             retain, ttl = self.retention
             work.append(
                 (
                     retiring.TASK,
                     retiring.run_retirer(
-                        self.jobs.book, history, retain=retain, ttl=ttl, meters=self.meters
+                        self.jobs.book,
+                        history,
+                        retain=retain,
+                        ttl=ttl,
+                        meters=self.meters,
+                        ttls=self.jobs.ttls,
                     ),
                 )
             )

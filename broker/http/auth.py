@@ -20,11 +20,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 from aiohttp import web
 
 from broker.api import errors
-from broker.http import roles, tokens
+from broker.http import peers, roles, tokens
 
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 EXPIRED = {"WWW-Authenticate": 'Bearer error="invalid_token", error_description="expired"'}
@@ -44,7 +45,8 @@ class Principal:
     role: roles.Role
     tenant: str | None = None  # a tenant-admin's, submitter's or viewer's (none: the fleet)
     cluster: str | None = None  # an agent's
-    label: str | None = None  # the entry's `name` in the tokens file
+    label: str | None = None  # the entry's `name` in the tokens file; an OIDC user's name
+    via: str = "token"  # what vouched for it: token (the tokens file), oidc, certificate
 
     @property
     def name(self) -> str:
@@ -71,7 +73,20 @@ class Principal:
             text = "viewer of the whole fleet"
         else:
             text = self.role.value
-        return f"{text} (token {self.label!r})" if self.label else text
+        return f"{text} ({self.via} {self.label!r})" if self.label else text
+
+
+class UnknownToken(errors.Unauthenticated):
+    """A bearer token the tokens file does not hold."""
+
+
+class TokenVerifier(Protocol):
+    """Bearer tokens the tokens file does not hold but another authority vouches for
+    (`broker.http.oidc.Verifier`: JWTs of an OIDC provider)."""
+
+    def recognizes(self, token: str) -> bool: ...
+
+    async def identify(self, token: str) -> Principal: ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,7 @@ class Authenticator:
 
     def __init__(self, entries: list[tokens.TokenEntry]) -> None:
         self._by_digest: dict[str, _Grant] = {}
+        self.verifier: TokenVerifier | None = None  # --oidc-issuer: people's JWTs
         self.replace(entries)
 
     @classmethod
@@ -120,7 +136,7 @@ class Authenticator:
             if hmac.compare_digest(known, digest):
                 found = grant
         if found is None:
-            raise errors.Unauthenticated("unknown token", headers=CHALLENGE)
+            raise UnknownToken("unknown token", headers=CHALLENGE)
         if found.expires is not None and found.expires <= (now or datetime.now(UTC)):
             when = found.expires.astimezone(UTC).isoformat().replace("+00:00", "Z")
             raise TokenExpired(
@@ -129,6 +145,17 @@ class Authenticator:
                 headers=EXPIRED,
             )
         return found.principal
+
+    async def authenticate(self, header: str | None) -> Principal:
+        """`identify`, and a token the file does not hold that the verifier recognizes (an
+        OIDC JWT) checked by it."""
+        try:
+            return self.identify(header)
+        except UnknownToken:
+            token = (header or "").partition(" ")[2].strip()
+            if self.verifier is None or not self.verifier.recognizes(token):
+                raise
+        return await self.verifier.identify(token)
 
     def still_names(self, header: str | None, principal: Principal) -> bool:
         """Whether `header` still names `principal` (not revoked, not expired): what a long
@@ -175,10 +202,28 @@ async def middleware(
     if rule is None:  # fails closed; tests/unit/test_roles.py keeps it from happening
         raise RuntimeError(f"no access rule for {request.method} {path} in broker.http.roles")
     if not rule.public:
-        principal = request.app[AUTHENTICATOR].identify(request.headers.get("Authorization"))
+        principal = await _identify(request, rule)
+        request[PRINCIPAL] = principal  # before the check: a refusal's audit line names it
         check(rule, principal, route=f"{request.method} {path}")
-        request[PRINCIPAL] = principal
     return await handler(request)
+
+
+async def _identify(request: web.Request, rule: roles.Rule) -> Principal:
+    """The token's principal; on the agent route of a broker with --client-ca, the cluster of
+    the client certificate (required), which a token sent too must name (`broker.http.peers`)."""
+    header = request.headers.get("Authorization")
+    authenticator = request.app[AUTHENTICATOR]
+    if roles.Role.AGENT not in rule.roles or not request.app.get(peers.AGENT_CERTIFICATES):
+        return await authenticator.authenticate(header)
+    cluster = peers.agent_cluster(request)
+    if not header:
+        return Principal(roles.Role.AGENT, cluster=cluster, via="certificate")
+    principal = authenticator.identify(header)
+    if principal.role == roles.Role.AGENT and principal.cluster != cluster:
+        raise errors.Forbidden(
+            f"the client certificate names cluster {cluster}; this token is {principal.describe()}"
+        )
+    return principal
 
 
 def install(

@@ -11,10 +11,12 @@ cache is synced.
 
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from broker.api import errors, replicas
-from broker.http import auth, keys
+from broker.http import auth, keys, peers
 
 
 async def list_clusters(request: web.Request) -> web.Response:
@@ -34,9 +36,12 @@ async def connect_agent(request: web.Request) -> web.StreamResponse:
     assert principal.cluster is not None
     header = request.headers.get("Authorization")
     authenticator = request.app[auth.AUTHENTICATOR]
+    expires = peers.expiry(request)  # a client certificate's (--client-ca)
 
-    def allowed() -> bool:  # the session lasts as long as its token is valid
-        return authenticator.still_names(header, principal)
+    def allowed() -> bool:  # the session lasts as long as its token and certificate are valid
+        if expires is not None and time.time() >= expires:
+            return False
+        return not header or authenticator.still_names(header, principal)
 
     return await request.app[keys.SESSIONS].serve(request, principal.cluster, allowed=allowed)
 

@@ -35,6 +35,8 @@ async def _find(request: web.Request, book: service.Jobs) -> status.JobRecord:
 
 
 def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
+    if isinstance(model, status.JobRecord | status.JobList):  # less what only the store keeps
+        return model.api_json()
     return model.model_dump(mode="json", by_alias=True)
 
 
@@ -79,7 +81,7 @@ async def list_jobs(request: web.Request) -> web.Response:
 async def cancel_job(request: web.Request) -> web.Response:
     book = request.app[keys.JOBS]
     record = await _find(request, book)
-    cancelled = await book.cancel(record.id)
+    cancelled = await book.cancel(record.id, by=auth.caller(request).describe())
     return web.json_response(_dump(cancelled or record), status=202)
 
 

@@ -8,8 +8,8 @@ from typing import Any
 from aiohttp import web
 from pydantic.json_schema import models_json_schema
 
-from broker.api import inventory, jobs, queues, replicas, status, submits
-from broker.http import auth, roles
+from broker.api import gpumap, inventory, jobs, queues, replicas, status, submits
+from broker.http import auth, console, roles
 
 PROBLEM = {"$ref": "#/components/schemas/Problem"}
 
@@ -100,6 +100,7 @@ def _document() -> dict[str, Any]:
             (queues.QueueView, "serialization"),
             (queues.WhyAnswer, "serialization"),
             (replicas.ReplicaStatus, "serialization"),
+            (gpumap.GpuMap, "serialization"),
         ],
         by_alias=True,
         ref_template="#/components/schemas/{model}",
@@ -437,6 +438,7 @@ def _document() -> dict[str, Any]:
                 "/metrics": {
                     "get": {"security": [], "responses": {"200": {"description": "Prometheus"}}}
                 },
+                **console.openapi_paths(_problem),
             },
         }
     )

@@ -19,6 +19,7 @@ from typing import Any
 
 import pydantic
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from broker.api import errors
 from broker.state import errors as store_errors
@@ -52,6 +53,8 @@ STATUS: dict[type[errors.GpufedError], int] = {
     errors.Conflict: 409,
     errors.TooLarge: 413,
     errors.Invalid: 422,
+    errors.TooManyRequests: 429,
+    errors.RequestTimeout: 408,
     errors.Unavailable: 503,
 }
 
@@ -191,13 +194,60 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
         return await handler(request)
     except web.HTTPRequestEntityTooLarge as exc:
         too_large = errors.TooLarge(exc.text or "the body is over 1 MiB", title="Body too large")
-        return respond(too_large, request.path)
+        return _refused(request, too_large, None)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         kept = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         plain = errors.GpufedError(exc.text or exc.reason, title=exc.reason, headers=kept)
-        return respond(plain, request.path, status=exc.status)
+        return _refused(request, plain, exc.status)
     except Exception as exc:
         error, status = problem_of(exc, where=f"{request.method} {request.path}")
-        return respond(error, request.path, status=status)
+        return _refused(request, error, status)
+
+
+def _refused(request: web.Request, error: errors.GpufedError, status: int | None) -> web.Response:
+    """The problem answer; a client's mistake (4xx) logged in one line, never a traceback
+    (429s at debug: a flood must not flood the log too)."""
+    answer = respond(error, request.path, status=status)
+    if 400 <= answer.status < 500:
+        level = logging.DEBUG if answer.status == 429 else logging.INFO
+        if logger.isEnabledFor(level):
+            logger.log(
+                level,
+                "%s %s from %s: %d %s: %s",
+                request.method,
+                request.path,
+                request.remote,
+                answer.status,
+                error.title,
+                error.detail,
+            )
+    return answer
+
+
+class OneLineClientErrors(logging.Filter):
+    """aiohttp's own log of a request it cannot parse (a bad request line, header or
+    Content-Length: a 400 before any handler): one line at info, the traceback only when
+    `aiohttp.server` logs at debug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= (exc.code or 0) < 500:
+            return True
+        if record.levelno > logging.INFO:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            message = " ".join(str(exc.message).split())
+            record.msg = f"{record.getMessage()}: {exc.code} {type(exc).__name__}: {message}"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return logging.getLogger(record.name).isEnabledFor(record.levelno)
+
+
+def quiet_client_errors() -> None:
+    """Install `OneLineClientErrors` on aiohttp's server logger (once per process)."""
+    server = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineClientErrors) for f in server.filters):
+        server.addFilter(OneLineClientErrors())

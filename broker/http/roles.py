@@ -83,6 +83,13 @@ ROUTES: Mapping[tuple[str, str], Rule] = MappingProxyType(
             *_QUEUE_ADMINS, what="deletes a queue of its tenant (admin: any)"
         ),
         ("GET", "/v1/clusters"): _rule(*_READERS, what="the fleet's clusters"),
+        ("GET", "/v1/clusters/{name}/gpus"): _rule(
+            *_READERS, what="a cluster's GPU map (job ids: its tenant's only; admin: any)"
+        ),
+        ("GET", "/v1/events"): _rule(
+            *_READERS, what="its tenant's job changes, live (admin, a fleet viewer: every job's)"
+        ),
+        ("GET", "/v1/whoami"): _rule(*_READERS, what="who its token names"),
         ("GET", "/v1/agents/connect"): _rule(Role.AGENT, what="the session of its own cluster"),
         ("GET", "/metrics"): _rule(
             Role.ADMIN,
@@ -95,6 +102,10 @@ ROUTES: Mapping[tuple[str, str], Rule] = MappingProxyType(
         ("GET", "/healthz"): PUBLIC,
         ("GET", "/readyz"): PUBLIC,
         ("GET", "/openapi.json"): PUBLIC,
+        # the console's static files: they hold no data (the API reads it with a token)
+        ("GET", "/ui"): PUBLIC,
+        ("GET", "/ui/"): PUBLIC,
+        ("GET", "/ui/{path}"): PUBLIC,
     }
 )
 

@@ -148,14 +148,22 @@ class Fleet:
         return True
 
     async def send_cancel(
-        self, cluster_name: str | None, job_id: str, *, epoch: int, reason: str, attempt: int
+        self,
+        cluster_name: str | None,
+        job_id: str,
+        *,
+        epoch: int,
+        reason: str,
+        attempt: int,
+        grace_seconds: float | None = None,
     ) -> bool:
-        """Ask the cluster's agent to delete one attempt's pods (grace: `cancel_grace`)."""
+        """Ask the cluster's agent to delete one attempt's pods (grace: `cancel_grace`, or
+        `grace_seconds`: a preemption's, the job's `spec.preemption.gracePeriodSeconds`)."""
         cancel = messages.Cancel(
             job_id=job_id,
             epoch=epoch,
             reason=reason,
-            grace_seconds=self.cancel_grace,
+            grace_seconds=self.cancel_grace if grace_seconds is None else grace_seconds,
             attempt=attempt,
         )
         return await self.send(cluster_name, cancel)

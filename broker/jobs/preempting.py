@@ -1,10 +1,14 @@
 """Victims of preemption, from the cycle's choice until their GPUs show free.
 
 `preempt` marks a cycle's victims (an event, committed) and sends their agents a Cancel
-with reason Preempted; each goes back to the queue when its agent reports it cancelled
-(`reports`). A `book.JobBook` observer notes when a victim stops holding GPUs; `releasing`
-tells the planner which victims' GPUs their preemptors may count on (released once a summary
-newer than that confirmation arrived; reported to one cycle, then forgotten).
+with reason Preempted and the victim's grace (`spec.preemption.gracePeriodSeconds`, else the
+broker's cancel grace); each goes back to the queue when its agent reports it cancelled
+(`reports`), which the agent does only once its pods are gone: through the grace the victim
+still holds its GPUs (Running, `preempting`), its preemptor waits for it and nothing else is
+preempted in its place (a victim not confirmed within twice its grace and 30 s is forgotten).
+A `book.JobBook` observer notes when a victim stops holding GPUs; `releasing` tells the
+planner which victims' GPUs their preemptors may count on (released once a summary newer than
+that confirmation arrived; reported to one cycle, then forgotten).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class Preempting:
     confirmed: bool = False  # the agent reported the job gone
     summary_at: object | None = None  # the cluster's summary when it did
     handed: bool = False  # reported released to one planning cycle
+    timeout: float = 0.0  # forgotten if not confirmed this long after `since` (0: the default)
 
 
 class Preemptions:
@@ -80,7 +85,7 @@ class Preemptions:
             if entry.handed or cluster is None or cluster.lost:
                 del self.victims[victim]
                 continue
-            if now - entry.since > self.timeout:
+            if now - entry.since > max(self.timeout, entry.timeout):
                 logger.warning("preemption of %s not confirmed in time: forgotten", victim)
                 del self.victims[victim]
                 continue
@@ -132,21 +137,31 @@ class Preemptions:
                 logger.warning("preemption commit failed, victims keep running: %s", exc)
                 return 0
             for item, draft in chosen:
+                grace = self.grace_of(draft)
                 self.victims[draft.id] = Preempting(
                     preemptor=item.preemptor,
                     cluster=item.cluster,
                     reason=item.reason,
                     message=item.message,
                     since=time.monotonic(),
+                    timeout=2 * grace + 30.0,
                 )
                 queue = draft.job.spec.queue
                 self.counts[queue] += 1
-                self.meters.preemptions.labels(queue=queue, reason=item.reason).inc()
+                label = self.meters.queue_label(queue)
+                self.meters.preemptions.labels(queue=label, reason=item.reason).inc()
                 await self.fleet.send_cancel(
                     draft.status.cluster,
                     draft.id,
                     epoch=draft.status.epoch,
                     reason=transitions.PREEMPTED,
                     attempt=transitions.attempt_of(draft),
+                    grace_seconds=grace,
                 )
         return len(chosen)
+
+    def grace_of(self, record: status.JobRecord) -> float:
+        """The grace a victim's pods get: its `spec.preemption.gracePeriodSeconds`, else the
+        broker's cancel grace."""
+        policy = record.job.spec.preemption
+        return self.fleet.cancel_grace if policy is None else float(policy.grace_period_seconds)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from datetime import datetime
 
 from broker.api import messages, status
 from broker.api.jobs import ClusterLostPolicy
@@ -136,7 +137,15 @@ class AgentReports:
             else:
                 draft = book.draft_of(record)
                 text = message.message
-                if self._update(draft, message.state, message.reason, text, message.pods):
+                changed = self._update(
+                    draft,
+                    message.state,
+                    message.reason,
+                    text,
+                    message.pods,
+                    checkpoint=message.checkpoint,
+                )
+                if changed:
                     self.book.commit_soon(draft)
             if message.seq is not None:
                 self.acks.after_commit(cluster.name, message.job_id, seq=message.seq, epoch=session)
@@ -148,8 +157,15 @@ class AgentReports:
         reason: str,
         text: str,
         pods: Sequence[status.PodStatus],
+        *,
+        checkpoint: datetime | None = None,
     ) -> bool:
         """Change `draft` as the agent's report says; False if nothing changed."""
+        newer = checkpoint is not None and (
+            draft.status.last_checkpoint is None or checkpoint > draft.status.last_checkpoint
+        )
+        if newer:
+            draft.status.last_checkpoint = checkpoint
         if pods:
             draft.status.pods = list(pods)
         current = draft.status.state
@@ -158,19 +174,12 @@ class AgentReports:
         elif state == JobState.SUCCEEDED:
             transitions.move(draft, JobState.SUCCEEDED, reason or "Completed", text)
         elif state == JobState.FAILED:
-            if (
-                reason in transitions.INFRA_REASONS
-                and draft.status.infra_retries < transitions.MAX_INFRA_RETRIES
-            ):
-                draft.status.infra_retries += 1
-                transitions.requeue(draft, reason, f"retrying: {text}")
-            else:
-                transitions.move(draft, JobState.FAILED, reason or "Failed", text)
+            transitions.fail_or_retry(draft, reason or "Failed", text)
         elif state == JobState.CANCELLED:
             self._stopped(draft, reason or "Evicted", text)
         elif state == JobState.QUEUED:
             transitions.requeue(draft, reason or "Requeued", text)
-        elif not pods:
+        elif not pods and not newer:
             return False
         return True
 
@@ -217,10 +226,11 @@ class AgentReports:
                     transitions.move(
                         draft, JobState.CANCELLED, "Cancelled", "gone from the cluster"
                     )
-                else:
-                    if draft.id not in self.victims:
-                        draft.status.infra_retries += 1
+                elif draft.id in self.victims:
                     self._stopped(draft, "LostByAgent", f"{cluster.name} no longer holds it")
+                else:  # a failed attempt as far as its failure policy goes
+                    lost = f"{cluster.name} no longer holds it"
+                    transitions.fail_or_retry(draft, transitions.LOST_BY_AGENT, lost)
             await self._commit(list(drafts.values()))
             for job_id, attempt in cancels:
                 await self.fleet.send_cancel(

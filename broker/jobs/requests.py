@@ -56,16 +56,20 @@ class Requests:
         results = await self.book.create_many(new)
         for record, result in zip(new, results, strict=True):
             if result is record:
-                self.meters.jobs_submitted.labels(queue=record.job.spec.queue).inc()
+                queue = self.meters.queue_label(record.job.spec.queue)
+                self.meters.jobs_submitted.labels(queue=queue).inc()
         return results
 
-    async def cancel(self, job_id: str, *, reason: str = "Cancelled") -> status.JobRecord | None:
-        """Cancel a job; returns it as committed (None if the book does not have it).
+    async def cancel(
+        self, job_id: str, *, reason: str = "Cancelled", by: str | None = None
+    ) -> status.JobRecord | None:
+        """Cancel a job; returns it as committed (None if the book does not have it). `by`:
+        who asked (the event that records the cancel says it).
         Another replica's write of the job in between: decided again on the record as the
         store has it now (the conflict read it again); Unavailable if that keeps happening."""
         for _ in range(CANCEL_ATTEMPTS):
             try:
-                return await self._cancel_once(job_id, reason=reason)
+                return await self._cancel_once(job_id, reason=reason, by=by)
             except errors.ConflictError as exc:
                 logger.info("cancel of %s raced another write, deciding again: %s", job_id, exc)
         raise api_errors.Unavailable(
@@ -74,7 +78,9 @@ class Requests:
             headers={"Retry-After": "1"},
         )
 
-    async def _cancel_once(self, job_id: str, *, reason: str) -> status.JobRecord | None:
+    async def _cancel_once(
+        self, job_id: str, *, reason: str, by: str | None
+    ) -> status.JobRecord | None:
         async with self.book.lock:
             draft = self.book.draft(job_id)
             if draft is None:
@@ -83,17 +89,19 @@ class Requests:
             if state.terminal or draft.status.cancel_requested:
                 return self.book.get(job_id)
             if state == JobState.QUEUED:
-                transitions.move(draft, JobState.CANCELLED, reason, "cancelled while queued")
+                transitions.move(draft, JobState.CANCELLED, reason, "cancelled while queued", by=by)
                 await self.book.commit([draft], fenced=False)
                 return draft
             cluster = self.fleet.clusters.get(draft.status.cluster or "")
             if cluster is not None and cluster.lost:
                 text = f"{cluster.name} lost: its agent deletes the pods when it returns"
-                transitions.move(draft, JobState.CANCELLED, reason, text)
+                transitions.move(draft, JobState.CANCELLED, reason, text, by=by)
                 await self.book.commit([draft], fenced=False)
                 return draft
             draft.status.cancel_requested = True
-            draft.record(state, "CancelRequested", "waiting for the agent to delete the pods")
+            draft.record(
+                state, "CancelRequested", "waiting for the agent to delete the pods", by=by
+            )
             await self.book.commit([draft], fenced=False)
             await self.fleet.send_cancel(
                 draft.status.cluster,

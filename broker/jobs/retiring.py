@@ -22,6 +22,14 @@ finished more than `ttl` ago (`--history-ttl`, 7 d) are pruned from history
 (`HistoryStore.prune`, in bounded transactions). An Idempotency-Key keeps its own window
 (`book.idempotency_window`): a retry of a retired job's key still finds it, in history.
 
+A job's own `spec.ttlSecondsAfterFinished`, when shorter than `retain`, is its retention: it
+goes to history that much sooner (`TTLs` wakes a pass when it is due). It still
+goes to history rather than nowhere: the TTL is there to keep the live store small, as
+Kubernetes' TTL controller keeps etcd small, and history is where gpufed keeps finished jobs
+apart from it (`gpufed get`, lists and an Idempotency-Key's replay still find the job). Without
+a history store, where finished jobs otherwise stay in the store, a job with a TTL is deleted
+once it passes, as Kubernetes deletes a finished Job.
+
 A store error is logged and counted (`gpufed_background_errors{task="retirement"}`) and the
 passes back off while it lasts: the task never dies of one.
 """
@@ -29,6 +37,7 @@ passes back off while it lasts: the task never dies of one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from datetime import datetime, timedelta
@@ -46,6 +55,7 @@ TASK = "retirement"
 RETIRE_BATCH = 500  # jobs moved per pass, at most
 PRUNE_EVERY_SECONDS = 3600.0
 MAX_BACKOFF_SECONDS = 60.0
+MIN_TTL_PAUSE_SECONDS = 0.5
 
 
 def retire_interval(retain: float) -> float:
@@ -53,40 +63,90 @@ def retire_interval(retain: float) -> float:
     return min(60.0, max(0.5, retain / 10))
 
 
-def due(jobs: book.JobBook, *, now: datetime, retain: float, batch: int) -> list[status.JobRecord]:
-    """The finished jobs to retire now, oldest finished first, at most `batch`."""
-    cutoff = now - timedelta(seconds=retain)
+def kept_for(record: status.JobRecord, *, retain: float | None) -> float | None:
+    """Seconds a finished job stays in the hot store: `retain`, or its own
+    `ttlSecondsAfterFinished` when shorter (None: it stays, no history and no TTL)."""
+    ttl = record.job.spec.ttl_seconds_after_finished
+    if ttl is None:
+        return retain
+    return float(ttl) if retain is None else min(retain, float(ttl))
+
+
+def due(
+    jobs: book.JobBook, *, now: datetime, retain: float | None, batch: int
+) -> list[status.JobRecord]:
+    """The finished jobs to retire now, oldest finished first, at most `batch` (`retain`
+    None: only the jobs whose TTL has passed)."""
     aged = []
     for record in jobs.finished():
+        keep = kept_for(record, retain=retain)
+        if keep is None:
+            continue
         finished = queries.finished_at(record)
-        if finished < cutoff:
+        if finished < now - timedelta(seconds=keep):
             aged.append((finished, record.id, record))
     aged.sort(key=lambda item: (item[0], item[1]))
     return [record for _, _, record in aged[:batch]]
 
 
+class TTLs:
+    """A book observer: the finished jobs that have a `ttlSecondsAfterFinished`, with when it
+    passes, so the retirer wakes for them (`added` is set when one is noted) without reading
+    every finished job. Jobs retired meanwhile are dropped at the next look."""
+
+    def __init__(self) -> None:
+        self.due: dict[str, datetime] = {}
+        self.added = asyncio.Event()
+
+    def __call__(self, change: book.Change) -> None:
+        record = change.after
+        ttl = record.job.spec.ttl_seconds_after_finished
+        if ttl is None or not record.status.state.terminal:
+            self.due.pop(record.id, None)
+            return
+        self.due[record.id] = queries.finished_at(record) + timedelta(seconds=ttl)
+        self.added.set()
+
+    def next_due(self, jobs: book.JobBook, *, retain: float | None) -> datetime | None:
+        """When the next of them should leave the hot store (`retain` None: no history)."""
+        soonest = None
+        for job_id, expires in list(self.due.items()):
+            record = jobs.get(job_id)
+            if record is None or not record.status.state.terminal:
+                del self.due[job_id]
+                continue
+            at = expires
+            if retain is not None:
+                at = min(at, queries.finished_at(record) + timedelta(seconds=retain))
+            soonest = at if soonest is None else min(soonest, at)
+        return soonest
+
+
 async def retire_once(
     jobs: book.JobBook,
-    history: history_store.HistoryStore,
+    history: history_store.HistoryStore | None,
     *,
     retain: float,
     batch: int = RETIRE_BATCH,
     now: datetime | None = None,
 ) -> tuple[int, bool]:
-    """One pass: (jobs moved to history, whether more are due)."""
+    """One pass: (jobs moved to history, whether more are due). Without a history, only the
+    jobs past their `ttlSecondsAfterFinished` go, deleted (as Kubernetes deletes a Job)."""
     moment = now or status.utcnow()
-    chosen = due(jobs, now=moment, retain=retain, batch=batch + 1)
+    keep = retain if history is not None else None
+    chosen = due(jobs, now=moment, retain=keep, batch=batch + 1)
     more = len(chosen) > batch
     chosen = chosen[:batch]
     if not chosen:
         return 0, False
-    await history.put_many(chosen)
+    if history is not None:
+        await history.put_many(chosen)
     return await jobs.retire(chosen), more
 
 
 async def run_retirer(
     jobs: book.JobBook,
-    history: history_store.HistoryStore,
+    history: history_store.HistoryStore | None,
     *,
     retain: float,
     ttl: float,
@@ -94,8 +154,10 @@ async def run_retirer(
     interval: float | None = None,
     prune_every: float = PRUNE_EVERY_SECONDS,
     batch: int = RETIRE_BATCH,
+    ttls: TTLs | None = None,
 ) -> None:
-    """Retire finished jobs and prune history until cancelled."""
+    """Retire finished jobs and prune history until cancelled (`ttls`: the jobs' own TTLs,
+    which wake a pass when one passes; without them a TTL is honoured at the next pass)."""
     every = interval if interval is not None else retire_interval(retain)
     prune_every = min(prune_every, max(1.0, ttl / 10))  # a short TTL is kept to closely
     failures = 0
@@ -105,10 +167,17 @@ async def run_retirer(
         try:
             moved, more = await retire_once(jobs, history, retain=retain, batch=batch)
             if moved:
-                logger.info("moved %d finished jobs to history", moved)
+                where = "moved to history" if history is not None else "deleted (their TTL)"
+                logger.info("%d finished jobs %s", moved, where)
             if more:
                 pause = 0.0  # a backlog (after a long outage, an upgrade): keep going
-            if time.monotonic() - pruned_at >= prune_every:
+            if ttls is not None:
+                ttls.added.clear()
+                ttl_due = ttls.next_due(jobs, retain=retain if history is not None else None)
+                if ttl_due is not None:  # a job's own TTL, due before the next pass
+                    wait = (ttl_due - status.utcnow()).total_seconds()
+                    pause = min(pause, max(MIN_TTL_PAUSE_SECONDS, wait))
+            if history is not None and time.monotonic() - pruned_at >= prune_every:
                 cutoff = status.utcnow() - timedelta(seconds=ttl)
                 pruned = await history.prune(cutoff)
                 pruned_at = time.monotonic()
@@ -127,4 +196,9 @@ async def run_retirer(
             pause = max(pause, min(MAX_BACKOFF_SECONDS, 2.0**failures))
             if meters is not None:
                 meters.background_errors.labels(task=TASK).inc()
-        await asyncio.sleep(pause)
+        if ttls is None or failures:
+            await asyncio.sleep(pause)
+            continue
+        with contextlib.suppress(TimeoutError):  # or sooner: a job with a TTL finished
+            await asyncio.wait_for(ttls.added.wait(), timeout=pause)
+            await asyncio.sleep(MIN_TTL_PAUSE_SECONDS)  # the jobs finishing with it, together

@@ -296,12 +296,16 @@ class Scheduler:
         now = status.utcnow()
         self.meters.pending_jobs.clear()
         self.meters.pending_oldest_age.clear()
+        ages: dict[str, float] = {}  # per label: queues past the labelled ones share `other`
         for queue, count in self.waits.counts.items():
-            self.meters.pending_jobs.labels(queue=queue).set(count)
+            label = self.meters.queue_label(queue)
+            self.meters.pending_jobs.labels(queue=label).inc(count)
             oldest = self.waits.oldest(queue)
             if oldest is not None:
-                age = (now - oldest).total_seconds()
-                self.meters.pending_oldest_age.labels(queue=queue).set(max(0.0, age))
+                age = max(0.0, (now - oldest).total_seconds())
+                ages[label] = max(age, ages.get(label, 0.0))
+        for label, age in ages.items():
+            self.meters.pending_oldest_age.labels(queue=label).set(age)
 
     def _export_queue_gauges(self) -> None:
         """GPUs in use, guaranteed and fair share per queue and model (at most every
@@ -326,13 +330,17 @@ class Scheduler:
             self.meters.queue_dominant_share,
         ):
             gauge.clear()
+        shares: dict[str, float] = {}  # per label (`other`: the largest of its queues)
         for view in views:
-            self.meters.queue_dominant_share.labels(queue=view.name).set(view.status.dominant_share)
+            label = self.meters.queue_label(view.name)
+            shares[label] = max(view.status.dominant_share, shares.get(label, 0.0))
             for item in view.status.gpus:
-                labels = {"queue": view.name, "model": item.model}
-                self.meters.queue_gpus_in_use.labels(**labels).set(item.in_use)
-                self.meters.queue_gpus_guaranteed.labels(**labels).set(item.guaranteed)
-                self.meters.queue_gpus_fair_share.labels(**labels).set(item.fair_share)
+                labels = {"queue": label, "model": item.model}
+                self.meters.queue_gpus_in_use.labels(**labels).inc(item.in_use)
+                self.meters.queue_gpus_guaranteed.labels(**labels).inc(item.guaranteed)
+                self.meters.queue_gpus_fair_share.labels(**labels).inc(item.fair_share)
+        for label, share in shares.items():
+            self.meters.queue_dominant_share.labels(queue=label).set(share)
         self.meters.reservations.set(len(self.reservations))
 
     async def run(self) -> None:

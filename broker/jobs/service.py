@@ -2,7 +2,7 @@
 
 `Jobs` wires the book's collaborators — `requests` (submit, cancel), `reports` (what agents
 say, acknowledged through `acks` once committed), `dispatcher` (a plan made real), `victims`
-(preemption), `accounts` (quota holdings) —
+(preemption), `accounts` (quota holdings), `deadlines` (active deadlines) —
 and the observers that follow every committed change (telemetry, holdings, preemptions).
 Handlers read through the methods here, never through the collaborators' attributes.
 
@@ -23,6 +23,7 @@ from broker.jobs import (
     accounting,
     acknowledging,
     book,
+    deadlines,
     dispatching,
     expiring,
     fleet,
@@ -30,6 +31,7 @@ from broker.jobs import (
     preempting,
     reports,
     requests,
+    retiring,
 )
 from broker.planning import quotas, snapshot
 from broker.state import electing, errors, records
@@ -76,10 +78,14 @@ class Jobs:
             self.book, clusters, accounts=self.accounts, spans=self.spans
         )
         self.forwarded = requests.ForwardedCancels(self.book, clusters, leading=self.leading)
+        self.deadlines = deadlines.Deadlines(self.book, clusters, meters=meters)
+        self.ttls = retiring.TTLs()
         self.book.observe(observing.JobTelemetry(self.spans, meters, active=self.leading))
         self.book.observe(self.accounts)
         self.book.observe(self.victims)
         self.book.observe(self.forwarded)
+        self.book.observe(self.deadlines)
+        self.book.observe(self.ttls)
 
     @property
     def history(self) -> history_store.HistoryStore | None:
@@ -198,8 +204,8 @@ class Jobs:
         was used for another body within its window."""
         return await self.book.find_idempotent(tenant, key, job)
 
-    async def cancel(self, job_id: str) -> status.JobRecord | None:
-        return await self.requests.cancel(job_id)
+    async def cancel(self, job_id: str, *, by: str | None = None) -> status.JobRecord | None:
+        return await self.requests.cancel(job_id, by=by)
 
     async def run_flusher(self) -> None:
         errors_seen = self.meters.background_errors.labels(task="group-commit")
@@ -208,6 +214,10 @@ class Jobs:
     async def run_key_sweeper(self) -> None:
         """Delete expired idempotency keys, until cancelled (`expiring`)."""
         await expiring.run_sweeper(self.book, meters=self.meters)
+
+    async def run_deadlines(self) -> None:
+        """Fail the jobs past their active deadline, until cancelled (`deadlines`)."""
+        await self.deadlines.run()
 
     def end_term(self) -> None:
         """This replica stopped leading: what only the leader knew is dropped (the drafts

@@ -59,4 +59,5 @@ def running_view(
         created=record.created,
         priority_class=record.job.spec.priority_class,
         preempting=preempting,
+        checkpointed=record.status.last_checkpoint,
     )

@@ -8,12 +8,17 @@ Called by `planning.plan_cycle` for a job that fits nowhere but may preempt:
 
 Victims are whole gangs, on one cluster, on a model the job may use, running for at least
 their class's minimum run time and not already being preempted. Per cluster, candidates are
-taken in order of least lost work — lowest priority, then shortest run time — until the job
-fits a scratch copy of the cluster with the victims' GPUs given back; then every victim the
-fit does not need is dropped again (last taken first). Clusters are visited with the most free
-GPUs of the job's models first (the fewest victims); among the first four that offer a
-choice, the one whose victims cost least wins (highest victim priority, then GPU-seconds
-lost, then how many) — four, not all, to bound the search on a large fleet. A choice needing
+taken in order of least lost work — lowest priority, then the fewest seconds of work lost
+(since the job's last checkpoint, when its workload keeps `gpufed.io/last-checkpoint` on its
+pods, else since it started: `lost_seconds`), then shortest run time — until the job fits a
+scratch copy of the cluster with the victims' GPUs given back; then every victim the fit does
+not need is dropped again (last taken first). Priority stays first: a checkpoint makes a job
+cheaper to stop among its peers, never a higher priority a victim before a lower one.
+Clusters are visited with the most free GPUs of the job's models first (the fewest victims);
+among the first four that offer a choice, the one whose victims cost least wins (highest
+victim priority, then GPU-seconds of work lost, then how many) — four, not all, to bound the
+search on a large fleet. Without checkpoints the work lost is the run time: the order and
+the costs are what they were before checkpoints were known. A choice needing
 more victims than the cycle's budget has left is not made.
 
 Giving GPUs back from a summary-only view is an approximation: the broker knows each running
@@ -58,6 +63,11 @@ class Victim:
     reason: str  # RECLAIM | PRIORITY
     priority: int
     run_seconds: float
+    lost_seconds: float | None = None  # work lost by stopping it (None: its run time)
+
+    @property
+    def lost(self) -> float:
+        return self.run_seconds if self.lost_seconds is None else self.lost_seconds
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ class Choice:
     @property
     def cost(self) -> tuple[int, float, int, str]:
         worst = max((v.priority for v in self.victims), default=0)
-        lost = sum(v.run_seconds * v.job.total_gpus for v in self.victims)
+        lost = sum(v.lost * v.job.total_gpus for v in self.victims)
         return (worst, lost, len(self.victims), self.cluster)
 
 
@@ -86,6 +96,7 @@ class Facts:
     run_seconds: float
     min_run_seconds: float
     model: str | None
+    lost_seconds: float = 0.0  # since its last checkpoint, or its start (`lost_seconds`)
 
 
 @dataclass
@@ -124,6 +135,7 @@ class Search:
                     run_seconds=run_seconds(job, self.now),
                     min_run_seconds=tenancy.min_run_seconds(job.queue, job.priority_class),
                     model=next(iter(job.gpus), None),
+                    lost_seconds=lost_seconds(job, self.now),
                 )
             self._ordered[cluster] = sorted(jobs, key=self._victim_order)
         return self._ordered[cluster]
@@ -145,9 +157,9 @@ class Search:
             )
         return self._lowest[0]
 
-    def _victim_order(self, job: snapshot.RunningJob) -> tuple[int, float, int, str]:
+    def _victim_order(self, job: snapshot.RunningJob) -> tuple[int, float, float, int, str]:
         facts = self.facts[job.job_id]
-        return (facts.priority, facts.run_seconds, job.total_gpus, job.job_id)
+        return (facts.priority, facts.lost_seconds, facts.run_seconds, job.total_gpus, job.job_id)
 
     def held_by_node(self, cluster: str) -> dict[str, int]:
         """GPUs of the pods the broker knows on each node of `cluster` (a fresh copy)."""
@@ -185,6 +197,17 @@ def run_seconds(job: snapshot.RunningJob, now: datetime | None) -> float:
     if job.started is None or now is None:
         return 0.0
     return max(0.0, (now - job.started).total_seconds())
+
+
+def lost_seconds(job: snapshot.RunningJob, now: datetime | None) -> float:
+    """The work a job loses if stopped now: seconds since its last checkpoint, or since it
+    started when it has none in this run (a checkpoint before the start is an earlier run's)."""
+    if job.started is None or now is None:
+        return 0.0
+    since = job.started
+    if job.checkpointed is not None and job.checkpointed > since:
+        since = min(job.checkpointed, now)
+    return max(0.0, (now - since).total_seconds())
 
 
 def give_back(
@@ -246,13 +269,13 @@ def _classify(
         borrowing = held > search.ledger.guaranteed(job.queue, model)
     other_queue = job.queue != preemptor.job.queue
     if model in preemptor.reclaim_models and other_queue and borrowing:
-        return Victim(job, RECLAIM, facts.priority, facts.run_seconds)
+        return Victim(job, RECLAIM, facts.priority, facts.run_seconds, facts.lost_seconds)
     if (
         preemptor.preempts_lower
         and facts.priority < preemptor.priority
         and (not other_queue or borrowing)
     ):
-        return Victim(job, PRIORITY, facts.priority, facts.run_seconds)
+        return Victim(job, PRIORITY, facts.priority, facts.run_seconds, facts.lost_seconds)
     return None
 
 
@@ -275,7 +298,8 @@ def _choose_on(
 ) -> tuple[Choice | None, int]:
     """The cheapest victims on one cluster; and how many were spared for their min run time.
 
-    Candidates come in victim order (lowest priority, then shortest run); each is taken
+    Candidates come in victim order (lowest priority, then least work lost, then shortest
+    run); each is taken
     until the job fits; a queue stops being a borrower once enough of its jobs are taken.
     """
     chosen: list[Victim] = []

@@ -121,6 +121,7 @@ class RunningJob:
     created: datetime | None = None
     priority_class: str | None = None
     preempting: bool = False  # a preemption was sent: not a victim again
+    checkpointed: datetime | None = None  # its workload's last checkpoint, if it keeps one
 
     @property
     def total_gpus(self) -> int:

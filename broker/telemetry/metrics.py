@@ -3,9 +3,11 @@ several brokers in one process)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from broker.api import queues
 
 # the states `fleet.Cluster.health` gives an agent session, exported one-hot
 SESSION_STATES = ("Connecting", "Ready", "Degraded", "Unreachable", "Lost")
@@ -32,9 +34,47 @@ LATENCY_BUCKETS = (
 )
 
 
+OTHER_QUEUE = "other"
+# undeclared queues named in labels besides the declared ones (first seen); the rest: other
+SPARE_QUEUE_LABELS = 20
+
+
+class QueueLabels:
+    """The `queue` label's value for a queue name: a declared queue's name, the first
+    `spare` undeclared names seen (so an open-mode fleet of a few queues reads as before),
+    and `other` for the rest: a submitter naming new queues cannot grow the series."""
+
+    def __init__(self, *, spare: int = SPARE_QUEUE_LABELS) -> None:
+        self.spare = spare
+        self._config: Callable[[], queues.QueuesConfig | None] = lambda: None
+        self._of: queues.QueuesConfig | None = None
+        self._declared: frozenset[str] = frozenset()
+        self._seen: set[str] = set()
+
+    def follow(self, config: Callable[[], queues.QueuesConfig | None]) -> None:
+        """The declared queues are those of `config()` (the registry's, as it changes)."""
+        self._config = config
+
+    def _is_declared(self, name: str) -> bool:
+        config = self._config()
+        if config is not self._of:  # a new configuration: its names, once
+            self._of = config
+            self._declared = frozenset(q.name for q in config.queues) if config else frozenset()
+        return name in self._declared
+
+    def __call__(self, name: str) -> str:
+        if name in self._seen or self._is_declared(name):
+            return name
+        if len(self._seen) < self.spare:
+            self._seen.add(name)
+            return name
+        return OTHER_QUEUE
+
+
 class BrokerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self.queue_label = QueueLabels()
         r = self.registry
         self.jobs_submitted = Counter(
             "gpufed_jobs_submitted", "Jobs accepted by the broker", ["queue"], registry=r

@@ -116,10 +116,17 @@ class LocalFleet:
     lease_seconds: int | None = None  # the brokers' --leader-lease-seconds
     brokers: list[Service] = field(default_factory=list)  # start_brokers: one per replica
     broker_args: list[str] = field(default_factory=list)  # more flags for every broker
+    # the brokers serve HTTPS (broker_args has --tls-cert, --tls-key): the CA of their
+    # certificate, which the fleet's clients and agents (--ca-file) trust
+    ca_file: Path | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ca_file is not None else "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def urls(self) -> list[str]:
@@ -137,7 +144,7 @@ class LocalFleet:
             "--port",
             str(port),
             "--advertise-url",
-            f"http://127.0.0.1:{port}",
+            f"{self.scheme}://127.0.0.1:{port}",
             "--heartbeat",
             str(self.heartbeat),
             "--lost-after",
@@ -177,7 +184,7 @@ class LocalFleet:
 
     async def _spawn_broker(self, name: str, port: int) -> Service:
         service = await spawn(name, self._broker_args(port), workdir=self.workdir, env=self.env)
-        service.url = f"http://127.0.0.1:{port}"
+        service.url = f"{self.scheme}://127.0.0.1:{port}"
         return service
 
     async def restart_broker(self, index: int) -> Service:
@@ -192,7 +199,9 @@ class LocalFleet:
 
     async def statuses(self) -> list[dict[str, object] | None]:
         """Each broker's `GET /v1/status` (None: it does not answer)."""
-        answers = await asyncio.gather(*(client.replica_status(url) for url in self.urls))
+        answers = await asyncio.gather(
+            *(client.replica_status(url, ca_file=self.ca_file) for url in self.urls)
+        )
         return [a if isinstance(a, dict) else None for a in answers]
 
     async def leader(self, *, timeout: float = 30.0, not_: str | None = None) -> Service:
@@ -240,10 +249,20 @@ class LocalFleet:
         return self.broker
 
     async def start_agent(
-        self, cluster: str, nodes: Path | None, *extra: str, backend: str = "simulated"
+        self,
+        cluster: str,
+        nodes: Path | None,
+        *extra: str,
+        backend: str = "simulated",
+        token: bool = True,
     ) -> Service:
-        """An agent process; `nodes` for the simulated backend, `extra` flags for others."""
+        """An agent process; `nodes` for the simulated backend, `extra` flags for others;
+        without `token`, no --token-file (an agent with a client certificate, --cert)."""
         where = ["--nodes", str(nodes)] if nodes is not None else []
+        if token:
+            where += ["--token-file", str(self.workdir / f"{cluster}.token")]
+        if self.ca_file is not None:
+            where += ["--ca-file", str(self.ca_file)]
         service = await spawn(
             f"agent-{cluster}",
             [
@@ -252,8 +271,6 @@ class LocalFleet:
                 ",".join(self.urls),
                 "--cluster",
                 cluster,
-                "--token-file",
-                str(self.workdir / f"{cluster}.token"),
                 "--backend",
                 backend,
                 *where,
@@ -281,7 +298,8 @@ class LocalFleet:
 
         deadline = time.monotonic() + timeout
         url = service.url or self.url
-        async with aiohttp.ClientSession() as session:
+        connector = aiohttp.TCPConnector(ssl=client.trust(self.ca_file))
+        async with aiohttp.ClientSession(connector=connector) as session:
             while time.monotonic() < deadline:
                 if not service.alive:
                     raise RuntimeError(f"{service.name} exited:\n{service.tail()}")
@@ -294,7 +312,9 @@ class LocalFleet:
 
     def client(self, tenant: str, *, url: str | None = None) -> client.BrokerClient:
         """A client of `url`, else of every broker (failing over between them)."""
-        return client.BrokerClient(url or ",".join(self.urls), self.tokens[tenant])
+        return client.BrokerClient(
+            url or ",".join(self.urls), self.tokens[tenant], ca_file=self.ca_file
+        )
 
     async def wait_clusters_ready(self, names: list[str], *, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

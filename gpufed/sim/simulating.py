@@ -63,8 +63,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="CSV of every pod's placement (first policy, first seed)",
     )
     parser.add_argument("--out", type=Path, default=None, help="directory for CSVs and PNG")
-    parser.add_argument("--mode", choices=("a", "time"), default="a")
-    parser.add_argument("--time-compression", type=float, default=1.0)
+    parser.add_argument(
+        "--mode",
+        choices=("a", "time"),
+        default="a",
+        help="a: the FGD paper's protocol A (arrivals only); time: arrivals and departures, "
+        "with queueing delays",
+    )
+    parser.add_argument(
+        "--time-compression",
+        type=float,
+        default=1.0,
+        help="--mode time: trace seconds per replayed second",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="worker processes over runs")
     parser.add_argument(
         "--published", type=Path, default=None, help="published figures CSV (fgd_published.csv)"

@@ -32,7 +32,7 @@ from member_agent import telemetry
 from member_agent.cluster import base, simulated
 from member_agent.jobs import handling
 from member_agent.placement import limits
-from member_agent.session import brokers, connecting, reporting
+from member_agent.session import brokers, connecting, reporting, tls
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,14 @@ class AgentSettings(BaseModel):
     ]
     cluster: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
     token_file: Path | None = None
+    # TLS to the broker (session.tls): the CA of its certificate (None: the system's), and
+    # this agent's client certificate and key for a broker with --client-ca (mTLS)
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    # the name the brokers' certificate is checked against (default: each URL's host), for
+    # replicas reached by address (a leader a follower names by its pod IP)
+    tls_server_name: str | None = None
     backend: Literal["simulated", "kubernetes"] = "simulated"
     nodes_file: Path | None = None
     limits_file: Path | None = None
@@ -140,10 +148,20 @@ class AgentSettings(BaseModel):
     def broker_urls(self) -> tuple[str, ...]:
         return brokers.parse_urls(self.broker_url)
 
+    @property
+    def tls_files(self) -> tls.ClientFiles:
+        return tls.ClientFiles(self.ca_file, self.cert_file, self.key_file)
+
     @model_validator(mode="after")
     def _nodes(self) -> AgentSettings:
         if self.backend == "simulated" and self.nodes_file is None:
             raise ValueError("nodes_file: the simulated backend needs a cluster description")
+        return self
+
+    @model_validator(mode="after")
+    def _tls(self) -> AgentSettings:
+        if self.tls_files.given:
+            tls.build_context(self.tls_files)  # every file read now: a bad one stops the start
         return self
 
     def connect_settings(self) -> connecting.ConnectSettings:
@@ -158,6 +176,8 @@ class AgentSettings(BaseModel):
             backoff_max_seconds=self.backoff.max_seconds,
             auth_retry_seconds=self.backoff.auth_retry_seconds,
             proxy_url=self.proxy_url,
+            tls_files=self.tls_files,
+            tls_server_name=self.tls_server_name,
         )
 
 

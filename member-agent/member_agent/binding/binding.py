@@ -1,4 +1,4 @@
-"""Create a gang's pods all-or-nothing, and delete pods with a grace period.
+"""Create a gang's pods all-or-nothing, delete pods with a grace period, annotate them.
 
 The session calls `build_requests` with the placement `placement.gang.place_gang` chose, then
 `create_gang`: every pod is created through the ClusterBackend, or, if one create fails, the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from broker.api import jobs
@@ -185,4 +185,33 @@ async def delete_pods(
         await delete_some()
     else:
         await asyncio.gather(*(delete_some() for _ in range(workers)))
+    return failed
+
+
+async def annotate_pods(
+    backend: base.ClusterBackend,
+    pods: Iterable[tuple[str, str]],
+    annotations: Mapping[str, str],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+) -> list[str]:
+    """Add `annotations` to pods (namespace, name), up to `concurrency` at a time. Returns the
+    names that could not be annotated; a missing pod counts as done."""
+    failed: list[str] = []
+    todo = list(pods)
+    pending = iter(todo)
+
+    async def annotate_some() -> None:
+        for namespace, name in pending:
+            try:
+                await backend.annotate_pod(namespace, name, annotations)
+            except errors.BackendError as exc:
+                logger.warning("annotating pod %s/%s failed: %s", namespace, name, exc)
+                failed.append(name)
+
+    workers = min(concurrency, len(todo))
+    if workers <= 1:
+        await annotate_some()
+    else:
+        await asyncio.gather(*(annotate_some() for _ in range(workers)))
     return failed

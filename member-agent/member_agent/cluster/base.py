@@ -7,12 +7,18 @@ Every pod gpufed creates carries, besides its labels, the annotations a restarte
 to rebuild the job from its pods (`held_job` reads them back): the epoch of the offer that
 created it, the job's attempt, the gang's `minMember` and its size, and its `clusterLost`
 policy (whether a fence stops it). `held_jobs()` lists what a backend found.
+
+Preemption: the agent writes `gpufed.io/preemption-notice` (the deadline, RFC 3339) on the
+pods (`annotate_pod`) before it deletes them with the grace period; a workload may keep
+`gpufed.io/last-checkpoint` current on its pods, which a backend reports in its pod events
+(`PodEvent.checkpoint`) whenever it changes.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from broker.api import status
@@ -24,6 +30,10 @@ MIN_MEMBER_ANNOTATION = "gpufed.io/min-member"
 GANG_SIZE_ANNOTATION = "gpufed.io/gang-size"
 CLUSTER_LOST_ANNOTATION = "gpufed.io/cluster-lost"  # the job's failurePolicy.clusterLost
 TRACEPARENT_ANNOTATION = "traceparent"
+# written by the agent before a preemption deletes the pod: the deadline (RFC 3339)
+PREEMPTION_NOTICE_ANNOTATION = "gpufed.io/preemption-notice"
+# kept current by a workload that checkpoints: when it last did (RFC 3339)
+LAST_CHECKPOINT_ANNOTATION = "gpufed.io/last-checkpoint"
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,7 @@ class PodEvent:
     phase: status.PodPhase
     node: str = ""
     reason: str = ""  # OOMKilled, Evicted, NodeLost, Error, ...
+    checkpoint: str = ""  # its `gpufed.io/last-checkpoint` annotation, as written
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,21 @@ class HeldJob:
     traceparent: str | None = None
     attempt: int = 1  # of the pod whose annotations were read (1: not recorded)
     cluster_lost: str = "requeue"  # spec.failurePolicy.clusterLost (requeue: not recorded)
+
+
+def rfc3339(at: datetime) -> str:
+    """A time as the annotations hold it: RFC 3339 in UTC, to the millisecond (`...Z`)."""
+    return at.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def read_time(text: str) -> datetime | None:
+    """An annotation's RFC 3339 time (a workload's: `Z` or an offset; no zone: UTC); None if
+    it is not one."""
+    try:
+        at = datetime.fromisoformat(text.strip().replace("z", "Z"))
+    except ValueError:
+        return None
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def _whole(value: str | None) -> int:
@@ -128,7 +154,12 @@ class ClusterBackend(Protocol):
         ...
 
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: float) -> None:
-        """Delete one pod; deleting a missing pod is not an error."""
+        """Delete one pod; deleting a missing pod is not an error. Its GPUs stay taken until
+        it is gone: through its grace period, unless it exits sooner (then a DELETED event)."""
+        ...
+
+    async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        """Add (or overwrite) annotations of one pod; a missing pod is not an error."""
         ...
 
     def pods_of(self, job_id: str) -> list[status.PodStatus]:

@@ -31,6 +31,10 @@ indices placement chose, for bookkeeping (the device plugin picks the devices it
 mode the pod's claim holds exactly these), and
 `gpufed.io/epoch`, `gpufed.io/min-member`, `gpufed.io/gang-size` for a restarted agent.
 
+Preemption: `annotate_pod` merge-patches the notice annotation onto a pod before the agent
+deletes it with the grace period; a pod's `gpufed.io/last-checkpoint` is read with it
+(`PodRecord.checkpoint`) and a change of it is a PodEvent too.
+
 Events: a PodEvent when one of gpufed's pods changes phase (Pending is not reported; Unknown is
 reported as Failed/NodeLost), with the pod's `status.reason` (Evicted, OutOfnvidia.com/gpu), a
 container's termination reason (OOMKilled first, else the first failing one) or NodeLost (the
@@ -433,6 +437,25 @@ class KubernetesBackend:
         await self._delete(namespace, name, grace=max(0, round(grace_seconds)))
         if self._claimed is not None:
             await self._claimed.release(namespace, name, record)
+
+    async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        """Add annotations to one pod (a JSON merge patch of its metadata); a pod that does
+        not exist is not an error."""
+        what = f"annotate pod {namespace}/{name}"
+        patch: RawCall = self._core().patch_namespaced_pod
+        body = {"metadata": {"annotations": dict(annotations)}}
+        async with k8s_errors.translating(what):
+            response = await patch(
+                name,
+                namespace,
+                body,
+                _content_type=claiming.MERGE_PATCH,
+                _preload_content=False,
+                _request_timeout=self._request_timeout,
+            )
+            async with response:
+                if response.status != 404:
+                    await k8s_errors.check_response(response, what=what)
 
     async def _delete(self, namespace: str, name: str, *, grace: int) -> None:
         what = f"delete pod {namespace}/{name}"

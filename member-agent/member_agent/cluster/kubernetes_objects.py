@@ -149,6 +149,7 @@ class PodRecord:
     shared: bool = False  # requests the device plugin's shared replicas (`gpus` of them)
     claim: str = ""  # gpufed's pods in DRA mode: the ResourceClaim holding its GPUs
     sharing: str = ""  # gpufed's sharing pods: `gpufed.io/gpu-sharing` (timeslice, mps)
+    checkpoint: str = ""  # gpufed's pods: `gpufed.io/last-checkpoint`, as the workload wrote it
 
     @property
     def ours(self) -> bool:
@@ -381,6 +382,7 @@ def read_pod(raw: Mapping[str, Any], *, shared_resource: str = SHARED_GPU_RESOUR
         shared=shared > 0,
         claim=claim,
         sharing=str(annotations.get(SHARING_ANNOTATION, "")) if job_id else "",
+        checkpoint=str(annotations.get(base.LAST_CHECKPOINT_ANNOTATION, "")) if job_id else "",
     )
 
 

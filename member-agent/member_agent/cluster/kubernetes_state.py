@@ -463,11 +463,20 @@ class ClusterState:
         self._reported[rec.key] = rec
         if last is None and rec.phase == status.PodPhase.PENDING:
             return
-        if last is not None and (last.phase, last.reason) == (rec.phase, rec.reason):
+        if last is not None and (last.phase, last.reason, last.checkpoint) == (
+            rec.phase,
+            rec.reason,
+            rec.checkpoint,
+        ):
             return
         self._emit(
             base.PodEvent(
-                job_id=rec.job_id, name=rec.name, phase=rec.phase, node=rec.node, reason=rec.reason
+                job_id=rec.job_id,
+                name=rec.name,
+                phase=rec.phase,
+                node=rec.node,
+                reason=rec.reason,
+                checkpoint=rec.checkpoint,
             )
         )
 

@@ -10,9 +10,20 @@ attempt fails with NodeLost and the broker's retry succeeds. Timers are asyncio 
 handles, never polling loops. Fault injection for tests and chaos runs: `fail_creates_after`
 and `set_node_ready`.
 
+Graceful deletion, as the kubelet does it: a running pod deleted with a grace period gets its
+SIGTERM and keeps running, and its GPUs, until it exits or the grace ends, whichever comes
+first; then it is gone (a DELETED event). How long the workload takes to exit is
+`gpufed.io/sim-exit-after` (a duration; 0 by default: it exits at once, as every simulated
+pod did before grace periods were modelled). A pod deleted again with a shorter grace goes
+sooner. A workload that checkpoints is `gpufed.io/sim-checkpoint-every`: it
+writes `gpufed.io/last-checkpoint` on its pod that often while it runs. Annotations the agent
+writes (`annotate_pod`: the preemption notice) are kept on the pod.
+
 A `Journal` (`gpufed agent --sim-journal FILE`) records a JSON line each time a pod starts or
-stops running (finished, deleted, or gone with the agent process), with the wall-clock time:
-what the e2e tests read to check that no two copies of a job ever run at the same moment.
+stops running (finished, deleted, or gone with the agent process), and when a running pod is
+told to terminate (`terminate`, with its `grace` and the `notice` annotation it saw then),
+with the wall-clock time: what the e2e tests read to check that no two copies of a job ever
+run at the same moment, and that a preempted pod got its notice and its grace.
 
 The backend outlives an agent given it (`app.run_agent(..., backend=...)`): an agent started
 again on the same backend finds the pods it holds (`held_jobs`), as on a real cluster.
@@ -28,7 +39,8 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,6 +57,8 @@ logger = logging.getLogger(__name__)
 POOL_LABEL = "gpufed.io/pool"
 RACK_LABEL = "gpufed.io/rack"
 NVLINK_DOMAIN_LABEL = "gpufed.io/nvlink-domain"
+SIM_EXIT_AFTER_ANNOTATION = "gpufed.io/sim-exit-after"
+SIM_CHECKPOINT_EVERY_ANNOTATION = "gpufed.io/sim-checkpoint-every"
 
 
 class NodesFileError(ValueError):
@@ -221,8 +235,16 @@ class Journal:
         self.path = path
         self._file = path.open("a", encoding="utf-8", buffering=1)
 
-    def write(self, event: str, cluster: str, pod: SimPod, *, phase: str) -> None:
-        line = {
+    def write(
+        self,
+        event: str,
+        cluster: str,
+        pod: SimPod,
+        *,
+        phase: str,
+        extra: Mapping[str, object] | None = None,
+    ) -> None:
+        line: dict[str, object] = {
             "t": time.time(),
             "event": event,
             "cluster": cluster,
@@ -231,6 +253,7 @@ class Journal:
             "attempt": _attempt_of(pod.request.annotations),
             "node": pod.request.node,
             "phase": phase,
+            **(extra or {}),
         }
         self._file.write(json.dumps(line) + "\n")
 
@@ -249,6 +272,17 @@ class SimPod:
     started: float | None = None
     finished: float | None = None
     timer: asyncio.TimerHandle | None = None
+    annotations: dict[str, str] = field(default_factory=dict)  # as the pod has them now
+    exit_after: float = 0.0  # seconds its workload takes to exit after SIGTERM
+    checkpoint_every: float | None = None
+    checkpoint_timer: asyncio.TimerHandle | None = None
+    terminating_until: float | None = None  # deleted with a grace: gone by then
+
+    def stop_timers(self) -> None:
+        for handle in (self.timer, self.checkpoint_timer):
+            if handle is not None:
+                handle.cancel()
+        self.timer = self.checkpoint_timer = None
 
     def status(self) -> status.PodStatus:
         return status.PodStatus(
@@ -299,9 +333,7 @@ class SimulatedBackend:
 
     async def close(self) -> None:
         for pod in self._pods.values():
-            if pod.timer is not None:
-                pod.timer.cancel()
-                pod.timer = None
+            pod.stop_timers()
             if pod.phase == status.PodPhase.RUNNING:  # simulated pods end with the backend
                 self._journal("stop", pod, phase="BackendClosed")
         self._queue.put_nowait(None)
@@ -345,6 +377,12 @@ class SimulatedBackend:
             raise errors.PermanentBackendError(
                 f"{request.name}: annotation {jobs.SIM_OUTCOME_ANNOTATION}: {exc}"
             ) from exc
+        try:
+            exit_after = parse_duration(annotations.get(SIM_EXIT_AFTER_ANNOTATION, "0"))
+            every_text = annotations.get(SIM_CHECKPOINT_EVERY_ANNOTATION)
+            every = parse_duration(every_text) if every_text is not None else None
+        except ValueError as exc:
+            raise errors.PermanentBackendError(f"{request.name}: {exc}") from exc
         placement = status.PodPlacement(
             name=request.name, task=request.task, node=request.node, gpus=list(request.gpus)
         )
@@ -361,6 +399,9 @@ class SimulatedBackend:
             duration=duration,
             outcome=outcome,
             created=self._clock(),
+            annotations=annotations,
+            exit_after=exit_after,
+            checkpoint_every=every if every else None,
         )
         self._pods[key] = pod
         self._by_job.setdefault(request.job_id, {})[key] = pod
@@ -368,18 +409,47 @@ class SimulatedBackend:
         self._emit(pod)
 
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: float) -> None:
-        del grace_seconds  # simulated pods stop at once
-        pod = self._pods.pop((namespace, name), None)
+        """A running pod deleted with a grace keeps its GPUs until its workload exits
+        (`exit_after`) or the grace ends; any other is gone at once."""
+        pod = self._pods.get((namespace, name))
         if pod is None:
             return
+        if grace_seconds <= 0 or pod.phase != status.PodPhase.RUNNING:
+            self._remove(pod)
+            return
+        now = self._clock()
+        until = now + min(grace_seconds, pod.exit_after)
+        if pod.terminating_until is not None and pod.terminating_until <= until:
+            return  # going sooner already
+        if pod.terminating_until is None:
+            notice = pod.annotations.get(base.PREEMPTION_NOTICE_ANNOTATION)
+            self._journal(
+                "terminate", pod, phase=pod.phase.value, grace=grace_seconds, notice=notice
+            )
+        pod.terminating_until = until
+        pod.stop_timers()
+        if until <= now:
+            self._remove(pod)
+        else:
+            pod.timer = asyncio.get_running_loop().call_later(until - now, self._remove, pod)
+
+    async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        pod = self._pods.get((namespace, name))
+        if pod is not None:
+            pod.annotations.update(annotations)
+
+    def _remove(self, pod: SimPod) -> None:
+        """The pod is gone: its GPUs free, a DELETED event."""
+        namespace, name = pod.request.namespace, pod.request.name
+        if self._pods.get((namespace, name)) is not pod:
+            return
+        del self._pods[(namespace, name)]
         job = self._by_job.get(pod.request.job_id)
         if job is not None:
             job.pop((namespace, name), None)
             if not job:
                 del self._by_job[pod.request.job_id]
-        if pod.timer is not None:
-            pod.timer.cancel()
-            pod.timer = None
+        pod.stop_timers()
         self._inventory.release(name)
         if pod.phase == status.PodPhase.RUNNING:
             self._journal("stop", pod, phase=status.PodPhase.DELETED.value)
@@ -444,6 +514,10 @@ class SimulatedBackend:
         pod.started = self._clock()
         self._journal("start", pod, phase=pod.phase.value)
         self._emit(pod)
+        if pod.checkpoint_every is not None:
+            pod.checkpoint_timer = asyncio.get_running_loop().call_later(
+                pod.checkpoint_every, self._checkpoint, pod
+            )
         phase, reason = pod.outcome
         duration = pod.duration
         if duration is None and phase == status.PodPhase.FAILED:
@@ -453,10 +527,19 @@ class SimulatedBackend:
                 duration, self._finish, pod, phase, reason
             )
 
+    def _checkpoint(self, pod: SimPod) -> None:
+        """The workload checkpointed: its pod says when, and it goes on."""
+        pod.checkpoint_timer = None
+        if pod.phase != status.PodPhase.RUNNING or pod.checkpoint_every is None:
+            return
+        pod.annotations[base.LAST_CHECKPOINT_ANNOTATION] = base.rfc3339(datetime.now(UTC))
+        self._emit(pod)
+        pod.checkpoint_timer = asyncio.get_running_loop().call_later(
+            pod.checkpoint_every, self._checkpoint, pod
+        )
+
     def _finish(self, pod: SimPod, phase: status.PodPhase, reason: str) -> None:
-        if pod.timer is not None:
-            pod.timer.cancel()
-        pod.timer = None
+        pod.stop_timers()
         if pod.phase == status.PodPhase.RUNNING:
             self._journal("stop", pod, phase=phase.value)
         pod.phase = phase
@@ -466,9 +549,9 @@ class SimulatedBackend:
         self._inventory.release(pod.request.name)
         self._emit(pod)
 
-    def _journal(self, event: str, pod: SimPod, *, phase: str) -> None:
+    def _journal(self, event: str, pod: SimPod, *, phase: str, **extra: object) -> None:
         if self.journal is not None:
-            self.journal.write(event, self.cluster, pod, phase=phase)
+            self.journal.write(event, self.cluster, pod, phase=phase, extra=extra)
 
     def _emit(self, pod: SimPod) -> None:
         self._queue.put_nowait(
@@ -478,6 +561,7 @@ class SimulatedBackend:
                 phase=pod.phase,
                 node=pod.request.node,
                 reason=pod.reason,
+                checkpoint=pod.annotations.get(base.LAST_CHECKPOINT_ANNOTATION, ""),
             )
         )
 

@@ -17,7 +17,12 @@ Attempts: an offer of the attempt the table holds is a re-send, answered with th
 retry, a preemption, a lost cluster) deletes the earlier attempt's live pods, drops its record
 and is placed as new, its pods named for the attempt (`broker.api.gangs.pod_name`); one of an
 earlier attempt is rejected (`check_fresh`). A cancel stops only the attempt it names (or an
-earlier one).
+earlier one). A cancel with reason `Preempted` gives notice first: the pods are annotated
+`gpufed.io/preemption-notice` (the deadline, RFC 3339), deleted with the cancel's grace, and
+the job stays as it is (`table.TrackedJob.stopping`) until none of its pods is live; only then
+is it Cancelled and reported, so the broker does not count its GPUs free while the workload
+still checkpoints on them. A pod's `gpufed.io/last-checkpoint` (the backend's pod events) is
+reported when it moves forward (`updating.Updater.send_checkpoint`).
 
 Fencing: when the agent's cluster lease lapses (`session.leasing`: no word from the broker for
 its fence time) the session calls `fence`: offers are rejected from then on (`fenced`), and
@@ -35,6 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -53,6 +59,8 @@ Reply = Callable[[messages.Message], None]
 
 
 CLUSTER_LOST = "ClusterLost"  # the reason of the jobs a fence stops
+PREEMPTED = "Preempted"  # a cancel's reason that preempts: notice, grace, then Cancelled
+STOP_MARGIN_SECONDS = 30.0  # past a preemption's grace: reported even if pods still show
 
 
 @dataclass(frozen=True)
@@ -329,9 +337,67 @@ class JobHandler:
                 await self._cancel(record, cancel)
 
     async def _cancel(self, record: table.TrackedJob, cancel: messages.Cancel) -> None:
-        """Stop a live job: Cancelled at once, its pods deleted with the cancel's grace."""
+        """Stop a live job: Cancelled at once, its pods deleted with the cancel's grace; a
+        preemption gives notice first and reports Cancelled once the pods are gone."""
+        if cancel.reason == PREEMPTED:
+            if record.stopping is None:
+                await self._preempt(record, cancel)
+            return
         await self._stop([record], reason=cancel.reason, grace_seconds=cancel.grace_seconds)
         logger.info("job %s cancelled: %s", cancel.job_id, cancel.reason)
+
+    async def _preempt(self, record: table.TrackedJob, cancel: messages.Cancel) -> None:
+        """Preempted: every live pod annotated with the deadline
+        (`gpufed.io/preemption-notice`), then deleted with the grace period. The job stays
+        as it is, holding its GPUs, until no pod is live (`_check_stopped`): only then is it
+        Cancelled and reported, so the broker counts its GPUs free only once they are."""
+        grace = max(0.0, cancel.grace_seconds)
+        deadline = datetime.now(UTC) + timedelta(seconds=grace)
+        live = record.live_pods()
+        names = [(record.namespace, pod.name) for pod in live]
+        notice = {base.PREEMPTION_NOTICE_ANNOTATION: base.rfc3339(deadline)}
+        unannotated = await binding.annotate_pods(self.backend, names, notice)
+        record.stopping = cancel.reason
+        failed = set(await binding.delete_pods(self.backend, names, grace_seconds=grace))
+        for pod in live:  # a pod that could not be deleted is not waited for
+            if pod.name in failed:
+                record.set_phase(pod, status.PodPhase.DELETED, reason=cancel.reason)
+        said = [f"{len(failed)} pods could not be deleted"] if failed else []
+        said += [f"{len(unannotated)} pods got no notice"] if unannotated else []
+        record.stop_message = "; ".join(said)
+        logger.info(
+            "job %s preempted: %d pods deleted with %g s of grace (notice until %s)",
+            record.job_id,
+            len(live),
+            grace,
+            notice[base.PREEMPTION_NOTICE_ANNOTATION],
+            extra={"job_id": record.job_id, "trace_id": _trace_id(record.traceparent)},
+        )
+        asyncio.get_running_loop().call_later(
+            grace + STOP_MARGIN_SECONDS, self._stop_overdue, record
+        )
+        self._check_stopped(record)
+
+    def _check_stopped(self, record: table.TrackedJob) -> None:
+        """A stopping job none of whose pods is live any more: Cancelled, reported."""
+        if record.stopping is None or record.state.terminal or record.live_pods():
+            return
+        record.finish(status.JobState.CANCELLED, record.stopping, now=self.clock())
+        self.updates.send_final(record, message=record.stop_message)
+        self.on_change()
+
+    def _stop_overdue(self, record: table.TrackedJob) -> None:
+        """The grace has long passed and pods of a stopping job still show live (an event
+        lost): it is reported Cancelled anyway; the inventory still holds what they hold."""
+        if self.table.get(record.job_id) is not record or record.state.terminal:
+            return
+        left = record.live_pods()
+        for pod in left:
+            record.set_phase(pod, status.PodPhase.DELETED, reason=record.stopping or "")
+        logger.warning("job %s: %d pods still live past their grace", record.job_id, len(left))
+        said = [record.stop_message] if record.stop_message else []
+        record.stop_message = "; ".join([*said, f"{len(left)} pods still live past the grace"])
+        self._check_stopped(record)
 
     async def _stop(
         self,
@@ -423,7 +489,21 @@ class JobHandler:
         if pod is None:
             return
         record.set_phase(pod, event.phase, reason=event.reason)
+        if event.checkpoint:
+            self._note_checkpoint(record, event.checkpoint)
+        if record.stopping is not None:
+            self._check_stopped(record)
+            return
         self._follow(record)
+
+    def _note_checkpoint(self, record: table.TrackedJob, text: str) -> None:
+        """A pod says its workload checkpointed: the job's newest checkpoint, reported."""
+        at = base.read_time(text)
+        if at is None or (record.checkpoint is not None and at <= record.checkpoint):
+            return
+        record.checkpoint = at
+        if not record.state.terminal and record.stopping is None:
+            self.updates.send_checkpoint(record)
 
     def _follow(self, record: table.TrackedJob) -> None:
         steps = record.advance(now=self.clock())

@@ -14,12 +14,16 @@ until acknowledged, so the broker never takes a finished job for a lost one.
 The table holds one record per job, of the job's latest attempt (`TrackedJob.attempt`, the
 broker's dispatch count): an offer of a later attempt replaces the record (`supersede`), one of
 the same attempt is a re-send, and every update and hello entry says which attempt it is about.
+
+A preempted job is `stopping` while its pods run through their grace period: it keeps its
+state (Running), its pods' deletions fail nothing, and it is Cancelled once none is live.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from broker.api import jobs, messages, status
 
@@ -54,6 +58,10 @@ class TrackedJob:
     acked_at: float | None = None  # when the broker acknowledged its final report
     # spec.failurePolicy.clusterLost: whether a fence (the cluster lease lapsed) stops it
     cluster_lost: jobs.ClusterLostPolicy = jobs.ClusterLostPolicy.REQUEUE
+    # why its pods are being deleted with a grace (Preempted): Cancelled once they are gone
+    stopping: str | None = None
+    stop_message: str = ""
+    checkpoint: datetime | None = None  # the newest gpufed.io/last-checkpoint of its pods
 
     def set_phase(self, pod: status.PodStatus, phase: status.PodPhase, *, reason: str = "") -> None:
         """Move one pod to `phase`, keeping the counters right."""
@@ -66,7 +74,7 @@ class TrackedJob:
         self.succeeded += (phase == status.PodPhase.SUCCEEDED) - (old == status.PodPhase.SUCCEEDED)
         pod.phase = phase
         pod.reason = reason
-        if self.failure is None and not self.state.terminal:
+        if self.failure is None and not self.state.terminal and self.stopping is None:
             if phase == status.PodPhase.FAILED:
                 self.failure = reason or "Error"
             elif phase == status.PodPhase.DELETED and old in _LIVE:
@@ -85,8 +93,8 @@ class TrackedJob:
         return status.JobState.DISPATCHED, ""
 
     def advance(self, *, now: float) -> list[tuple[status.JobState, str]]:
-        """Follow the pods: the (state, reason) steps taken, none while binding."""
-        if self.binding or self.state.terminal:
+        """Follow the pods: the (state, reason) steps taken, none while binding or stopping."""
+        if self.binding or self.state.terminal or self.stopping is not None:
             return []
         state, reason = self.implied_state()
         if state in (self.state, status.JobState.DISPATCHED):

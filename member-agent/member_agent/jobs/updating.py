@@ -58,6 +58,7 @@ class Updater:
         self.resent = 0
         self._seq = 0
         self._acked_on_write = False  # the broker of this session does not acknowledge
+        self.checkpoints = False  # the broker of this session reads checkpoints (protocol 4)
 
     # -- what the handler says -------------------------------------------------------------
 
@@ -75,6 +76,15 @@ class Updater:
         update = record.update()
         update.message = message
         self._deliver(record, update)
+
+    def send_checkpoint(self, record: table.TrackedJob) -> None:
+        """The job's newest checkpoint, to a broker that reads it (not kept: the next one,
+        or the job's record, says it again)."""
+        if not self.checkpoints:
+            return
+        update = record.update()
+        update.checkpoint = record.checkpoint
+        self.send(update)
 
     def hold_final(self, record: table.TrackedJob) -> None:
         """The final state of a job found finished at start: sent with the next session."""
@@ -138,11 +148,13 @@ class Updater:
             done += 1
         return done
 
-    def session_started(self, *, acks: bool) -> int:
+    def session_started(self, *, acks: bool, checkpoints: bool = False) -> int:
         """A session the broker welcomed, after a hello that listed every finished job not
         acknowledged: their reports are sent again on it (returns how many). A broker that
-        does not acknowledge (`acks` False: protocol 1) has them from the hello: delivered."""
+        does not acknowledge (`acks` False: protocol 1) has them from the hello: delivered.
+        `checkpoints`: the broker reads `JobUpdate.checkpoint` (protocol 4)."""
         self._acked_on_write = not acks
+        self.checkpoints = checkpoints
         if not acks:
             self.acknowledge(list(self.pending))
             return 0

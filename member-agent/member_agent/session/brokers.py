@@ -11,7 +11,8 @@ even when it is not in the list (`not_leader`), or else to the next URL.
 `check_handshake` reads the answer of a refused handshake (aiohttp's `WSServerHandshakeError`
 carries no body: it runs as the client session's `raise_for_status`) into the errors below:
 `NotLeader`, `AuthError` (401/403: a failover does not help, the token is wrong) or
-`SessionError`. Neither a 409 nor an auth failure renews the agent's cluster lease.
+`SessionError`; `check_close` does the same for a session closed before its welcome.
+Neither a 409 nor an auth failure renews the agent's cluster lease.
 """
 
 from __future__ import annotations
@@ -31,7 +32,24 @@ class SessionError(Exception):
 
 
 class AuthError(SessionError):
-    """The broker refused the token (HTTP 401/403): retrying soon will not help."""
+    """The broker refused the token (HTTP 401/403, or a session closed with 4001/4003 before
+    its welcome): retrying soon will not help."""
+
+
+class TokenFileError(AuthError):
+    """The agent's own token file cannot be read, or is empty: nothing was sent."""
+
+
+# close codes of a session the broker upgraded and then refused for its credentials: 4001 not
+# authenticated, 4003 forbidden (the token, or certificate, of another cluster)
+AUTH_CLOSE_CODES = frozenset({4001, 4003})
+
+
+def check_close(code: int | None, reason: str) -> None:
+    """Raise AuthError for a session closed before its welcome for its credentials; else
+    nothing (a broker that goes away, a 4009 not-leader, is retried)."""
+    if code in AUTH_CLOSE_CODES:
+        raise AuthError(f"closed the session with {code}: {reason or 'no reason given'}")
 
 
 class NotLeader(SessionError):

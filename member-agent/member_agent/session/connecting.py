@@ -1,9 +1,10 @@
 """The agent's WebSocket session with the broker: connect out, hello, heartbeats, reconnect.
 
 `Connector.run` loops until stopped: connect `GET {broker}/v1/agents/connect` with the
-cluster's bearer token, send `hello` with every job the agent holds, wait for `welcome`, send a
-full summary, then read offers and cancels (handled one at a time by `jobs.handling.JobHandler`)
-and write replies, job updates, summaries and heartbeats. Silence for three heartbeat intervals
+cluster's bearer token (or its client certificate, over TLS: `tls`), send `hello` with every
+job the agent holds, wait for `welcome`, send a full summary, then read offers and cancels
+(handled one at a time by `jobs.handling.JobHandler`) and write replies, job updates,
+summaries and heartbeats. Silence for three heartbeat intervals
 drops the session; it is opened again with exponential backoff and jitter, on the next broker
 URL after a connection failure, on the leader a follower names after a 409 (`brokers`).
 Once a replica has answered 409, the brokers are up and choosing a leader: until a session is
@@ -11,7 +12,8 @@ welcomed, no wait is longer than the replica's Retry-After (a dead leader it sti
 the next URL, are tried at that pace rather than at the backoff's ceiling). An agent
 behind an egress proxy names it (`--proxy`); the environment's `HTTP_PROXY` is not read, so a
 proxy set for package downloads never comes between an agent and its broker by surprise.
-A 401/403 is permanent until the token changes: an agent that no broker has welcomed yet and
+A 401/403 (or a session closed with 4001/4003 before its welcome: the token of another
+cluster) is permanent until the token changes: an agent that no broker has welcomed yet and
 that holds no running job exits with the reason (`brokers.AuthError` out of `run`); otherwise
 it is logged and retried slowly (exiting would leave its pods unfenced).
 
@@ -34,7 +36,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -43,7 +45,7 @@ import pydantic
 
 from broker.api import messages
 from member_agent.jobs import handling
-from member_agent.session import brokers, leasing, reporting
+from member_agent.session import brokers, leasing, reporting, tls
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,9 @@ class ConnectSettings:
     connect_timeout_seconds: float = 10.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
     proxy_url: str | None = None  # an HTTP proxy for every broker connection
+    # --ca-file, --cert, --key (session.tls)
+    tls_files: tls.ClientFiles = field(default_factory=tls.ClientFiles)
+    tls_server_name: str | None = None  # the name every broker's certificate must have
 
 
 def connect_url(broker: str) -> str:
@@ -92,9 +97,9 @@ def read_token(path: Path | None) -> str | None:
     try:
         token = path.read_text().strip()
     except OSError as exc:
-        raise brokers.AuthError(f"cannot read the token file {path}: {exc.strerror}") from exc
+        raise brokers.TokenFileError(f"cannot read the token file {path}: {exc.strerror}") from exc
     if not token:
-        raise brokers.AuthError(f"the token file {path} is empty")
+        raise brokers.TokenFileError(f"the token file {path} is empty")
     return token
 
 
@@ -129,6 +134,7 @@ class Link:
         self.closed = False
         self.welcomed = False
         self.acks = False  # the broker acknowledges final reports (its welcome's protocol)
+        self.checkpoints = False  # the broker reads checkpoints in job updates (protocol 4)
 
     def send(
         self, message: messages.Message, /, *, on_sent: Callable[[], None] | None = None
@@ -178,6 +184,8 @@ class Connector:
         self.failures = 0
         self.brokers = brokers.BrokerList(settings.broker_urls)
         self._welcomed = False  # the current attempt's session was welcomed
+        self._close_reason = ""  # what the broker's close frame said, last
+        self.tls = tls.ClientTls(settings.tls_files) if settings.tls_files.given else None
         self.lease = leasing.ClusterLease(
             requested=settings.fence_after_seconds,
             heartbeat=settings.heartbeat_seconds,
@@ -233,6 +241,9 @@ class Connector:
                 self.failures += 1
                 refused = True
                 if self.sessions == 0 and not self.handler.holds_live_jobs():
+                    if isinstance(exc, brokers.TokenFileError):  # nothing reached a broker
+                        logger.error("cluster %s: %s (stopping)", self.settings.cluster, exc)
+                        raise
                     logger.error(
                         "broker %s refused cluster %s: %s; fix the token (stopping)",
                         broker,
@@ -301,6 +312,8 @@ class Connector:
                         headers=headers,
                         autoping=True,
                         proxy=self.settings.proxy_url,
+                        ssl=self.tls.context() if self.tls is not None else True,
+                        server_hostname=self.settings.tls_server_name,
                         max_msg_size=self.settings.max_message_bytes,
                         timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0),
                     ),
@@ -339,7 +352,8 @@ class Connector:
         async with asyncio.timeout(wait):
             while True:
                 message = await self._receive(ws)
-                if message is None:
+                if message is None:  # refused for its token (4001, 4003), or gone
+                    brokers.check_close(ws.close_code, self._close_reason)
                     raise brokers.SessionError("the broker closed the session before its welcome")
                 if isinstance(message, messages.Welcome):
                     break
@@ -347,6 +361,7 @@ class Connector:
         link.epoch = message.epoch
         link.heartbeat_seconds = message.heartbeat_seconds
         link.acks = message.v >= messages.ACKS_SINCE
+        link.checkpoints = message.v >= messages.CHECKPOINTS_SINCE
         link.welcomed = True
         self.lease.set_terms(
             heartbeat=message.heartbeat_seconds, lost_after=message.lost_after_seconds
@@ -357,7 +372,7 @@ class Connector:
         self, ws: aiohttp.ClientWebSocketResponse, link: Link, stop: asyncio.Event
     ) -> None:
         first = self.reporter.attach(link.send_summary)
-        resent = self.handler.updates.session_started(acks=link.acks)
+        resent = self.handler.updates.session_started(acks=link.acks, checkpoints=link.checkpoints)
         if resent:
             logger.info("sending %d final reports not acknowledged yet", resent)
         tasks = {
@@ -409,6 +424,8 @@ class Connector:
         """The next message that decodes, or None once the socket is closed."""
         while True:
             frame = await ws.receive(timeout=wait)
+            if frame.type == aiohttp.WSMsgType.CLOSE:
+                self._close_reason = str(frame.extra or "")
             if frame.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
                 try:
                     return messages.decode(frame.data)

@@ -60,8 +60,9 @@ def make_job(
     min_member: int | None = None,
     cpu: str | None = None,
     cluster_lost: str | None = None,
+    annotations: dict[str, str] | None = None,
 ) -> jobs.GPUJob:
-    annotations = {}
+    annotations = dict(annotations or {})
     if duration is not None:
         annotations[jobs.SIM_DURATION_ANNOTATION] = str(duration)
     if outcome is not None:

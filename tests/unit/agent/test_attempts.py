@@ -59,8 +59,9 @@ async def keep_running(h: harnesses.Harness) -> None:
 
 
 async def cancel(h: harnesses.Harness) -> None:
-    """Attempt 1 was preempted."""
+    """Attempt 1 was preempted: reported Cancelled once its pods are gone."""
     await h.handler.handle_cancel(messages.Cancel(job_id="j1", epoch=1, reason="Preempted"))
+    await h.pump(lambda: ("Cancelled", "Preempted", 1) in attempts_sent(h, "j1"))
 
 
 @pytest.mark.parametrize(

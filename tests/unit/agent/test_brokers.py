@@ -71,3 +71,23 @@ def test_a_follower_that_names_no_other_leader_sends_the_agent_down_the_list(
     urls = brokers.BrokerList((A, B))
     assert not urls.not_leader(leader)
     assert urls.current == B
+
+
+@pytest.mark.parametrize(
+    ("code", "refused"),
+    [
+        pytest.param(4003, True, id="4003: another cluster's token"),
+        pytest.param(4001, True, id="4001: not authenticated"),
+        pytest.param(4009, False, id="4009: not the leader, retried"),
+        pytest.param(1001, False, id="going away, retried"),
+        pytest.param(None, False, id="no close frame, retried"),
+    ],
+)
+def test_a_session_closed_before_its_welcome_is_an_auth_failure_only_for_its_credentials(
+    code: int | None, refused: bool
+) -> None:
+    if refused:
+        with pytest.raises(brokers.AuthError, match=f"closed the session with {code}: why"):
+            brokers.check_close(code, "why")
+    else:
+        brokers.check_close(code, "why")

@@ -71,6 +71,7 @@ class Running:
     priority: int = 0
     model: str = H100
     ends: float | None = None  # simulated end, in seconds from T0
+    checkpointed: datetime | None = None  # its workload's last checkpoint
 
     def view(self) -> snapshot.RunningJob:
         return snapshot.RunningJob(
@@ -81,6 +82,7 @@ class Running:
             gpus={self.model: sum(g for _, g in self.pods)},
             pods=tuple(snapshot.PodSlot(node, g) for node, g in self.pods),
             started=self.started,
+            checkpointed=self.checkpointed,
         )
 
 
@@ -138,6 +140,7 @@ class Fleet:
         priority: int = 0,
         ends: float | None = None,
         nodes: Sequence[str] | None = None,
+        checkpoint_s: float | None = None,
     ) -> Running:
         where = self.clusters[cluster]
         placed = []
@@ -150,6 +153,7 @@ class Fleet:
                 node = where.take(gpus)
             placed.append((node, gpus))
         job = Running(job_id, queue, cluster, placed, at(started_s), priority, where.model, ends)
+        job.checkpointed = at(checkpoint_s) if checkpoint_s is not None else None
         self.running[job_id] = job
         return job
 

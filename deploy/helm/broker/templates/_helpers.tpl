@@ -110,3 +110,19 @@ podAntiAffinity:
     {{- list (dict "weight" 100 "podAffinityTerm" $term) | toYaml | nindent 4 }}
 {{- end -}}
 {{- end -}}
+
+{{/* The Secret with the broker's own certificate and key (tls.enabled). */}}
+{{- define "broker.tlsSecret" -}}
+{{- if .Values.tls.existingSecret -}}
+{{- .Values.tls.existingSecret -}}
+{{- else if .Values.tls.certManager.enabled -}}
+{{- printf "%s-tls" (include "broker.fullname" .) -}}
+{{- else -}}
+{{- required "tls.existingSecret (or tls.certManager.enabled) is required when tls.enabled" "" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* http or https: what the broker's port speaks. */}}
+{{- define "broker.scheme" -}}
+{{- if .Values.tls.enabled -}}https{{- else -}}http{{- end -}}
+{{- end -}}

@@ -41,3 +41,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- required "broker.token.existingSecret (or broker.token.create with broker.token.value) is required" .Values.broker.token.existingSecret -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Whether the agent sends a token: one is configured, or no client certificate replaces it. */}}
+{{- define "member-agent.hasToken" -}}
+{{- if or .Values.broker.token.create .Values.broker.token.existingSecret (not .Values.clientCertificate.enabled) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret with this agent's client certificate and key (clientCertificate.enabled). */}}
+{{- define "member-agent.clientTlsSecret" -}}
+{{- if .Values.clientCertificate.existingSecret -}}
+{{- .Values.clientCertificate.existingSecret -}}
+{{- else if .Values.clientCertificate.certManager.enabled -}}
+{{- printf "%s-client-tls" (include "member-agent.fullname" .) -}}
+{{- else -}}
+{{- required "clientCertificate.existingSecret (or clientCertificate.certManager.enabled) is required when clientCertificate.enabled" "" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,376 @@
+"""People's tokens from an OpenID Connect provider: JWTs verified against its keys, their
+claims read as a tenant and a role.
+
+`Verifier.identify` takes a bearer token that looks like a JWT (and is not in the tokens
+file: `auth.Authenticator.authenticate` asks the file first) and returns the `auth.Principal`
+it names, or raises `Unauthenticated` (401) for a token that does not verify — bad signature,
+another issuer or audience, expired or not yet valid (a leeway of `leeway_seconds` either
+side), an algorithm other than RS256 or ES256 — and `Forbidden` (403) for a verified token
+that grants no gpufed role, or roles in several tenants. PyJWT checks the signature and the
+registered claims; nothing here does cryptography.
+
+The keys (a JWKS) come from a file, an http(s) URL, or the issuer's discovery document
+(`/.well-known/openid-configuration`, its `jwks_uri`) when neither is given. A URL is
+fetched at start and every `refresh_seconds`; a token whose `kid` is not known fetches
+again at once (a provider rotating its keys), at most every `MIN_REFETCH_SECONDS`. A file
+is read at start (a bad one stops the broker) and again when it changes.
+
+Claims to a principal (`grants_of`), by default from `groups` (`--oidc-groups-claim`):
+
+    gpufed:admin                   the admin
+    gpufed:viewer | gpufed:metrics a fleet-wide viewer, a scraper
+    gpufed:team-a:submitter        a submitter of tenant team-a (tenant-admin, viewer too)
+
+With `--oidc-role-claim NAME` the roles are read from that claim instead (a role name or a
+list of them), and the tenant of tenant roles from `--oidc-tenant-claim NAME`. The strongest
+grant wins (admin, then tenant-admin, submitter, a tenant's viewer, a fleet viewer, metrics);
+grants in several tenants are refused (one identity acts for one tenant). Agents never come
+from OIDC: their tokens (or certificates) name their cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jwt
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.api import errors
+from broker.http import auth, roles
+
+logger = logging.getLogger(__name__)
+
+ALGORITHMS = ("RS256", "ES256")
+MIN_REFETCH_SECONDS = 30.0
+FETCH_TIMEOUT_SECONDS = 5.0
+MAX_JWKS_BYTES = 1024 * 1024
+INVALID = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+# the order grants are preferred in: the first a token holds is its role
+_STRENGTH = (
+    roles.Role.ADMIN,
+    roles.Role.TENANT_ADMIN,
+    roles.Role.SUBMITTER,
+    roles.Role.VIEWER,
+    roles.Role.METRICS,
+)
+
+
+class OidcError(Exception):
+    """The OIDC keys cannot be used at start (a JWKS file that does not read)."""
+
+
+class OidcSettings(BaseModel):
+    """`--oidc-*`: the provider whose tokens people bring, and how their claims read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    issuer: str = Field(min_length=1)
+    audience: str = Field(min_length=1)
+    # a JWKS file, or an http(s) URL; None: the issuer's discovery document names it
+    jwks: str | None = None
+    groups_claim: str = "groups"
+    group_prefix: str = "gpufed:"
+    role_claim: str | None = None
+    tenant_claim: str | None = None
+    # what names the person in logs, audit lines and job events
+    username_claim: str = "sub"
+    leeway_seconds: float = Field(30.0, ge=0, le=300)
+    refresh_seconds: float = Field(600.0, gt=0)
+    # a token of an unknown kid fetches the keys again, at most this often
+    min_refetch_seconds: float = Field(MIN_REFETCH_SECONDS, ge=0)
+
+    @property
+    def jwks_is_url(self) -> bool:
+        return self.jwks is None or self.jwks.startswith(("http://", "https://"))
+
+
+@dataclass(frozen=True)
+class Grant:
+    role: roles.Role
+    tenant: str | None = None
+
+
+def looks_like_jwt(token: str) -> bool:
+    """A compact JWS: three dot-separated parts, the header a JSON object (`eyJ`)."""
+    return token.startswith("eyJ") and token.count(".") == 2
+
+
+def grants_of(claims: Mapping[str, Any], settings: OidcSettings) -> list[Grant]:
+    """The gpufed roles a verified token's claims grant (none: it may do nothing here)."""
+    claimed_tenant = claims.get(settings.tenant_claim) if settings.tenant_claim else None
+    tenant = claimed_tenant if isinstance(claimed_tenant, str) and claimed_tenant else None
+    found: list[Grant] = []
+    if settings.role_claim is not None:
+        for name in _strings(claims.get(settings.role_claim)):
+            _add(found, name, tenant)
+        return found
+    for group in _strings(claims.get(settings.groups_claim)):
+        if not group.startswith(settings.group_prefix):
+            continue
+        parts = group.removeprefix(settings.group_prefix).split(":")
+        if len(parts) == 1:
+            _add(found, parts[0], tenant)
+        elif len(parts) == 2 and parts[0]:
+            _add(found, parts[1], parts[0])
+    return found
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [item for item in value if isinstance(item, str)]
+    return []
+
+
+def _add(found: list[Grant], name: str, tenant: str | None) -> None:
+    try:
+        role = roles.Role(name)
+    except ValueError:
+        return  # another application's role, or agent: never from OIDC
+    if role == roles.Role.AGENT:
+        return
+    if role in roles.TENANT_ROLES and tenant is None:
+        return  # a tenant role without its tenant grants nothing
+    if role in (roles.Role.ADMIN, roles.Role.METRICS):
+        tenant = None
+    found.append(Grant(role, tenant))
+
+
+def choose(grants: list[Grant], *, who: str) -> Grant:
+    """The grant a principal acts with: the strongest; Forbidden if none, or several tenants."""
+    if not grants:
+        raise errors.Forbidden(f"this OIDC token ({who}) grants no gpufed role")
+    best = min(grants, key=lambda g: (_STRENGTH.index(g.role), g.tenant is None))
+    if best.role == roles.Role.ADMIN:
+        return best
+    tenants = sorted({g.tenant for g in grants if g.tenant is not None})
+    if len(tenants) > 1:
+        raise errors.Forbidden(
+            f"this OIDC token ({who}) grants roles in tenants {', '.join(tenants)}: one "
+            "identity acts for one tenant (ask for a token of one)"
+        )
+    return best
+
+
+class Verifier:
+    """The provider's keys, and tokens checked against them (`auth.TokenVerifier`)."""
+
+    def __init__(self, settings: OidcSettings) -> None:
+        self.settings = settings
+        self._keys: dict[str, jwt.PyJWK] = {}  # by kid ("" for a key without one)
+        self._fetched_at = -float("inf")
+        self._file_signature: tuple[int, int] | None = None
+        self._fetching = asyncio.Lock()
+        if not settings.jwks_is_url:
+            self._read_file()
+
+    def recognizes(self, token: str) -> bool:
+        return looks_like_jwt(token)
+
+    async def identify(self, token: str) -> auth.Principal:
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError:
+            raise errors.Unauthenticated("not a readable JWT", headers=INVALID) from None
+        algorithm = header.get("alg")
+        if algorithm not in ALGORITHMS:
+            raise errors.Unauthenticated(
+                f"JWT algorithm {algorithm!r} is not accepted (RS256, ES256)", headers=INVALID
+            )
+        key = await self._key(str(header.get("kid") or ""))
+        claims = self._decode(token, key, algorithm)
+        who = str(claims.get(self.settings.username_claim) or claims.get("sub") or "?")
+        grant = choose(grants_of(claims, self.settings), who=who)
+        return auth.Principal(grant.role, tenant=grant.tenant, label=who, via="oidc")
+
+    def _decode(self, token: str, key: jwt.PyJWK, algorithm: str) -> dict[str, Any]:
+        try:
+            return jwt.decode(
+                token,
+                key=key,
+                algorithms=[algorithm],
+                audience=self.settings.audience,
+                issuer=self.settings.issuer,
+                leeway=self.settings.leeway_seconds,
+                options={"require": ["exp", "iss", "aud"]},
+            )
+        except jwt.ExpiredSignatureError:
+            raise auth.TokenExpired(
+                "this OIDC token has expired: sign in again",
+                headers={"WWW-Authenticate": auth.EXPIRED["WWW-Authenticate"]},
+            ) from None
+        except jwt.InvalidAudienceError:
+            raise errors.Unauthenticated(
+                f"this OIDC token is not for this broker (audience {self.settings.audience})",
+                headers=INVALID,
+            ) from None
+        except jwt.InvalidIssuerError:
+            raise errors.Unauthenticated(
+                f"this OIDC token is not from {self.settings.issuer}", headers=INVALID
+            ) from None
+        except jwt.ImmatureSignatureError:
+            raise errors.Unauthenticated(
+                "this OIDC token is not valid yet (nbf)", headers=INVALID
+            ) from None
+        except jwt.PyJWTError as exc:
+            # signature, missing claims, a key of another type: named, never the token
+            raise errors.Unauthenticated(
+                f"this OIDC token does not verify: {type(exc).__name__}", headers=INVALID
+            ) from None
+
+    async def _key(self, kid: str) -> jwt.PyJWK:
+        key = self._pick(kid)
+        if key is None and time.monotonic() - self._fetched_at >= self.settings.min_refetch_seconds:
+            await self.refresh(why=f"unknown kid {kid!r}" if kid else "no key yet")
+            key = self._pick(kid)
+        if key is None:
+            if not self._keys:
+                raise errors.Unavailable(
+                    "the OIDC provider's keys could not be fetched yet; retry",
+                    title="OIDC keys unavailable",
+                    headers={"Retry-After": "5"},
+                )
+            raise errors.Unauthenticated(
+                "this OIDC token is signed with a key the provider does not publish",
+                headers=INVALID,
+            )
+        return key
+
+    def _pick(self, kid: str) -> jwt.PyJWK | None:
+        if kid:
+            return self._keys.get(kid)
+        return next(iter(self._keys.values())) if len(self._keys) == 1 else None
+
+    # ---- the keys --------------------------------------------------------------------------
+
+    async def refresh(self, *, why: str) -> bool:
+        """Read the keys again (URL or file); True if they now apply. A failure keeps the
+        keys there were, logged."""
+        async with self._fetching:
+            self._fetched_at = time.monotonic()
+            try:
+                if self.settings.jwks_is_url:
+                    document = await self._fetch_jwks()
+                    self._keys = parse_jwks(document, where="the OIDC JWKS")
+                else:
+                    self._read_file()
+            except OidcError as exc:
+                logger.error("%s (%s): keeping the %d keys there were", exc, why, len(self._keys))
+                return False
+        logger.info("OIDC keys read (%s): %d keys", why, len(self._keys))
+        return True
+
+    def _read_file(self) -> None:
+        path = Path(self.settings.jwks or "")
+        try:
+            stat = os.stat(path)
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise OidcError(f"OIDC JWKS file {path}: cannot read it: {exc.strerror}") from None
+        self._keys = parse_jwks(_json(raw, where=f"OIDC JWKS file {path}"), where=str(path))
+        self._file_signature = (stat.st_ino, stat.st_mtime_ns)
+
+    def file_changed(self) -> bool:
+        if self.settings.jwks_is_url:
+            return False
+        try:
+            stat = os.stat(self.settings.jwks or "")
+        except OSError:
+            return False
+        return (stat.st_ino, stat.st_mtime_ns) != self._file_signature
+
+    async def _fetch_jwks(self) -> Any:
+        timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_SECONDS)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            url = self.settings.jwks
+            if url is None:
+                discovery = self.settings.issuer.rstrip("/") + "/.well-known/openid-configuration"
+                found = await _get_json(session, discovery)
+                url = found.get("jwks_uri") if isinstance(found, dict) else None
+                if not isinstance(url, str):
+                    raise OidcError(f"OIDC discovery {discovery}: no jwks_uri")
+            return await _get_json(session, url)
+
+    async def run(self) -> None:
+        """Keep the keys fresh: a URL at start and every `refresh_seconds`, a file when it
+        changes (looked at every second). One failure does not stop it."""
+        url = self.settings.jwks_is_url
+        due = time.monotonic() if url else float("inf")
+        while True:
+            try:
+                if url and time.monotonic() >= due:
+                    due = time.monotonic() + self.settings.refresh_seconds
+                    await self.refresh(why="periodic" if self._keys else "start")
+                elif not url and self.file_changed():
+                    await self.refresh(why="file changed")
+            except Exception:
+                logger.exception("refreshing the OIDC keys failed")
+            await asyncio.sleep(min(1.0, max(0.0, due - time.monotonic())) if url else 1.0)
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    try:
+        async with session.get(url) as answer:
+            if answer.status != 200:
+                raise OidcError(f"OIDC {url}: HTTP {answer.status}")
+            raw = await answer.content.read(MAX_JWKS_BYTES + 1)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise OidcError(f"OIDC {url}: {type(exc).__name__}: {exc}") from None
+    if len(raw) > MAX_JWKS_BYTES:
+        raise OidcError(f"OIDC {url}: larger than {MAX_JWKS_BYTES} bytes")
+    return _json(raw, where=f"OIDC {url}")
+
+
+def _json(raw: bytes, *, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise OidcError(f"{where}: not JSON") from None
+
+
+def parse_jwks(document: Any, *, where: str) -> dict[str, jwt.PyJWK]:
+    """The signing keys of a JWKS document by kid; OidcError if it has none usable."""
+    if not isinstance(document, dict) or not isinstance(document.get("keys"), list):
+        raise OidcError(f"{where}: not a JWKS (a JSON object with a `keys` list)")
+    keys: dict[str, jwt.PyJWK] = {}
+    for index, data in enumerate(document["keys"]):
+        if not isinstance(data, dict) or data.get("use", "sig") != "sig":
+            continue
+        try:
+            key = jwt.PyJWK(data)
+        except jwt.PyJWTError as exc:
+            logger.warning("%s: keys[%d] skipped: %s", where, index, exc)
+            continue
+        keys[str(data.get("kid") or "")] = key
+    if not keys:
+        raise OidcError(f"{where}: no signing key it could use")
+    return keys
+
+
+def install(app: web.Application, settings: OidcSettings) -> Verifier:
+    """People's OIDC tokens on `app` (OidcError if a JWKS file does not read): the verifier
+    the authenticator asks, its keys kept fresh while the app runs."""
+    verifier = Verifier(settings)
+    app[auth.AUTHENTICATOR].verifier = verifier
+
+    async def refreshing(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(verifier.run(), name="oidc-keys")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(refreshing)
+    return verifier

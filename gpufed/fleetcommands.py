@@ -1,0 +1,151 @@
+"""The fleet commands of `gpufed`: clusters, queues (list, show, apply, delete), status.
+
+As `jobcommands`: each returns the exit code and raises what the broker refuses. A tenant's
+token lists and shows its own tenant's queues (the broker filters, `broker.http.roles`);
+`status` asks every replica without a token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpufed import client, jobcommands, problems, tables
+
+
+async def clusters(args: argparse.Namespace, api: client.BrokerClient) -> int:
+    items = await api.clusters()
+    rows = [
+        [
+            c["name"],
+            c["health"],
+            m["model"],
+            m["total"],
+            m["free"],
+            m["allocated"],
+            m["unavailable"],
+            c["running_jobs"],
+        ]
+        for c in items
+        for m in (
+            c["models"]
+            or [{"model": "-", "total": "", "free": "", "allocated": "", "unavailable": ""}]
+        )
+    ]
+    table = tables.render(
+        ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"], rows
+    )
+    degraded = [f"{c['name']}: {c['reason']}" for c in items if c.get("reason")]
+    jobcommands.print_answer(args, items, "\n".join([table, *degraded]))
+    return 0
+
+
+def _queue_rows(views: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for view in views:
+        spec, st = view["spec"], view["status"]
+        for item in st["gpus"] or [
+            {"model": "-", "inUse": "", "guaranteed": "", "limit": "", "fairShare": ""}
+        ]:
+            rows.append(
+                [
+                    view["name"],
+                    spec["tenant"],
+                    spec["cohort"],
+                    spec["weight"],
+                    st["pendingJobs"],
+                    st["runningJobs"],
+                    item["model"],
+                    item["inUse"],
+                    item["guaranteed"],
+                    "-" if item["limit"] is None else item["limit"],
+                    item["fairShare"],
+                    f"{st['dominantShare']:.3f}",
+                    st["preemptions"],
+                ]
+            )
+    return rows
+
+
+QUEUE_HEADERS = [
+    "QUEUE", "TENANT", "COHORT", "WEIGHT", "PENDING", "RUNNING", "MODEL", "IN USE",
+    "GUARANTEED", "LIMIT", "FAIR SHARE", "SHARE", "PREEMPTED",
+]  # fmt: skip
+
+
+def _read_queues_file(path: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise problems.file_error(exc, what="queues file") from exc
+    except yaml.YAMLError as exc:
+        raise problems.CliError(
+            f"{path}: not YAML: {exc}", kind="document", title="Not a queue"
+        ) from exc
+
+
+async def queues(args: argparse.Namespace, api: client.BrokerClient) -> int:
+    if args.target is not None:
+        if args.name != "delete" or args.apply:
+            raise problems.CliError(
+                "use `gpufed queues delete NAME`", kind="usage", title="Usage", code=2
+            )
+        answer = await api.delete_queue(args.target)
+        text = f"queue {args.target} deleted"
+        if answer:
+            text = f"queue {args.target}: the API's override removed, the queues file's applies"
+        jobcommands.print_answer(args, answer, text)
+        return 0
+    if args.apply:
+        document = await asyncio.to_thread(_read_queues_file, args.apply)
+        named = [{**document, "name": args.name}] if args.name else None
+        specs = named or list(document.get("queues", []))
+        views = [await api.put_queue(str(spec.pop("name")), spec) for spec in specs]
+    elif args.name:
+        views = [await api.queue(args.name)]
+    else:
+        listing = await api.queues()
+        views = listing["items"]
+    warnings = sorted({w for view in views for w in view.get("warnings", [])})
+    text = tables.render(QUEUE_HEADERS, _queue_rows(views))
+    if warnings:
+        text += "\n" + "\n".join(f"warning: {w}" for w in warnings)
+    jobcommands.print_answer(args, views if len(views) != 1 or not args.name else views[0], text)
+    return 0
+
+
+async def status(args: argparse.Namespace) -> int:
+    """Each replica's own account of itself; 1 if one does not answer or none leads."""
+    urls = client.split_urls(args.broker)
+    answers = await asyncio.gather(*(client.replica_status(url) for url in urls))
+    rows: list[list[Any]] = []
+    for url, answer in zip(urls, answers, strict=True):
+        if isinstance(answer, client.BrokerError):
+            rows.append([url, "-", "unreachable", "-", "-", "-", answer.detail])
+            continue
+        synced = "yes" if answer.get("synced") else "no"
+        leader = answer.get("leader") or "(none)"
+        replica = answer.get("replica", "-")
+        rows.append([url, replica, answer.get("role"), leader, answer.get("term"), synced, ""])
+    seen = [a for a in answers if not isinstance(a, client.BrokerError)]
+    notes = []
+    leaders = {(a.get("leader"), a.get("term")) for a in seen}
+    if not any(a.get("role") == "leader" for a in seen):
+        notes.append("no replica leads")
+    elif len(leaders) > 1:
+        notes.append("the replicas do not agree on the leader yet")
+    table = tables.render(["BROKER", "REPLICA", "ROLE", "LEADER", "TERM", "SYNCED", "ERROR"], rows)
+    data = [
+        {"broker": url, **(a if not isinstance(a, client.BrokerError) else {"error": a.detail})}
+        for url, a in zip(urls, answers, strict=True)
+    ]
+    jobcommands.print_answer(args, data, table)
+    for note in notes:
+        print(f"gpufed status: {note}", file=sys.stderr)
+    return 1 if notes or len(seen) < len(urls) else 0
