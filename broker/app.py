@@ -23,6 +23,7 @@ from broker.http import (
     clusters,
     console,
     events,
+    forwarding,
     gpumap,
     headers,
     jobs,
@@ -118,6 +119,10 @@ class BrokerSettings(BaseModel):
     # agent mTLS: the CA of the agents' client certificates; a session then needs one, and
     # the cluster it names (broker.http.peers)
     client_ca_file: Path | None = None
+    # a follower asking the leader over HTTPS: the CA of the replicas' certificates, and the
+    # name they hold (broker.http.forwarding)
+    peer_ca_file: Path | None = None
+    peer_server_name: str | None = None
     tls_poll_seconds: float = Field(tls.POLL_SECONDS, gt=0)
 
     @property
@@ -226,6 +231,7 @@ def create_app(settings: BrokerSettings) -> web.Application:
     if settings.tls_files is not None:  # HTTPS; the caller serves with app[tls.SERVER_TLS]
         server_tls = tls.install(app, settings.tls_files, poll_seconds=settings.tls_poll_seconds)
         app[peers.AGENT_CERTIFICATES] = server_tls.client_certificates
+    forwarding.configure(app, ca_file=settings.peer_ca_file, server_name=settings.peer_server_name)
     queue_registry = registry.QueueRegistry.from_file(
         settings.queues_file, mode=settings.queue_mode
     )

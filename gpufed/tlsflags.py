@@ -1,6 +1,7 @@
 """The TLS flags of `gpufed broker`, `gpufed agent` and the user commands, and what they set.
 
     gpufed broker --tls-cert FILE --tls-key FILE [--client-ca FILE]   (broker.http.tls, peers)
+                  [--peer-ca-file FILE] [--peer-server-name NAME]    (broker.http.forwarding)
     gpufed agent  [--ca-file FILE] [--cert FILE --key FILE] [--tls-server-name NAME]
                                                                       (member_agent.session.tls)
     gpufed submit|get|list|... [--ca-file FILE]                       (gpufed.client)
@@ -39,6 +40,18 @@ def add_broker_flags(parser: argparse.ArgumentParser) -> None:
         "send one, and its cluster is the one it names (URI SAN spiffe://DOMAIN/cluster/NAME, "
         "else the common name); user API clients need none",
     )
+    parser.add_argument(
+        "--peer-ca-file",
+        metavar="FILE",
+        help="several replicas with TLS: the CA (PEM) of the other replicas' certificates, "
+        "which a follower verifies when it asks the leader (default: the system's CAs)",
+    )
+    parser.add_argument(
+        "--peer-server-name",
+        metavar="NAME",
+        help="the name the other replicas' certificates hold (default: the host of each "
+        "replica's advertised URL, often a pod address no certificate names)",
+    )
 
 
 def broker_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,6 +60,8 @@ def broker_settings(args: argparse.Namespace) -> dict[str, Any]:
         "tls_cert_file": _path(args.tls_cert),
         "tls_key_file": _path(args.tls_key),
         "client_ca_file": _path(args.client_ca),
+        "peer_ca_file": _path(args.peer_ca_file),
+        "peer_server_name": args.peer_server_name or None,
     }
 
 

@@ -93,9 +93,12 @@ def make_leaf(
     server: bool,
     uris: tuple[str, ...] = (),
     valid_for: datetime.timedelta = VALIDITY,
+    dns: tuple[str, ...] = (),
+    loopback: bool = True,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate signed by `ca`: client usage; with `server` also server usage and the
-    loopback names; `uris` as URI SANs (an agent's spiffe://gpufed/cluster/<name>)."""
+    loopback names (unless not `loopback`); `uris` as URI SANs (an agent's
+    spiffe://gpufed/cluster/<name>), `dns` as DNS names."""
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -111,8 +114,10 @@ def make_leaf(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
     )
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri) for uri in uris]
+    names += [x509.DNSName(name) for name in dns]
     if server:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+    if server and loopback:
         names += [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)

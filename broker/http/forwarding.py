@@ -6,12 +6,20 @@ forwards the request, with the caller's own `Authorization`, to the leader's adv
 and answers what the leader answers. The forwarded request is marked (`FORWARDED`) and never
 forwarded again, so two replicas that each think the other leads cannot bounce it. When the
 leader does not answer in time the follower answers from its own cache and says so.
+
+With TLS (`--tls-cert`), replicas reach each other over HTTPS at their advertised URLs:
+`configure` gives the CA their certificates are signed by (`--peer-ca-file`; default the
+system's CAs) and the name those certificates hold (`--peer-server-name`; default each URL's
+host), since a replica usually advertises its pod address, which no certificate names.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,23 +28,51 @@ from aiohttp import web
 FORWARDED = "X-Gpufed-Forwarded"
 TIMEOUT_SECONDS = 2.0
 MAX_ANSWER_BYTES = 1 << 20
-SESSION = web.AppKey("forwarding_session", aiohttp.ClientSession)
-
 logger = logging.getLogger(__name__)
 
 
-async def _session(app: web.Application) -> aiohttp.ClientSession:
-    session = app.get(SESSION)
-    if session is None or session.closed:
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_SECONDS))
-        app[SESSION] = session
-    return session
+@dataclass
+class Peers:
+    """How a replica verifies another's certificate (the CA, the name it must hold), and the
+    client session it asks with (made on first use)."""
+
+    ca_file: Path | None = None
+    server_name: str | None = None
+    session: aiohttp.ClientSession | None = None
+
+
+PEERS = web.AppKey("forwarding_peers", Peers)
+
+
+def install(app: web.Application) -> None:
+    """Before the app starts: where the session will be kept, closed at cleanup."""
+    if PEERS not in app:
+        app[PEERS] = Peers()
+        app.on_cleanup.append(close)
+
+
+def configure(app: web.Application, *, ca_file: Path | None, server_name: str | None) -> None:
+    install(app)
+    app[PEERS].ca_file = ca_file
+    app[PEERS].server_name = server_name
+
+
+async def _session(peers: Peers) -> aiohttp.ClientSession:
+    if peers.session is None or peers.session.closed:
+        verify: ssl.SSLContext | bool = True
+        if peers.ca_file is not None:  # read when the session is made (a CA rotates rarely)
+            verify = ssl.create_default_context(cafile=str(peers.ca_file))
+        peers.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=TIMEOUT_SECONDS),
+            connector=aiohttp.TCPConnector(ssl=verify),
+        )
+    return peers.session
 
 
 async def close(app: web.Application) -> None:
-    session = app.get(SESSION)
-    if session is not None:
-        await session.close()
+    peers = app.get(PEERS)
+    if peers is not None and peers.session is not None:
+        await peers.session.close()
 
 
 def forwardable(request: web.Request, leader: str | None, own: str | None) -> bool:
@@ -53,14 +89,18 @@ async def ask_leader(request: web.Request, leader: str) -> dict[str, Any] | None
     if "Authorization" in request.headers:
         headers["Authorization"] = request.headers["Authorization"]
     url = leader.rstrip("/") + request.rel_url.path_qs
-    session = await _session(request.app)
+    peers = request.app[PEERS]
+    session = await _session(peers)
+    name = peers.server_name if url.startswith("https:") else None
     try:
-        async with session.get(url, headers=headers, allow_redirects=False) as response:
+        async with session.get(
+            url, headers=headers, allow_redirects=False, server_hostname=name
+        ) as response:
             if response.status != 200:
                 logger.info("the leader %s answered %s to %s", leader, response.status, url)
                 return None
             body = await response.content.read(MAX_ANSWER_BYTES + 1)
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+    except (aiohttp.ClientError, OSError, TimeoutError, ssl.SSLError) as exc:
         logger.info(
             "the leader %s did not answer %s: %s", leader, url, str(exc) or type(exc).__name__
         )

@@ -181,4 +181,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/jobs/{job_id}", get_job)
     app.router.add_delete("/v1/jobs/{job_id}", cancel_job)
     app.router.add_get("/v1/jobs/{job_id}/why", why)
-    app.on_cleanup.append(forwarding.close)
+    forwarding.install(app)  # the session a follower asks the leader with
