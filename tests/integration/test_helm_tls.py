@@ -99,6 +99,9 @@ def test_the_broker_serves_https_with_its_secret_and_takes_agents_of_the_client_
     assert files[args.tls_key] == ("gpufed-broker-tls", "tls.key")
     assert files[args.client_ca] == ("gpufed-agents-ca", "agents.pem")
     assert args.advertise_url == "https://$(POD_IP):8080"
+    # followers verify the leader (at its pod address) with the Secret's CA and the Service name
+    assert files[args.peer_ca_file] == ("gpufed-broker-tls", "ca.crt")
+    assert args.peer_server_name == "gpufed-broker.gpufed-system.svc"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["scheme"] == "HTTPS"
     annotations = rendered.one("Deployment", BROKER)["spec"]["template"]["metadata"]["annotations"]
@@ -127,6 +130,20 @@ def test_cert_manager_issues_the_brokers_certificate_into_the_mounted_secret(
     assert {"gpufed-broker.gpufed-system.svc", "gpufed.example.com", "b.example.com"} <= set(names)
     assert certificate["spec"]["issuerRef"] == {**ISSUER, "group": "cert-manager.io"}
     assert certificate["spec"]["usages"] == ["server auth"]
+    assert args.peer_server_name in names
+    assert files[args.peer_ca_file] == (certificate["spec"]["secretName"], "ca.crt")
+
+
+def test_a_public_issuers_secret_without_a_ca_leaves_peers_to_the_system_cas(
+    render: Render,
+) -> None:
+    override = {"tls": {**BROKER_TLS["tls"], "peerCA": False, "peerServerName": "b.example"}}
+    rendered = render("broker", override)
+    valid(rendered)
+    args = parse_broker_args(test_helm_render.broker_container(rendered)["args"])
+    assert args.peer_ca_file is None
+    assert args.peer_server_name == "b.example"
+    assert "/etc/gpufed/tls/ca.crt" not in mounted_files(rendered, BROKER)
 
 
 def agent_args(rendered: Rendered) -> Any:
