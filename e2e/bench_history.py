@@ -8,8 +8,9 @@ Fills each store with `--rows` finished jobs spread over 7 days (the default his
 each row a real `JobRecord`'s JSON (one pod, four events, about 1.7 KB), varied per job, bulk
 inserted 10,000 rows a call through `put_rows`. Then times `--samples` pages of 100 for each
 case (the first page; a deep page via a continue token at a random point of the week; a queue;
-a state; a one-hour window; a label; a tenant with a state) and `get` by id, and prints
-p50/p99 per case (target: p99 <= 50 ms a page), the insert rate and the size on disk, and
+a state; a one-hour window; a label; a tenant with a state; the text search `q` with a word
+of 1 name in 8, one name, a text matching nothing; the oldest-first order) and `get` by id,
+and prints p50/p99 per case (target: p99 <= 50 ms a page), the insert rate and the size on disk, and
 for reference what parsing a page's 100 records costs alone (pydantic: most of a page's time;
 the queries themselves take 0.5-2 ms here). The data lives in `--dir` (default: the system's
 temporary folder, on disk, not tmpfs); PostgreSQL is pgserver's (as configured by it) or
@@ -52,6 +53,8 @@ TENANTS = [f"team-{i}" for i in range(10)]
 QUEUES = {tenant: [f"{tenant}-q{j}" for j in range(5)] for tenant in TENANTS}
 CLUSTERS = [f"cluster-{i:02d}" for i in range(20)]
 STATES = ["Succeeded"] * 16 + ["Failed"] * 3 + ["Cancelled"]
+WORDS = ["train-llm", "sweep-lr", "eval", "notebook", "finetune", "render", "serve", "pretrain"]
+NAMES = 10_000  # numbers per word: a name (`eval-1234`) is about 1 job in 80,000
 
 
 def template() -> dict[str, Any]:
@@ -94,13 +97,15 @@ def make_rows(count: int, *, seed: int = 7) -> Iterator[list[protocol.HistoryRow
         queue = pick.choice(QUEUES[tenant])
         state = pick.choice(STATES)
         cluster = None if pick.random() < 0.03 else pick.choice(CLUSTERS)
-        job_id = f"train-{pick.getrandbits(48):012x}"
+        name = f"{pick.choice(WORDS)}-{pick.randrange(NAMES)}"
+        job_id = f"{name}-{pick.getrandbits(48):012x}"
         finished_us = start_us + index * WEEK_US // count + pick.randrange(1_000_000)
         created_us = finished_us - pick.randrange(60_000_000, 7_200_000_000)
         labels = {"team": f"t{pick.randrange(10)}", "tier": pick.choice(["gold", "silver"])}
         base["id"], base["tenant"], base["status"]["state"] = job_id, tenant, state
         base["status"]["cluster"] = cluster
         base["job"]["spec"]["queue"] = queue
+        base["job"]["metadata"]["name"] = name
         base["job"]["metadata"]["labels"] = labels
         created, ended = queries.from_us(created_us), queries.from_us(finished_us)
         base["created"] = created.isoformat()
@@ -111,6 +116,7 @@ def make_rows(count: int, *, seed: int = 7) -> Iterator[list[protocol.HistoryRow
         chunk.append(
             protocol.HistoryRow(
                 id=job_id,
+                name=name,
                 tenant=tenant,
                 queue=queue,
                 state=state,
@@ -209,6 +215,7 @@ async def measure(history: protocol.HistoryStore, samples: int, ids: list[str]) 
         ),
         ("get by id", lambda n: history.get(ids[n % len(ids)])),
     ]
+    cases += text_cases(pick, page, deep)
     texts = [row.record for row in next(make_rows(PAGE, seed=11))]
 
     async def parse(_: int) -> None:  # what a page costs beyond the store: its records read
@@ -222,6 +229,46 @@ async def measure(history: protocol.HistoryStore, samples: int, ids: list[str]) 
         latencies = await timed(samples, call)
         tail = f"   ({short[0]} pages short: the end)" if short[0] else ""
         print(describe(label, latencies) + tail, flush=True)
+
+
+def text_cases(
+    pick: random.Random,
+    page: Callable[[queries.JobQuery, str | None], Awaitable[None]],
+    deep: Callable[[queries.JobQuery], str],
+) -> list[tuple[str, Callable[[int], Awaitable[object]]]]:
+    """The text search (`q`) and the oldest-first order: common, rare and absent texts."""
+    oldest = queries.Order.OLDEST
+
+    def word() -> queries.JobQuery:
+        return queries.JobQuery(text=pick.choice(WORDS).upper())  # the case ignored
+
+    def one_name() -> queries.JobQuery:
+        return queries.JobQuery(text=f"{pick.choice(WORDS)}-{pick.randrange(NAMES)}")
+
+    return [
+        ("q a word (1 of 8 names)", lambda _: page(word(), None)),
+        ("q a word, deep page", lambda _: page(q := word(), deep(q))),
+        (
+            "q a word + tenant",
+            lambda _: page(
+                queries.JobQuery(text=pick.choice(WORDS), tenant=pick.choice(TENANTS)), None
+            ),
+        ),
+        ("q one name (1 job in 80,000)", lambda _: page(one_name(), None)),
+        ("q matching nothing", lambda n: page(queries.JobQuery(text=f"zz{n}"), None)),
+        (
+            "q matching nothing + queue (1 of 50)",
+            lambda n: page(
+                queries.JobQuery(text=f"zz{n}", queue=pick.choice(QUEUES[pick.choice(TENANTS)])),
+                None,
+            ),
+        ),
+        ("sort oldest, first page", lambda _: page(queries.JobQuery(order=oldest), None)),
+        (
+            "sort oldest, deep page",
+            lambda _: page(q := queries.JobQuery(order=oldest), deep(q)),
+        ),
+    ]
 
 
 def label_query(pick: random.Random) -> queries.JobQuery:

@@ -108,6 +108,12 @@ async def test_state_in_any_case_and_one_trace_context_in_job_json(
         assert [j["id"] for j in json.loads(out)] == [job_id]
     code, out, _ = await run_cli(fleet, "list", "--state", "queued", "-o", "json")
     assert json.loads(out) == []
+    for search in (["-q", "LONG"], ["--search", "ong", "--sort", "oldest"]):
+        code, out, err = await run_cli(fleet, "list", *search, "-o", "json")
+        assert code == 0, err
+        assert [j["id"] for j in json.loads(out)] == [job_id]
+    code, out, _ = await run_cli(fleet, "list", "-q", "short", "-o", "json")
+    assert json.loads(out) == []
 
     code, out, _ = await run_cli(fleet, "get", job_id, "-o", "json")
     job = json.loads(out)

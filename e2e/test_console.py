@@ -159,9 +159,20 @@ async def test_the_console_shows_the_fleet_live(
                 await page.screenshot(path=shots / "1-jobs.png", full_page=True)
 
                 # ---- filters and sorting -----------------------------------------------------
-                await page.get_by_label("Search this page").fill("sweep")
+                await page.get_by_label("Search name or id").fill("SWEEP")  # on the broker
                 await until(page, "document.querySelectorAll('#jobs-body tr').length === 1")
-                await page.get_by_label("Search this page").fill("")
+                await page.get_by_label("Search name or id").fill("")
+                await page.get_by_label("Order").select_option("oldest")
+                await until(
+                    page,
+                    "document.querySelector('#jobs-body tr:last-child')?.dataset.jobId"
+                    f" === {fresh!r} && document.querySelectorAll('#jobs-body tr').length === 4",
+                )
+                await page.get_by_label("Order").select_option("newest")
+                await until(
+                    page,
+                    f"document.querySelector('#jobs-body tr').dataset.jobId === {fresh!r}",
+                )
                 await page.get_by_label("State").select_option("Running")
                 await until(
                     page,
@@ -215,6 +226,9 @@ async def test_the_console_shows_the_fleet_live(
                 why_rows = await page.locator("#why tbody tr").all_text_contents()
                 assert any(r.startswith("big") and "Capacity" in r for r in why_rows), why_rows
                 assert any(r.startswith("h100") and "GPUModel" in r for r in why_rows), why_rows
+                place = page.locator("#why #position", has_text="Position in its queue")
+                await place.wait_for()  # its place in line, and why it has no ETA
+                assert "Estimated start" in (await place.text_content() or "")
                 await page.screenshot(path=shots / "4-job-why.png", full_page=True)
 
                 # ---- cancel one's own job, by keyboard, and see it Cancelled live -----------

@@ -143,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "-l", "--selector", help="label selector on metadata.labels (team=vision,tier!=spot)"
     )
+    listing.add_argument(
+        "-q", "--search", metavar="TEXT", help="only jobs whose name or id holds TEXT (any case)"
+    )
+    listing.add_argument(
+        "--sort",
+        choices=("newest", "oldest"),
+        default="newest",
+        help="newest first (live jobs, then the latest finished) or the reverse",
+    )
     listing.add_argument("--limit", type=int, default=500, help="at most this many jobs")
     listing.add_argument("--all", action="store_true", help="every job, page after page")
     _user_parser(sub, "clusters", "member clusters and their GPUs")

@@ -180,17 +180,21 @@ class BrokerClient:
         state: str | None = None,
         cluster: str | None = None,
         selector: str | None = None,
+        search: str | None = None,
+        sort: str | None = None,
         limit: int = PAGE,
         cont: str | None = None,
     ) -> tuple[list[dict[str, Any]], str | None]:
         """One page of `GET /v1/jobs`: the jobs and the token of the next page (None: the
-        last)."""
+        last). `search` is the text a name or id holds (`q`); `sort` newest or oldest."""
         params = {"limit": str(limit)}
         for name, value in (
             ("queue", queue),
             ("state", state),
             ("cluster", cluster),
             ("labelSelector", selector),
+            ("q", search),
+            ("sort", sort),
             ("continue", cont),
         ):
             if value:
@@ -207,15 +211,25 @@ class BrokerClient:
         state: str | None = None,
         cluster: str | None = None,
         selector: str | None = None,
+        search: str | None = None,
+        sort: str | None = None,
         limit: int | None = 1000,
     ) -> list[dict[str, Any]]:
-        """Up to `limit` jobs (None: every one), newest first, a page at a time."""
+        """Up to `limit` jobs (None: every one), newest first (`sort="oldest"`: oldest), a
+        page at a time."""
         items: list[dict[str, Any]] = []
         cont: str | None = None
         while limit is None or len(items) < limit:
             size = PAGE if limit is None else min(PAGE, limit - len(items))
             page, cont = await self.job_page(
-                queue=queue, state=state, cluster=cluster, selector=selector, limit=size, cont=cont
+                queue=queue,
+                state=state,
+                cluster=cluster,
+                selector=selector,
+                search=search,
+                sort=sort,
+                limit=size,
+                cont=cont,
             )
             items += page
             if cont is None:

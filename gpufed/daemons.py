@@ -143,6 +143,15 @@ def add_agent_parser(sub: Any) -> None:
     )
     tlsflags.add_agent_flags(agent)
     agent.add_argument(
+        "--cluster-label",
+        action="append",
+        dest="cluster_labels",
+        type=labels_of,
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="a label of the cluster, reported to the broker: what a job's spec.clusters "
+        "selects on, e.g. region=eu-west,tier=spot (repeat, or comma-separate)",
+    )
+    agent.add_argument(
         "--backend",
         choices=["simulated", "kubernetes"],
         default="simulated",
@@ -243,6 +252,18 @@ def key_value(text: str) -> tuple[str, str]:
     if not sep or not key.strip() or not value.strip():
         raise argparse.ArgumentTypeError(f"{text!r}: WHAT=NAME, e.g. product=productName")
     return key.strip(), value.strip()
+
+
+def labels_of(text: str) -> dict[str, str]:
+    """`region=eu-west,tier=spot` (argparse's type for --cluster-label); the keys and
+    values are checked with the agent's settings."""
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"{part!r}: KEY=VALUE, e.g. region=eu-west")
+        out[key.strip()] = value.strip()
+    return out
 
 
 ETCD_PASSWORD_ENV = "GPUFED_ETCD_PASSWORD"
@@ -444,6 +465,7 @@ def agent_settings(args: argparse.Namespace) -> Any:
         {
             "broker_url": args.broker,
             "cluster": args.cluster,
+            "cluster_labels": {k: v for item in args.cluster_labels or [] for k, v in item.items()},
             "token_file": args.token_file,
             "backend": args.backend,
             "nodes_file": args.nodes,

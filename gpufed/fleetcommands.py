@@ -29,6 +29,7 @@ async def clusters(args: argparse.Namespace, api: client.BrokerClient) -> int:
             m["allocated"],
             m["unavailable"],
             c["running_jobs"],
+            ",".join(f"{k}={v}" for k, v in sorted((c.get("labels") or {}).items())) or "-",
         ]
         for c in items
         for m in (
@@ -36,9 +37,8 @@ async def clusters(args: argparse.Namespace, api: client.BrokerClient) -> int:
             or [{"model": "-", "total": "", "free": "", "allocated": "", "unavailable": ""}]
         )
     ]
-    table = tables.render(
-        ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"], rows
-    )
+    header = ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"]
+    table = tables.render([*header, "LABELS"], rows)
     degraded = [f"{c['name']}: {c['reason']}" for c in items if c.get("reason")]
     jobcommands.print_answer(args, items, "\n".join([table, *degraded]))
     return 0

@@ -239,12 +239,33 @@ async def why(args: argparse.Namespace, api: client.BrokerClient) -> int:
     text = f"{answer['id']}: {answer['state']} (queue {answer.get('queue', '-')})"
     table = tables.render(["CLUSTER", "CODE", "REASON"], rows)
     text += "\n" + (table if rows else answer["message"])
+    line = in_line(answer)
+    if line:
+        text += "\n" + line
     print_answer(args, answer, text)
     return 0
 
 
+def in_line(answer: dict[str, Any]) -> str:
+    """A queued job's position and ETA in words ("" for a job not queued)."""
+    place = answer.get("position")
+    words = []
+    if place:
+        models = ", ".join(place.get("models") or []) or "no GPU model"
+        words.append(
+            f"position: {place['inQueue']} in its queue, {place['competing']} among the "
+            f"queued jobs wanting {models} ({place['gpusAhead']} GPUs ahead)"
+        )
+    if answer.get("eta"):
+        words.append(f"eta: {answer['eta']}")
+    elif answer.get("etaReason"):
+        words.append(f"eta: unknown ({answer['etaReason']})")
+    return "\n".join(words)
+
+
 async def list_jobs(args: argparse.Namespace, api: client.BrokerClient) -> int:
-    """`gpufed list`: live jobs, then finished ones (history), newest first, page by page."""
+    """`gpufed list`: live jobs, then finished ones (history), newest first (`--sort oldest`:
+    the reverse), page by page; `--search` is matched by the broker (`q`)."""
     state = state_name(args.state) if args.state else None
     wanted = None if args.all else max(1, args.limit)
     items: list[dict[str, Any]] = []
@@ -256,6 +277,8 @@ async def list_jobs(args: argparse.Namespace, api: client.BrokerClient) -> int:
             state=state,
             cluster=args.cluster,
             selector=args.selector,
+            search=args.search,
+            sort=args.sort,
             limit=size,
             cont=cont,
         )

@@ -92,6 +92,11 @@ class JobBuilder:
         self.doc["spec"]["preemption"] = {"gracePeriodSeconds": grace_seconds}
         return self
 
+    def clusters(self, **fields: Any) -> JobBuilder:
+        """`spec.clusters`, as the API spells it (selector={"matchLabels": {...}}, order=[...])."""
+        self.doc["spec"].setdefault("clusters", {}).update(fields)
+        return self
+
     def ttl_after_finished(self, seconds: int) -> JobBuilder:
         self.doc["spec"]["ttlSecondsAfterFinished"] = seconds
         return self

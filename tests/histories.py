@@ -10,6 +10,7 @@ from tests.builders import make_job
 
 BASE = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 State = status.JobState
+NAMES = ["train-llm", "sweep-lr", "eval-bert", "notebook"]
 
 
 def finished(
@@ -21,11 +22,14 @@ def finished(
     state: status.JobState = State.SUCCEEDED,
     cluster: str | None = "c1",
     labels: dict[str, str] | None = None,
+    name: str | None = None,
 ) -> status.JobRecord:
     """A finished job: queued 10 minutes before `at`, running on `cluster` (None: never
-    dispatched), ended `state` at `at`."""
+    dispatched), ended `state` at `at`; named `name` (None: the builder's)."""
     builder = make_job(queue=queue)
     builder.doc["metadata"]["labels"] = dict(labels or {})
+    if name is not None:
+        builder.doc["metadata"]["name"] = name
     created = at - timedelta(minutes=10)
     record = status.JobRecord(id=job_id, tenant=tenant, job=builder.build(), created=created)
     record.record(State.QUEUED, "Submitted", now=created)
@@ -57,6 +61,7 @@ def population(count: int = 240, *, seed: int = 12) -> list[status.JobRecord]:
                 state=pick.choice([State.SUCCEEDED, State.FAILED, State.CANCELLED]),
                 cluster=pick.choice(["c1", "c2", None]),
                 labels=labels,
+                name=pick.choice(NAMES),
             )
         )
     return made

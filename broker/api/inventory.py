@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from broker.api import affinity
 
 MAX_NAME = 253
 MAX_COUNT = 10**9  # nodes, GPUs: far above any fleet
 MAX_GPUS_PER_NODE = 1024
 MAX_MILLI = 10**15
+MAX_LABELS = 64
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Milli = Annotated[int, Field(ge=0, le=MAX_MILLI)]
 Name = Annotated[str, Field(max_length=MAX_NAME)]
@@ -83,6 +86,11 @@ class ClusterSummary(_Model):
     seq: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
     models: list[ModelSummary] = Field(default_factory=list, max_length=1000)
     fragmentation_milli: Milli = 0
+    # the cluster's labels (`gpufed agent --cluster-label`, protocol 5): what a job's
+    # spec.clusters selects on; absent (an older agent): no labels
+    labels: dict[Name, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=MAX_LABELS
+    )
 
     @model_validator(mode="after")
     def _unique_models(self) -> ClusterSummary:
@@ -90,6 +98,15 @@ class ClusterSummary(_Model):
         if len(set(names)) != len(names):
             raise ValueError("models: a GPU model is listed twice")
         return self
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            problem = affinity.label_key_problem(key) or affinity.label_value_problem(item)
+            if problem is not None:
+                raise ValueError(f"labels: {problem}")
+        return value
 
     def model(self, name: str) -> ModelSummary | None:
         for item in self.models:
@@ -117,3 +134,8 @@ class ClusterView(_Model):
     models: list[ModelTotals] = Field(default_factory=list)
     running_jobs: int = 0
     reason: str | None = Field(None, description="why the cluster is Degraded")
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="the cluster's labels, as its agent reports them: what spec.clusters "
+        "selects on",
+    )

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from broker.api import affinity, policies
+from broker.api import affinity, clusterchoice, policies
 
 # the policies live in `policies`; their names here too, as `jobs.ClusterLostPolicy` is read
 ClusterLostPolicy = policies.ClusterLostPolicy
@@ -259,6 +259,12 @@ class JobSpec(_Strict):
         None, description="how the job's pods stop when it is preempted; absent: the defaults"
     )
     ttl_seconds_after_finished: policies.TTLSeconds = None
+    clusters: clusterchoice.ClusterChoice | None = Field(
+        None,
+        description="which member clusters the job may run on (selector), which it prefers "
+        "(preferred) and in what order it spills over (order), by the clusters' labels; "
+        "absent: any cluster",
+    )
 
     @property
     def cluster_lost(self) -> ClusterLostPolicy:

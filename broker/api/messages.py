@@ -41,6 +41,11 @@ and the broker prefers victims that lose the least work since theirs. A Cancel w
 that grace, and reports the job Cancelled only once its pods are gone, so the broker never
 counts their GPUs free before. An offer carries of the job's policies only `clusterLost`
 (`policies.BROKER_ONLY` is left out of the frame): every agent version reads it.
+
+Cluster labels (protocol 5): the agent's summaries carry the cluster's labels
+(`ClusterSummary.labels`, `gpufed agent --cluster-label`), only to a broker whose welcome says
+`v` >= `LABELS_SINCE`: an older broker, which forbids unknown fields, is sent none. A summary
+without the field is a cluster without labels. An offer leaves `spec.clusters` out.
 """
 
 from __future__ import annotations
@@ -56,10 +61,11 @@ from broker.api import inventory, jobs, policies, status
 # every number on the wire is bounded (int64): a frame with a larger one is refused
 WireInt = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, Field(ge=1, le=2**63 - 1)]
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 ACKS_SINCE = 2  # the protocol version from which brokers acknowledge final reports
 LEASE_SINCE = 3  # the protocol version from which agents read the broker's grace in welcome
 CHECKPOINTS_SINCE = 4  # the protocol version from which brokers read `JobUpdate.checkpoint`
+LABELS_SINCE = 5  # the protocol version from which brokers read `ClusterSummary.labels`
 
 
 class _Msg(BaseModel):
@@ -209,6 +215,8 @@ def decode(text: str | bytes) -> Message:
 
 def encode(message: _Msg) -> str:
     exclude = _first_attempts(message)
+    if isinstance(message, Summary) and not message.summary.labels:
+        exclude = {"summary": {"labels"}}  # no labels: a frame every broker version reads
     if isinstance(message, Offer):
         exclude = {"job": {"spec": policies.BROKER_ONLY}, **({"attempt": True} if exclude else {})}
     return message.model_dump_json(by_alias=True, exclude_none=True, exclude=exclude)

@@ -226,6 +226,7 @@ BROKER_ONLY: dict[str, object] = {
     "failure_policy": {"backoff_limit": True, "retry_on": True, "active_deadline_seconds": True},
     "preemption": True,
     "ttl_seconds_after_finished": True,
+    "clusters": True,  # spec.clusters: the broker's choice of cluster (`clusterchoice`)
 }
 
 

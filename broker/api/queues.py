@@ -18,6 +18,7 @@ The queue mode (`QueueMode`, `--queue-mode`) says what a queue name nobody decla
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated
 
@@ -250,6 +251,7 @@ class ReasonCode(StrEnum):
     MIN_RUN_TIME = "MinRunTime"
     PREEMPTION_BUDGET = "PreemptionBudget"
     PLANNING_FAILED = "PlanningFailed"  # planning it raised: set aside, see the broker's log
+    CLUSTER_SELECTOR = "ClusterSelector"  # excluded by the job's spec.clusters.selector
 
 
 class WhyReason(_Model):
@@ -264,6 +266,28 @@ class WhyCluster(_Model):
     reasons: list[str] = Field(description="plain words, in the order of `codes`")
 
 
+class QueuePosition(_Model):
+    """A queued job's place in line, as the leader's scheduler holds the queued jobs."""
+
+    in_queue: int = Field(
+        alias="inQueue",
+        description="1 = next in its queue: 1 + the queued jobs of its queue with a higher "
+        "effective priority, or the same and submitted earlier (the planner's order within "
+        "a queue)",
+    )
+    competing: int = Field(
+        description="1 = next of every queue: 1 + the queued jobs of any queue that may use "
+        "one of `models` and would go first as far as the order is known now: a higher "
+        "priority; at equal priority, a queue with a lower dominant share (fair share), "
+        "else an earlier submission. An estimate: the planner also takes jobs within their "
+        "queue's guarantee first, and shares change as jobs are placed"
+    )
+    models: list[str] = Field(description="the fleet's GPU models the job may use")
+    gpus_ahead: int = Field(
+        alias="gpusAhead", description="the GPUs the competing jobs ahead of it ask for"
+    )
+
+
 class WhyAnswer(_Model):
     """The answer of `GET /v1/jobs/{id}/why`."""
 
@@ -275,6 +299,24 @@ class WhyAnswer(_Model):
     clusters: list[WhyCluster] = Field(default_factory=list)
     reasons: list[WhyReason] = Field(default_factory=list)
     message: str
+    position: QueuePosition | None = Field(
+        None, description="a queued job's place in line (null: not queued, or not known here)"
+    )
+    eta: datetime | None = Field(
+        None,
+        description="when it may start: once the GPUs of its models free now, and those the "
+        "running jobs on them free at their declared ends (the earlier of "
+        "`spec.failurePolicy.activeDeadlineSeconds` from their first start and the "
+        "`gpufed.io/sim-duration` of their pods), cover its GPUs and those of the competing "
+        "jobs ahead of it; GPUs only (not quotas, topology or fragmentation). Null: see "
+        "`etaReason`",
+    )
+    eta_reason: str | None = Field(
+        None,
+        alias="etaReason",
+        description="why `eta` (or `position`) is null for a queued job, e.g. no running job "
+        "on the GPU models it needs declares when it ends",
+    )
 
 
 class ModelUsage(_Model):

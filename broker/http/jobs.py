@@ -9,7 +9,7 @@ from aiohttp import web
 
 from broker.api import errors, queues, status, submits
 from broker.http import auth, documents, forwarding, keys, listing, submitting
-from broker.jobs import service, transitions
+from broker.jobs import positions, service, transitions
 from broker.planning import quotas
 from broker.state import registry
 
@@ -102,7 +102,14 @@ async def why(request: web.Request) -> web.Response:
             answered = await forwarding.ask_leader(request, leader)
             if answered is not None:
                 return web.json_response(answered)
-    answer = why_answer(record, book, request.app.get(keys.QUEUES))
+    work = request.app.get(keys.LEADER_WORK)
+    scheduler = work.scheduler if work is not None and work.active else None
+    answer = why_answer(
+        record,
+        book,
+        request.app.get(keys.QUEUES),
+        lines=scheduler.positions if scheduler is not None else None,
+    )
     if asked_leader and not answer.reasons:
         answer = answer.model_copy(
             update={
@@ -117,8 +124,11 @@ def why_answer(
     record: status.JobRecord,
     book: service.Jobs,
     queue_registry: registry.QueueRegistry | None,
+    *,
+    lines: positions.Positions | None = None,
 ) -> queues.WhyAnswer:
-    """Per cluster, the sorted reasons the job is not placed: codes and plain words."""
+    """Per cluster, the sorted reasons the job is not placed: codes and plain words; for a
+    queued job, its position and ETA from the leader's scheduler (`lines`, None: not here)."""
     waiting = book.waiting(record.id)
     reasons = [
         queues.WhyReason(cluster=r.cluster, code=r.code, message=r.message)
@@ -154,7 +164,30 @@ def why_answer(
         message="; ".join(f"{r.cluster}: {r.message}" for r in reasons)
         if reasons
         else _plain_state(record, book),
+        **_in_line(record, lines),
     )
+
+
+def _in_line(record: status.JobRecord, lines: positions.Positions | None) -> dict[str, Any]:
+    """`position`, `eta` and `etaReason` of a queued job (nothing for the others)."""
+    if record.status.state != status.JobState.QUEUED:
+        return {}
+    if lines is None:
+        return {"eta_reason": "this broker does not lead: the leader holds the queued jobs"}
+    found = lines.answer(record.id, now=status.utcnow())
+    place = found.position
+    return {
+        "position": None
+        if place is None
+        else queues.QueuePosition(
+            in_queue=place.in_queue,
+            competing=place.competing,
+            models=list(found.models),
+            gpus_ahead=place.gpus_ahead,
+        ),
+        "eta": found.eta,
+        "eta_reason": found.reason,
+    }
 
 
 def _plain_state(record: status.JobRecord, book: service.Jobs) -> str:

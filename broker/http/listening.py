@@ -18,6 +18,7 @@ import asyncio
 import logging
 import signal
 import ssl
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -202,8 +203,13 @@ def run(
     async def serving() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def stopping(signum: signal.Signals) -> None:
+            logger.info("%s: shutting down (a leader hands over first)", signum.name)
+            stop.set()
+
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, stopping, signum)
         runner, site = await start(
             app, host=host, port=port, settings=settings, ssl_context=ssl_context
         )
@@ -211,6 +217,8 @@ def run(
         try:
             await stop.wait()
         finally:
+            began = time.monotonic()
             await runner.cleanup()
+            logger.info("stopped in %.2f s", time.monotonic() - began)
 
     asyncio.run(serving())

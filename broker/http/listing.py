@@ -6,13 +6,20 @@ Query parameters (all optional; every one given must hold):
 - `labelSelector` — Kubernetes' label selector syntax on the job's `metadata.labels`
   (`team=vision,tier in (spot,batch),!debug`);
 - `finishedAfter`, `finishedBefore` — RFC 3339 times: finished jobs in `[after, before)`;
+- `q` — text (at most `queries.MAX_TEXT` characters) the job's name or id holds, ASCII case
+  ignored (queue and cluster have their own filters);
+- `sort` — `newest` (the default) or `oldest`, the same order reversed;
 - `limit` — 1 to 1,000 jobs a page (default `DEFAULT_LIMIT`);
-- `continue` — the token of the previous page (`metadata.continue`), with the same filters.
+- `continue` — the token of the previous page (`metadata.continue`), with the same filters,
+  `q` and `sort` (a token carries a digest of them, not them).
 
 The page runs over the book (live jobs and the finished ones not yet retired) and the history
 store together (`state.history.listing.page_jobs`), newest first: live jobs by creation, then
-finished ones by finish time. `metadata.continue` is absent on the last page. A tenant sees its
-own jobs; an admin every tenant's. A bad parameter is a 400 naming it.
+finished ones by finish time (`sort=oldest`: finished ones the earliest first, then live ones;
+only these two orders, as history pages by indexes ending in the finish time: an order by
+another key, GPUs or name, would need an index of its own under every filter). The text and the
+order apply to both sides before paging. `metadata.continue` is absent on the last page. A
+tenant sees its own jobs; an admin every tenant's. A bad parameter is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -62,6 +69,12 @@ def parse(request: web.Request, *, tenant: str | None) -> tuple[queries.JobQuery
         raise _bad("limit", "a whole number") from None
     if not 1 <= limit <= protocol.MAX_PAGE:
         raise _bad("limit", f"1 to {protocol.MAX_PAGE}")
+    text = query.get("q") or None
+    if text is not None and len(text) > queries.MAX_TEXT:
+        raise _bad("q", f"at most {queries.MAX_TEXT} characters")
+    order = query.get("sort", queries.Order.NEWEST.value)
+    if order not in {o.value for o in queries.Order}:
+        raise _bad("sort", f"one of {', '.join(o.value for o in queries.Order)}")
     selector = query.get(selectors.FIELD)  # a bad one is a 400 naming labelSelector
     labels = selectors.parse(selector) if selector else ()
     job_query = queries.JobQuery(
@@ -72,6 +85,8 @@ def parse(request: web.Request, *, tenant: str | None) -> tuple[queries.JobQuery
         labels=labels,
         finished_after=_time(query, "finishedAfter"),
         finished_before=_time(query, "finishedBefore"),
+        text=text,
+        order=queries.Order(order),
     )
     return job_query, limit, query.get("continue")
 

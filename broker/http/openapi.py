@@ -10,6 +10,7 @@ from pydantic.json_schema import models_json_schema
 
 from broker.api import gpumap, inventory, jobs, queues, replicas, status, submits
 from broker.http import auth, console, roles
+from broker.state.history import query as queries
 
 PROBLEM = {"$ref": "#/components/schemas/Problem"}
 
@@ -190,9 +191,9 @@ def _document() -> dict[str, Any]:
                         "summary": "List jobs of the caller's tenant, live and finished",
                         "description": (
                             "Newest first: live jobs by creation, then finished ones (from "
-                            "the store and from history) by finish time. A page ends with "
-                            "metadata.continue while more follow: pass it as continue, with "
-                            "the same filters, for the next page."
+                            "the store and from history) by finish time; sort=oldest reverses "
+                            "it. A page ends with metadata.continue while more follow: pass it "
+                            "as continue, with the same filters, q and sort, for the next page."
                         ),
                         "parameters": [
                             {"name": "queue", "in": "query", "schema": {"type": "string"}},
@@ -220,6 +221,28 @@ def _document() -> dict[str, Any]:
                                 "name": "finishedBefore",
                                 "in": "query",
                                 "schema": {"type": "string", "format": "date-time"},
+                            },
+                            {
+                                "name": "q",
+                                "in": "query",
+                                "description": (
+                                    "text the job's name (metadata.name) or id holds, ASCII "
+                                    "case ignored; % and _ are plain characters"
+                                ),
+                                "schema": {"type": "string", "maxLength": queries.MAX_TEXT},
+                            },
+                            {
+                                "name": "sort",
+                                "in": "query",
+                                "description": (
+                                    "newest: live jobs newest created first, then finished "
+                                    "ones latest finished first; oldest: the reverse"
+                                ),
+                                "schema": {
+                                    "type": "string",
+                                    "enum": [o.value for o in queries.Order],
+                                    "default": queries.Order.NEWEST.value,
+                                },
                             },
                             {
                                 "name": "limit",

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from broker.api import gangs, messages, status
+from broker.api import clusterchoice, gangs, messages, status
 from broker.api.status import JobState
 from broker.jobs import accounting, book, fleet, transitions
 from broker.planning import fitting, planning, snapshot
@@ -92,6 +92,7 @@ class Dispatcher:
             excluded=excluded,
             priority_class=record.job.spec.priority_class,
             queued_since=record.status.events[-1].time if record.status.events else None,
+            clusters=clusterchoice.choice_of(record.job.spec.clusters),
         )
 
     def note_unplaced(self, plan: planning.CyclePlan) -> None:

@@ -111,6 +111,7 @@ class Cluster:
                     "models": sorted(models.values(), key=lambda m: m.model),
                     "seq": incoming.seq,
                     "fragmentation_milli": incoming.fragmentation_milli,
+                    "labels": incoming.labels,
                 }
             )
         # the agent sends a summary after each accepted offer: accepted placements are in it
@@ -239,6 +240,7 @@ class Fleet:
                     models=models,
                     running_jobs=running.get(name, 0),
                     reason=cluster.reason,
+                    labels=dict(cluster.summary.labels) if cluster.summary is not None else {},
                 )
             )
         return out

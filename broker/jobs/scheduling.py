@@ -34,7 +34,7 @@ from typing import overload
 
 from broker.api import status
 from broker.api.status import JobState
-from broker.jobs import accounting, book, dispatching, fleet, preempting
+from broker.jobs import accounting, book, dispatching, fleet, positions, preempting
 from broker.planning import (
     backlog,
     budget,
@@ -164,6 +164,14 @@ class Scheduler:
         self.reference: cyclestart.Reference | None = None  # what parked jobs were checked on
         self.last_cycle: parking.BacklogPlan | None = None
         self.waits = Waits()
+        self.positions = positions.Positions(  # `why`'s position and ETA, read when asked
+            self.backlog,
+            records=jobs,
+            accounts=accounts,
+            clusters=clusters,
+            queues=self.queues,
+            version=lambda: self.cycles,
+        )
         self._excluded: dict[str, frozenset[str]] = {}  # job -> clusters that rejected it
         self._dirty: set[str] = set(jobs.queued())  # jobs to look at again next cycle
         jobs.observe(self._note_change)

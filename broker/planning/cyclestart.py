@@ -107,7 +107,8 @@ def _lowest(ledger: quotas.Ledger, running: Sequence[snapshot.RunningJob]) -> in
 def shape_of(
     fleet: snapshot.FleetSnapshot, checked: Mapping[str, snapshot.ClusterCapacity]
 ) -> tuple[object, ...]:
-    """What of the fleet is not free capacity: a change here wakes every parked job."""
+    """What of the fleet is not free capacity (and its clusters' labels): a change here wakes
+    every parked job."""
     out: list[object] = []
     for name in sorted(fleet.clusters):
         cluster = fleet.clusters[name]
@@ -127,5 +128,6 @@ def shape_of(
                     racks,
                 )
             )
-        out.append((name, cluster.healthy, name in checked, tuple(models)))
+        labels = tuple(sorted(cluster.labels.items()))  # what spec.clusters selects on
+        out.append((name, cluster.healthy, name in checked, labels, tuple(models)))
     return tuple(out)

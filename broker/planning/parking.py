@@ -25,7 +25,9 @@ fleet the cycle left (its assumed placements taken):
 
 **What wakes it** (`decide_wakes`, at the start of every cycle, against the `Reference`):
 - the queues configuration changed, or the fleet's shape (a cluster joined, left, changed
-  health or models, GPU memory, node size, racks, GPUs): every parked job wakes;
+  health, labels or models, GPU memory, node size, racks, GPUs): every parked job wakes (a
+  cluster's labels decide which clusters a job's spec.clusters allows: only the allowed
+  need a witness);
 - a cluster shows as many free GPUs (or slots) of a witness's models as it needs;
 - the GPUs its queue (or cohort) holds of a model fell to a `Threshold`: where its limit,
   its cohort's capacity or its guarantee no longer refuses it (or, within the guarantee,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from broker.api import clusterchoice
 from broker.api.queues import ReasonCode
 from broker.planning import (
     backlog,
@@ -109,7 +110,7 @@ def _told_as_at_start(miss: planning.Unplaceable, verdicts: _Verdicts) -> bool:
 def _request_shape(job: snapshot.PendingJob) -> tuple[object, ...]:
     request = job.request
     pods = tuple((replicas, shape) for _, replicas, shape in request.tasks)
-    return (pods, request.topology.nvlink, request.topology.rack)
+    return (pods, request.topology.nvlink, request.topology.rack, job.clusters)
 
 
 @dataclass(frozen=True)
@@ -138,35 +139,44 @@ def _wake_of(
     models: set[str] = set()
     misses: Counter[ReasonCode] = Counter()
     within = False
+    # the clusters its spec.clusters allows: the others excluded until their labels change
+    # (`cyclestart.shape_of`); allowed nowhere, it never gets as far as preempting or reserving
+    allowed = [
+        name
+        for name in sorted(fleet.clusters)
+        if clusterchoice.allows(job.clusters, fleet.clusters[name].labels)
+    ]
     for model in sorted(quotas.allowed_models(request, start.fleet_models)):
         verdict = ledger.check(job.queue, model, gpus)
         thresholds |= _thresholds(job.queue, model, gpus, verdict, ledger)
         if isinstance(verdict, quotas.Miss):
             misses[verdict.code] += 1
             continue
-        if verdict is True and start.preempts:
+        if verdict is True and start.preempts and allowed:
             return _Verdicts(None, misses, True)  # within its guarantee: it may reclaim
         within = within or verdict is True
         models.add(model)
     usable = frozenset(models)
     watched: int | None = None  # with no model admitted it never gets as far as preempting
-    if usable and start.preempts and tenancy.preempts(job.queue, job.priority_class):
+    usable_anywhere = bool(usable) and bool(allowed)
+    if usable_anywhere and start.preempts and tenancy.preempts(job.queue, job.priority_class):
         if start.lowest is not None and start.lowest < priority:
             return _Verdicts(None, misses, within)  # a lower priority holds GPUs: it may preempt
         watched = priority
     witnesses: list[bounds.Witness] = []
     if usable:
-        for name in sorted(fleet.clusters):
+        for name in allowed:
             found = bounds.witness(fleet.clusters[name], request, usable)
             if found is None:
                 return _Verdicts(None, misses, within)  # it may fit there
             witnesses.extend(found)
     reserve = None
-    if start.reserves and usable:
+    if start.reserves and usable_anywhere:
         clusters = frozenset(
             name
-            for name, cluster in fleet.clusters.items()
-            if cluster.healthy and bounds.could_fit_empty(cluster, request, usable)
+            for name in allowed
+            if fleet.clusters[name].healthy
+            and bounds.could_fit_empty(fleet.clusters[name], request, usable)
         )
         if clusters:
             reserve = backlog.Reservable(usable, clusters)
@@ -178,7 +188,7 @@ def _wake_of(
         tuple(sorted(thresholds)),
         watched,
         reserve,
-        timed=start.reserves and bool(usable),
+        timed=start.reserves and usable_anywhere,
         admitted=usable,
     )
     return _Verdicts(wake, misses, within)

@@ -15,8 +15,9 @@ Phases:
    jobs within their queue's guarantee first, then the queue with the lowest dominant share;
    within a queue, priority then submission time. Each job: admission by quota, then the
    whole gang fitted on every cluster from its summary (`fitting.fit_gang`, on the models
-   its queue may take), the tightest fit chosen and *assumed* in the snapshot and charged to
-   the queue, so later decisions in the cycle see it;
+   its queue may take) that its `spec.clusters` selector allows (`clusterchoice`), the best
+   fit chosen (its `order`, its `preferred` score, then the tightest) and *assumed* in the
+   snapshot and charged to the queue, so later decisions in the cycle see it;
 4. a job that fits nowhere may preempt (`preemption`: reclaim a guarantee, or a higher
    priority), within the cycle's budget; it is dispatched in a later cycle, once the victims
    are gone. Else, past `reserveAfterSeconds`, it gets a reservation. Either way it is a
@@ -26,74 +27,31 @@ Phases:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 
+from broker.api import clusterchoice
 from broker.api import queues as queues_api
 from broker.api.queues import ReasonCode
 from broker.planning import (
     containment,
     fairshare,
     fitting,
+    plans,
     preemption,
     quotas,
     reservation,
     snapshot,
 )
 
-FLEET = "fleet"  # the "cluster" of a reason that holds on every cluster
-ROOM_CODES = frozenset(
-    {ReasonCode.CAPACITY, ReasonCode.TOPOLOGY, ReasonCode.FAIR_SHARE, ReasonCode.PRIORITY}
-)
-
-
-@dataclass(frozen=True, order=True)
-class Reason:
-    cluster: str
-    code: ReasonCode
-    message: str
-
-    def text(self) -> str:
-        return f"{self.cluster}: {self.message}"
-
-
-@dataclass(frozen=True)
-class Assignment:
-    job_id: str
-    cluster: str
-    takes: tuple[fitting.Take, ...]
-    borrowing: bool = False  # some of its GPUs are above its queue's guarantee
-
-
-@dataclass(frozen=True)
-class Unplaceable:
-    job_id: str
-    reasons: tuple[str, ...]  # "cluster: reason", sorted
-    details: tuple[Reason, ...] = ()  # the same, with their codes
-
-    @classmethod
-    def of(cls, job_id: str, details: Sequence[Reason]) -> Unplaceable:
-        ordered = tuple(sorted(set(details)))
-        return cls(job_id, tuple(r.text() for r in ordered), ordered)
-
-
-@dataclass(frozen=True)
-class Preemption:
-    job_id: str  # the victim
-    preemptor: str
-    cluster: str
-    reason: str  # preemption.RECLAIM | preemption.PRIORITY
-    message: str
-
-
-@dataclass
-class CyclePlan:
-    assignments: list[Assignment] = field(default_factory=list)
-    unplaceable: list[Unplaceable] = field(default_factory=list)
-    preemptions: list[Preemption] = field(default_factory=list)
-    reservations: dict[str, reservation.Reservation] = field(default_factory=dict)
-    # jobs and clusters whose planning raised: left out of this cycle, with the reason
-    set_aside: list[containment.SetAside] = field(default_factory=list)
+# the plan's values live in `plans`; their names here too, as `planning.Reason` is read
+FLEET = plans.FLEET
+ROOM_CODES = plans.ROOM_CODES
+Reason = plans.Reason
+Assignment = plans.Assignment
+Unplaceable = plans.Unplaceable
+Preemption = plans.Preemption
+CyclePlan = plans.CyclePlan
+preemption_of = plans.preemption_of
 
 
 def plan_cycle(
@@ -306,6 +264,11 @@ class _Cycle:
         best: fitting.Fit | None = None
         for name in sorted(self.fleet.clusters):
             cluster = self.fleet.clusters[name]
+            if not clusterchoice.allows(job.clusters, cluster.labels):
+                assert job.clusters is not None
+                message = job.clusters.describe_exclusion(cluster.labels)
+                reasons.append(Reason(name, ReasonCode.CLUSTER_SELECTOR, message))
+                continue
             if name in job.excluded:
                 reasons.append(
                     Reason(
@@ -342,7 +305,7 @@ class _Cycle:
                 continue
             if isinstance(result, fitting.NoFit):
                 reasons.append(Reason(name, result.code, result.reason))
-            elif best is None or self._rank(result) < self._rank(best):
+            elif best is None or self._rank(job, result) < self._rank(job, best):
                 best = result
         if best is not None:
             self._assign(job, best, admission)
@@ -354,10 +317,13 @@ class _Cycle:
         self.plan.unplaceable.append(Unplaceable.of(job.job_id, reasons))
         return False
 
-    def _rank(self, fit: fitting.Fit) -> tuple[int, int, str]:
-        """Tightest fit first (fewest whole GPUs left idle on the nodes it breaks into), then
-        the busiest cluster (keeps the emptiest whole for big gangs), then the name."""
-        return (fit.leftover, self.fleet.clusters[fit.cluster].free_gpus, fit.cluster)
+    def _rank(self, job: snapshot.PendingJob, fit: fitting.Fit) -> tuple[int, ...]:
+        """The job's `spec.clusters` first (its `order`, then its `preferred` score), then
+        the tightest fit (fewest whole GPUs left idle on the nodes it breaks into), then the
+        busiest cluster (keeps the emptiest whole for big gangs); the name breaks ties."""
+        cluster = self.fleet.clusters[fit.cluster]
+        chosen = job.clusters.rank(fit.cluster, cluster.labels) if job.clusters else (0, 0)
+        return (*chosen, fit.leftover, cluster.free_gpus)
 
     def _assign(
         self, job: snapshot.PendingJob, fit: fitting.Fit, admission: quotas.Admission
@@ -559,7 +525,7 @@ class _Cycle:
             ]
         held = reservation.held_models(self.reservations.values())
         chosen = reservation.choose_cluster(
-            self.fleet, job.request, models=admission.admissible, held=held
+            self.fleet, job.request, models=admission.admissible, held=held, choice=job.clusters
         )
         if chosen is None:
             return [
@@ -581,15 +547,3 @@ class _Cycle:
                 f"its {'/'.join(sorted(models))} GPUs take no new work until it fits",
             )
         ]
-
-
-def preemption_of(
-    victim: preemption.Victim, *, preemptor: str, cluster: str, why: str
-) -> Preemption:
-    return Preemption(
-        job_id=victim.job.job_id,
-        preemptor=preemptor,
-        cluster=cluster,
-        reason=victim.reason,
-        message=f"preempted for job {preemptor} to {why}",
-    )

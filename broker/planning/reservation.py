@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from broker.api import gangs
+from broker.api import clusterchoice, gangs
 from broker.planning import fitting, snapshot
 
 
@@ -91,12 +91,14 @@ def choose_cluster(
     *,
     models: frozenset[str],
     held: Mapping[str, set[str]],
+    choice: clusterchoice.Choice | None = None,
 ) -> tuple[str, frozenset[str]] | None:
-    """The cluster to reserve for `request` on `models`, and the models to hold there."""
+    """The cluster to reserve for `request` on `models`, and the models to hold there;
+    only among the clusters its `spec.clusters` (`choice`) allows."""
     best: tuple[int, str, frozenset[str]] | None = None
     for name in sorted(fleet.clusters):
         cluster = fleet.clusters[name]
-        if not cluster.healthy:
+        if not cluster.healthy or not clusterchoice.allows(choice, cluster.labels):
             continue
         usable = models - held.get(name, set())
         if not usable:

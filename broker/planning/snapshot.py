@@ -9,11 +9,11 @@ cycle see earlier ones.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from broker.api import gangs, inventory
+from broker.api import clusterchoice, gangs, inventory
 
 
 @dataclass
@@ -58,6 +58,7 @@ class ClusterCapacity:
     healthy: bool
     models: dict[str, ModelCapacity] = field(default_factory=dict)
     summary_seq: int = 0
+    labels: Mapping[str, str] = field(default_factory=dict)  # what spec.clusters selects on
 
     @classmethod
     def from_summary(cls, summary: inventory.ClusterSummary, *, healthy: bool) -> ClusterCapacity:
@@ -66,6 +67,7 @@ class ClusterCapacity:
             healthy=healthy,
             models={m.model: ModelCapacity.from_summary(m) for m in summary.models},
             summary_seq=summary.seq,
+            labels=summary.labels,
         )
 
     @property
@@ -78,6 +80,7 @@ class ClusterCapacity:
             healthy=self.healthy,
             models={name: m.copy() for name, m in self.models.items()},
             summary_seq=self.summary_seq,
+            labels=self.labels,  # never changed in a cycle: shared
         )
 
 
@@ -93,6 +96,7 @@ class PendingJob:
     excluded: frozenset[str] = frozenset()  # clusters that rejected it and have not refreshed
     priority_class: str | None = None
     queued_since: datetime | None = None  # last time it (re)entered the queue; None: created
+    clusters: clusterchoice.Choice | None = None  # its spec.clusters; None: any cluster
 
     @property
     def waiting_since(self) -> datetime:

@@ -38,6 +38,8 @@ class Published:
 
 def encode_view(view: inventory.ClusterView, *, seen_at: float | None) -> bytes:
     data = view.model_dump(mode="json", exclude={"last_seen_seconds", "running_jobs"})
+    if not data.get("labels"):  # a cluster without labels: a view every follower reads
+        data.pop("labels", None)
     data["seenAt"] = seen_at
     return json.dumps(data, sort_keys=True).encode()
 

@@ -28,6 +28,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from broker.api import affinity, inventory
 from member_agent import telemetry
 from member_agent.cluster import base, simulated
 from member_agent.jobs import handling
@@ -60,6 +61,12 @@ class AgentSettings(BaseModel):
         ),
     ]
     cluster: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
+    cluster_labels: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=inventory.MAX_LABELS,
+        description="the cluster's labels, reported in its summaries: what a job's "
+        "spec.clusters selects on (region=eu-west, tier=spot)",
+    )
     token_file: Path | None = None
     # TLS to the broker (session.tls): the CA of its certificate (None: the system's), and
     # this agent's client certificate and key for a broker with --client-ca (mTLS)
@@ -137,6 +144,15 @@ class AgentSettings(BaseModel):
         unknown = sorted(set(value) - set(DRA_ATTRIBUTES))
         if unknown:
             raise ValueError(f"unknown {unknown}; known: {', '.join(DRA_ATTRIBUTES)}")
+        return value
+
+    @field_validator("cluster_labels")
+    @classmethod
+    def _cluster_labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            problem = affinity.label_key_problem(key) or affinity.label_value_problem(item)
+            if problem is not None:
+                raise ValueError(f"cluster label {key}={item}: {problem}")
         return value
 
     def device_keys(self) -> dict[str, str]:
@@ -255,7 +271,10 @@ async def run_agent(
             gc.collect()
             gc.freeze()
         reporter = reporting.SummaryReporter(
-            cluster.inventory, cluster=settings.cluster, interval=settings.summary_interval_seconds
+            cluster.inventory,
+            cluster=settings.cluster,
+            interval=settings.summary_interval_seconds,
+            labels=settings.cluster_labels,
         )
         stack.callback(reporter.detach)
         router = connecting.Router()

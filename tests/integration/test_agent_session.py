@@ -390,3 +390,36 @@ async def test_a_broker_without_acks_gets_no_seq_and_a_written_report_counts(
     await fake.ws.close()
     hello = await fake.wait_for_hellos(3)
     assert hello.jobs == []
+
+
+async def test_cluster_labels_reach_a_broker_of_protocol_5_only(
+    tmp_path: Path, broker: tuple[FakeBroker, TestServer]
+) -> None:
+    fake, server = broker
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    nodes = builders.write_cluster(tmp_path)
+    settings = app.AgentSettings(
+        broker_url=str(server.make_url("/")),
+        cluster="small",
+        cluster_labels={"region": "eu-west", "tier": "spot"},
+        token_file=token_file,
+        nodes_file=nodes,
+        backoff=app.BackoffSettings(initial_seconds=0.05, max_seconds=0.2, auth_retry_seconds=0.3),
+    )
+    backend = simulated.SimulatedBackend("small", simulated.load_pools(nodes), start_delay=0.05)
+    running = Agent(settings, backend, token_file)
+    running.start()
+    try:
+        await fake.wait_for_hellos(1)
+        summary = await fake.expect(messages.Summary)
+        assert summary.summary.labels == {"region": "eu-west", "tier": "spot"}
+        fake.version = messages.LABELS_SINCE - 1  # an older broker: it forbids the field
+        assert fake.ws is not None
+        await fake.ws.close()
+        await fake.wait_for_hellos(2)
+        summary = await fake.expect(messages.Summary)
+        assert summary.summary.labels == {}
+    finally:
+        await running.stop()
+        await backend.close()

@@ -144,6 +144,16 @@ def _gpus(value: Any) -> dict[str, Any]:
             id="name not a DNS label",
         ),
         pytest.param(_with("spec.tasks", []), {}, 422, "spec.tasks", id="no tasks"),
+        pytest.param(
+            _with(
+                "spec.clusters",
+                {"selector": {"matchExpressions": [{"key": "region", "operator": "Near"}]}},
+            ),
+            {},
+            422,
+            "spec.clusters.selector.matchExpressions[0].operator",
+            id="spec.clusters: an unknown operator",
+        ),
         pytest.param(_with("apiVersion", "batch/v1"), {}, 422, "apiVersion", id="wrong apiVersion"),
         pytest.param("x" * (1024 * 1024 + 10), {}, 413, None, id="body over 1 MiB"),
         pytest.param("", {}, 400, None, id="empty body"),
@@ -191,6 +201,8 @@ async def test_unknown_job_and_bad_query(api: TestClient[Any, Any]) -> None:
 async def test_openapi_health_and_metrics(api: TestClient[Any, Any]) -> None:
     spec = await (await api.get("/openapi.json")).json()
     assert "/v1/jobs" in spec["paths"] and "GPUJob" in spec["components"]["schemas"]
+    schemas = spec["components"]["schemas"]
+    assert {"ClusterChoice", "LabelSelector", "PreferredClusters"} <= schemas.keys()
     assert (await api.get("/healthz")).status == 200
     assert (await api.get("/readyz")).status == 200
     await submit(api, make_job("m", gpus=1).document())

@@ -192,6 +192,7 @@ AGENT_VARIANTS = {
     "a token Secret from the chart": {
         "broker": {"token": {"existingSecret": "", "create": True, "value": "s3cret"}}
     },
+    "cluster labels": {"clusterLabels": {"region": "eu-west", "example.com/tier": "spot"}},
     "GPUs through DRA": {
         "devices": {
             "mode": "dra",
@@ -518,6 +519,14 @@ def test_the_agent_gets_every_broker_replicas_url(render: Render) -> None:
     ]
     args = cli.build_parser().parse_args(["agent", "--backend", "kubernetes", *container["args"]])
     assert args.broker == ",".join(override["broker"]["urls"])  # type: ignore[index]
+
+
+def test_the_agent_reports_the_cluster_labels_of_its_values(render: Render) -> None:
+    override = AGENT_VARIANTS["cluster labels"]
+    settings = agent_settings(render("member-agent", override))
+    assert settings.cluster_labels == override["clusterLabels"]
+    # the example's own (ci/example-values.yaml)
+    assert agent_settings(render("member-agent", {})).cluster_labels == {"region": "us-east"}
 
 
 AGENT = "gpufed-member-agent"

@@ -11,6 +11,8 @@ behaviour (a file that is not a database, a server that is not there) is at the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -51,7 +53,7 @@ async def history(history_url: str) -> AsyncIterator[protocol.HistoryStore]:
 
 
 def expected(records: Sequence[status.JobRecord], query: queries.JobQuery) -> list[str]:
-    ordered = sorted(records, key=queries.Cursor.of, reverse=True)
+    ordered = sorted(records, key=queries.Cursor.of, reverse=query.newest_first)
     return [record.id for record in ordered if query.matches(record)]
 
 
@@ -156,6 +158,32 @@ async def test_a_job_not_finished_is_refused_and_nothing_of_its_batch_is_written
             ),
         ),
         ("nothing", queries.JobQuery(queue="nope")),
+        ("text in names", queries.JobQuery(text="sweep")),
+        ("text in ids", queries.JobQuery(text="-00")),
+        ("text, case ignored", queries.JobQuery(text="TRAIN-")),
+        (
+            "text and filters",
+            queries.JobQuery(
+                text="l", queue="q1", state=State.FAILED, labels=selectors.parse("team=x")
+            ),
+        ),
+        ("oldest first", queries.JobQuery(order=queries.Order.OLDEST)),
+        (
+            "oldest first by a label, with a text",
+            queries.JobQuery(
+                order=queries.Order.OLDEST, text="-", labels=selectors.parse("team=y")
+            ),
+        ),
+        (
+            "oldest first, filtered",
+            queries.JobQuery(
+                order=queries.Order.OLDEST,
+                tenant="team-b",
+                text="e",
+                labels=selectors.parse("tier in (gold, silver)"),
+                finished_before=BASE + timedelta(seconds=70),
+            ),
+        ),
     ],
 )
 async def test_pages_list_what_the_query_matches_newest_finished_first(
@@ -171,6 +199,69 @@ async def test_pages_list_what_the_query_matches_newest_finished_first(
     assert await page_all(history, query, limit=protocol.MAX_PAGE) == want
     if len(want) >= 2:  # exactly a page's worth left: no next token, no empty page
         assert await page_all(history, query, limit=len(want)) == want
+
+
+async def test_a_text_matching_nothing_lists_nothing(history: protocol.HistoryStore) -> None:
+    await history.put_many([finished(f"job-{i}", name="train-llm") for i in range(5)])
+
+    for text in ["sweep", "train-llm-x", "job-5", "%%", " "]:
+        page = await history.page(queries.JobQuery(text=text), limit=10)
+        assert page == protocol.Page([], None)
+
+
+async def test_the_text_is_a_substring_not_a_pattern(history: protocol.HistoryStore) -> None:
+    ids = ["a%b", "a_b", "a\\b", "axb", "ab", "a%%b", "A_B"]
+    await history.put_many([finished(job_id) for job_id in ids])
+
+    async def found(text: str) -> set[str]:
+        page = await history.page(queries.JobQuery(text=text), limit=50)
+        return {record.id for record in page.items}
+
+    assert await found("%") == {"a%b", "a%%b"}
+    assert await found("_") == {"a_b", "A_B"}
+    assert await found("\\") == {"a\\b"}
+    assert await found("a_b") == {"a_b", "A_B"}  # not axb
+    assert await found("a%b") == {"a%b"}  # not a%%b, not ab
+    assert await found("\\b") == {"a\\b"}
+    assert await found("a\\%") == set()  # the backslash no escape of the client's
+
+
+async def test_a_text_pages_through_its_matches_with_continue(
+    history: protocol.HistoryStore,
+) -> None:
+    records = population()
+    await history.put_many(records)
+    query = queries.JobQuery(text="eval")
+    first = await history.page(query, limit=5)
+    assert first.next is not None
+    with pytest.raises(api_errors.Malformed, match="another query"):  # the text is part of it
+        await history.page(queries.JobQuery(text="train"), limit=5, cont=first.next)
+    with pytest.raises(api_errors.Malformed, match="another query"):  # and so is the order
+        oldest = queries.JobQuery(text="eval", order=queries.Order.OLDEST)
+        await history.page(oldest, limit=5, cont=first.next)
+    # the case of the text is not: EVAL and eval are one query
+    again = await history.page(queries.JobQuery(text="EVAL"), limit=5, cont=first.next)
+
+    rest = await page_all_from(history, query, first.next, limit=5)
+
+    assert [record.id for record in again.items] == rest[:5]
+    assert [record.id for record in first.items] + rest == expected(records, query)
+    assert all("eval" in record.job.metadata.name for record in first.items)
+
+
+async def test_oldest_first_a_token_of_the_live_section_has_nothing_left(
+    history: protocol.HistoryStore,
+) -> None:
+    await history.put_many([finished(f"job-{i}", at=BASE + timedelta(seconds=i)) for i in range(3)])
+    query = queries.JobQuery(order=queries.Order.OLDEST)
+    token = queries.encode(queries.Cursor(True, queries.to_us(BASE), "queued-job"), query)
+
+    assert await history.page(query, limit=10, cont=token) == protocol.Page([], None)
+    assert [r.id for r in (await history.page(query, limit=10)).items] == [
+        "job-0",
+        "job-1",
+        "job-2",
+    ]
 
 
 async def test_ties_are_broken_by_id_in_code_point_order(history: protocol.HistoryStore) -> None:
@@ -362,3 +453,30 @@ async def test_a_postgres_database_that_does_not_exist_is_a_permanent_error(
     with pytest.raises(errors.StoreError, match="no_such_database") as refused:
         await opening.open_history(url)
     assert not isinstance(refused.value, errors.TemporaryStoreError)
+
+
+async def test_a_sqlite_history_of_schema_1_gains_names_at_open(tmp_path: Path) -> None:
+    path = tmp_path / "history.db"
+    url = f"sqlite:///{path}"
+    opened = await opening.open_history(url)
+    await opened.put_many([finished("job-1", name="train-llm"), finished("job-2", name="eval")])
+    await opened.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # back to what schema 1 was
+        for index in ("finished", "tenant", "queue", "state", "cluster"):
+            conn.execute(f"DROP INDEX job_history_{index}")
+        conn.execute("ALTER TABLE job_history DROP COLUMN name")
+        conn.execute("UPDATE job_history_meta SET value = 1 WHERE name = 'schema'")
+        conn.commit()
+
+    reopened = await opening.open_history(url)
+    try:
+        page = await reopened.page(queries.JobQuery(text="TRAIN"), limit=5)
+        assert [record.id for record in page.items] == ["job-1"]
+    finally:
+        await reopened.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT value FROM job_history_meta").fetchone() == (2,)
+        (indexed,) = conn.execute(
+            "SELECT sql FROM sqlite_master WHERE name = 'job_history_tenant'"
+        ).fetchone()
+        assert indexed.endswith("(tenant, finished, id, name)")

@@ -73,7 +73,8 @@ async def list_all(
 def ordered(records: Sequence[status.JobRecord], query: queries.JobQuery) -> list[str]:
     unique = {record.id: record for record in records}.values()
     chosen = [record for record in unique if query.matches(record)]
-    return [record.id for record in sorted(chosen, key=queries.Cursor.of, reverse=True)]
+    in_order = sorted(chosen, key=queries.Cursor.of, reverse=query.newest_first)
+    return [record.id for record in in_order]
 
 
 @pytest.mark.parametrize("limit", [1, 3, 7, 100])
@@ -85,8 +86,24 @@ def ordered(records: Sequence[status.JobRecord], query: queries.JobQuery) -> lis
         queries.JobQuery(state=State.SUCCEEDED),
         queries.JobQuery(labels=selectors.parse("team=x")),
         queries.JobQuery(finished_after=BASE + timedelta(minutes=5)),
+        queries.JobQuery(text="-1"),
+        queries.JobQuery(text="OLD-0", queue="q1"),
+        queries.JobQuery(order=queries.Order.OLDEST),
+        queries.JobQuery(order=queries.Order.OLDEST, text="e"),
+        queries.JobQuery(order=queries.Order.OLDEST, state=State.RUNNING),
     ],
-    ids=["all", "running", "succeeded", "label", "window"],
+    ids=[
+        "all",
+        "running",
+        "succeeded",
+        "label",
+        "window",
+        "text",
+        "text+queue",
+        "oldest",
+        "oldest+text",
+        "oldest+running",
+    ],
 )
 async def test_live_jobs_first_then_finished_ones_each_once(
     history: protocol.HistoryStore, query: queries.JobQuery, limit: int
@@ -102,6 +119,9 @@ async def test_live_jobs_first_then_finished_ones_each_once(
         assert listed[:4] == ["live-3", "live-2", "live-1", "live-0"]
         assert listed[7:11] == ["recent-3", "recent-2", "recent-1", "recent-0"]
         assert listed[-1] == "old-00"
+    if query == queries.JobQuery(order=queries.Order.OLDEST):
+        assert listed[0] == "old-00"
+        assert listed[-4:] == ["live-0", "live-1", "live-2", "live-3"]
 
 
 async def test_a_job_retired_between_two_pages_is_listed_once(

@@ -113,6 +113,32 @@ async def test_a_finished_job_moves_to_history_and_is_found_listed_and_replayed(
         assert listed == [live, *reversed(done)]
 
 
+async def test_a_list_searches_and_sorts_over_live_jobs_and_history(tmp_path: Path) -> None:
+    settings = settings_for(f"sqlite:///{tmp_path / 'broker.db'}", retain_finished_seconds=0.2)
+    async with running(settings) as api:
+        live = [await submit(api, name, f"k-{name}") for name in ("sweep-live", "other-live")]
+        done = [await submit(api, f"sweep-{i}", f"k-done-{i}") for i in range(3)]
+        for job_id in done:
+            assert (await api.delete(f"/v1/jobs/{job_id}", headers=TEAM_A)).status == 202
+        await until(lambda: held(api) == set(live))
+
+        found = await pages(api, "&q=SWEEP", limit=1)
+        assert [i for page in found for i in page] == [live[0], *reversed(done)]
+        oldest = await pages(api, "&q=sweep&sort=oldest", limit=2)
+        assert [i for page in oldest for i in page] == [*done, live[0]]
+        assert await pages(api, "&q=nothing-like-it", limit=5) == [[]]
+        first = await (await api.get("/v1/jobs?limit=1&q=sweep", headers=ADMIN)).json()
+        other = await api.get(  # a token is good for its own text and order only
+            f"/v1/jobs?limit=1&q=sweep&sort=oldest&continue={first['metadata']['continue']}",
+            headers=ADMIN,
+        )
+        assert other.status == 400 and "continue" in (await other.json())["detail"]
+        for query, field in [("sort=gpus", "sort"), ("q=" + "x" * 201, "q")]:
+            bad = await api.get(f"/v1/jobs?{query}", headers=ADMIN)
+            assert bad.status == 400
+            assert (await bad.json())["detail"].startswith(f"{field}: ")
+
+
 async def test_history_is_pruned_after_its_ttl(tmp_path: Path) -> None:
     settings = settings_for(
         f"sqlite:///{tmp_path / 'broker.db'}",

@@ -47,6 +47,7 @@ def test_every_flag_and_argument_of_every_command_is_described() -> None:
     ("argv", "flag", "default"),
     [
         pytest.param(["list"], "--limit LIMIT", "(default: 500)", id="list --limit"),
+        pytest.param(["list"], "--sort {newest,oldest}", "(default: newest)", id="list --sort"),
         pytest.param(["get"], "--broker BROKER", "(default: http://127.0.0.1:8080)", id="broker"),
         pytest.param(["broker"], "--port PORT", "(default: 8080)", id="broker --port"),
         pytest.param(["broker"], "--heartbeat HEARTBEAT", "(default: 5.0)", id="heartbeat"),

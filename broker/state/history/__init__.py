@@ -5,7 +5,8 @@ ones; older finished jobs move here and are pruned after a retention window
 (docs/architecture.md, "Live state and history").
 
 - `query.py` — what a list asks for (`JobQuery`: tenant, queue, state, cluster, a label
-  selector, a finished-time window), the order (newest first) and the opaque continue token
+  selector, a finished-time window, a text in the name or id), the order (newest first, or
+  oldest) and the opaque continue token
   (`Cursor`: the last sort key, so pages are stable while jobs are added);
 - `protocol.py` — the `HistoryStore` protocol and the row a record is stored as;
 - `sql.py` — the schema and the page query, one builder for both SQL dialects;

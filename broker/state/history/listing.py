@@ -2,7 +2,8 @@
 
 The caller hands over the jobs it holds in memory (the book: live jobs and the finished ones
 not yet retired) and the history store; the page follows the order of `query.py` (live jobs
-newest created first, then finished ones newest finished first) across both. A job found in
+newest created first, then finished ones newest finished first; or all of it reversed, oldest
+first) across both, and its filters, the text search included, apply to both alike. A job found in
 both (retired into history, not yet dropped from the book) is listed once, the book's copy.
 
 Read the book before the history, as `page_jobs` does: a job retired between the two reads
@@ -39,26 +40,36 @@ async def page_jobs(
     records in memory) and `history` (None: none configured)."""
     protocol.check_limit(limit)
     after = queries.decode(cont, query) if cont else None
+    newest = query.newest_first
+
+    def behind(key: queries.Cursor, mark: queries.Cursor) -> bool:
+        """Whether `key` comes after `mark` in the list's order."""
+        return key < mark if newest else key > mark
+
     candidates = []
     for record in held:
         if query.matches(record):
             key = queries.Cursor.of(record)
-            if after is None or key < after:
+            if after is None or behind(key, after):
                 candidates.append((key, record))
-    merged = heapq.nlargest(limit + 1, candidates, key=itemgetter(0))
+    first = heapq.nlargest if newest else heapq.nsmallest
+    merged = first(limit + 1, candidates, key=itemgetter(0))
     history_next: str | None = None
-    live_before_history = sum(1 for key, _ in merged if key.live)
-    if history is not None and needs_history(query) and live_before_history <= limit:
+    if newest:  # live jobs come first: history only once they leave room on the page
+        wanted = sum(1 for key, _ in merged if key.live) <= limit
+    else:  # finished jobs come first: history until the reader is in the live section
+        wanted = after is None or not after.live
+    if history is not None and needs_history(query) and wanted:
         found = await history.page(query, limit=limit, cont=cont)
         history_next = found.next
         seen = {record.id for _, record in merged}
         merged += [
             (queries.Cursor.of(record), record) for record in found.items if record.id not in seen
         ]
-        merged.sort(key=itemgetter(0), reverse=True)
+        merged.sort(key=itemgetter(0), reverse=newest)
         if history_next is not None:  # past the last row history read, it is not yet known
             boundary = queries.decode(history_next, query)
-            merged = [item for item in merged if item[0] >= boundary]
+            merged = [item for item in merged if not behind(item[0], boundary)]
     page = merged[:limit]
     if not page:  # history's rows were all unreadable: go on where it stopped
         return protocol.Page([], history_next)

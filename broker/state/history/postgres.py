@@ -37,12 +37,13 @@ POOL_SIZE = 4
 SCHEMA_LOCK = 0x67707566_6564  # "gpufed": the advisory lock held while creating the schema
 
 UPSERT = f"""
-INSERT INTO {sql.HISTORY} (id, tenant, queue, state, cluster, created, finished, record)
-SELECT u.id, u.tenant, u.queue, u.state, u.cluster, u.created, u.finished, u.record::json
+INSERT INTO {sql.HISTORY} (id, tenant, queue, state, cluster, created, finished, record, name)
+SELECT u.id, u.tenant, u.queue, u.state, u.cluster, u.created, u.finished, u.record::json, u.name
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-            $6::timestamptz[], $7::timestamptz[], $8::text[])
-    AS u(id, tenant, queue, state, cluster, created, finished, record)
-ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant, queue = excluded.queue,
+            $6::timestamptz[], $7::timestamptz[], $8::text[], $9::text[])
+    AS u(id, tenant, queue, state, cluster, created, finished, record, name)
+ON CONFLICT (id) DO UPDATE SET name = excluded.name, tenant = excluded.tenant,
+    queue = excluded.queue,
     state = excluded.state, cluster = excluded.cluster, created = excluded.created,
     finished = excluded.finished, record = excluded.record
 """
@@ -197,6 +198,8 @@ class PostgresHistory:
                     f"postgresql history {self.where} has schema {version}, newer than this"
                     f" broker's {sql.SCHEMA_VERSION}: upgrade the broker"
                 )
+            if int(version) < sql.SCHEMA_VERSION:
+                await conn.execute(sql.POSTGRES_UPGRADE)
             for statement in sql.INDEXES:
                 await conn.execute(statement)
 
@@ -215,6 +218,7 @@ class PostgresHistory:
                     [queries.from_us(row.created_us) for row in chunk],
                     [queries.from_us(row.finished_us) for row in chunk],
                     [row.record for row in chunk],
+                    [row.name for row in chunk],
                 )
                 await conn.execute(DELETE_LABELS, ids)
                 labels = [(row, key, value) for row in chunk for key, value in row.labels]

@@ -6,8 +6,8 @@ and comes out by id (`get`) or a page at a time (`page`: newest finished first, 
 in bounded batches, each its own transaction, so writers and readers never wait on a long one.
 
 Each store keeps one row per job: the record's JSON (exactly what the hot store holds,
-`records.encode`) and the columns the lists filter and sort on: tenant, queue, state, cluster,
-created, finished (`query.finished_at`), id; and one row per label of the job's
+`records.encode`) and the columns the lists filter, search and sort on: name, tenant, queue, state,
+cluster, created, finished (`query.finished_at`), id; and one row per label of the job's
 `metadata.labels` for the label selector. Errors are `broker.state.errors` types, chained to
 the driver's: `TemporaryStoreError` when the same call may succeed later (a server away, a
 busy file, a timeout), `StoreFullError`, `StoreReadOnlyError`, `StoreDamagedError`, else
@@ -48,6 +48,7 @@ class HistoryRow:
     """A finished record as the stores keep it: its JSON and the indexed columns."""
 
     id: str
+    name: str  # metadata.name, for the text search
     tenant: str
     queue: str
     state: str
@@ -66,6 +67,7 @@ class HistoryRow:
             )
         return cls(
             id=record.id,
+            name=record.job.metadata.name,
             tenant=record.tenant,
             queue=record.job.spec.queue,
             state=record.status.state.value,
@@ -138,8 +140,9 @@ class HistoryStore(Protocol):
     async def get(self, job_id: str) -> status.JobRecord | None: ...
 
     async def page(self, query: queries.JobQuery, *, limit: int, cont: str | None = None) -> Page:
-        """Up to `limit` (1..MAX_PAGE) records `query` selects, newest finished first, after
-        the position `cont` (a token of an earlier page of the same query) names."""
+        """Up to `limit` (1..MAX_PAGE) records `query` selects, newest finished first (oldest
+        first if `query.order` says so), after the position `cont` (a token of an earlier page
+        of the same query) names."""
         ...
 
     async def prune(self, older_than: datetime, *, batch: int = PRUNE_BATCH) -> int:

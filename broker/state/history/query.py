@@ -16,6 +16,17 @@ sees it once (`listing.py` drops the copy seen in both). A job that finishes whi
 still in the live section moves to the finished section, ahead of the reader: it is listed
 again there.
 
+`JobQuery.order` may ask for the reverse (`Order.OLDEST`): finished jobs the earliest finished
+first, then live jobs the earliest created first: the same keys read the other way, so the same
+indexes serve it (a job that finishes while such a reader is in the live section has moved
+behind it: it is not listed in that pass). No other order is offered: a page of history in any
+order must be a range scan of an index ending in that order's key, under every filter, and
+history's indexes end in (finished, id) (`sql.py`).
+
+`JobQuery.text` selects jobs whose name (`metadata.name`) or id holds it, ignoring ASCII case
+(names and ids are DNS labels: ASCII). Queue and cluster are not searched: they have filters
+of their own, exact and indexed.
+
 The continue token is opaque to clients: the cursor and a digest of the query it belongs to,
 as URL-safe base64 of a small JSON object. A token that does not decode, or that belongs to
 another query (a filter changed between pages), is refused as `Malformed` naming `continue`.
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import enum
 import hashlib
 import json
 from dataclasses import dataclass
@@ -38,6 +50,21 @@ FIELD = "continue"
 TOKEN_VERSION = 1
 MAX_TOKEN_LENGTH = 1024
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+MAX_TEXT = 200  # the longest `JobQuery.text`
+ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+class Order(enum.Enum):
+    """The order of a list (the API's `sort`): newest first (the default) or oldest first."""
+
+    NEWEST = "newest"
+    OLDEST = "oldest"
+
+
+def fold(text: str) -> str:
+    """`text` with ASCII capitals made small: the case the text search ignores (SQLite's LIKE
+    and PostgreSQL's ILIKE under the "C" collation fold ASCII only, as this does)."""
+    return text.translate(ASCII_LOWER)
 
 
 def to_us(moment: datetime) -> int:
@@ -87,6 +114,8 @@ class JobQuery:
     `tenant` None lists every tenant's jobs (an admin's list). `labels` is a parsed label
     selector (`broker.api.selectors.parse`) on the job's `metadata.labels`. The finished-time
     window is `[finished_after, finished_before)`; a window selects finished jobs only.
+    `text` (None: any) is a substring of the name or the id, ASCII case ignored; `order` the
+    order the pages come in.
     """
 
     tenant: str | None = None
@@ -96,6 +125,12 @@ class JobQuery:
     labels: selectors.Selector = ()
     finished_after: datetime | None = None
     finished_before: datetime | None = None
+    text: str | None = None
+    order: Order = Order.NEWEST
+
+    @property
+    def newest_first(self) -> bool:
+        return self.order is Order.NEWEST
 
     @property
     def finished_only(self) -> bool:
@@ -118,6 +153,8 @@ class JobQuery:
             return False
         if self.labels and not selectors.matches(self.labels, record.job.metadata.labels):
             return False
+        if self.text is not None and not self.matches_text(record):
+            return False
         if self.finished_after is None and self.finished_before is None:
             return True
         if not record.status.state.terminal:
@@ -126,6 +163,10 @@ class JobQuery:
         if self.finished_after is not None and finished < to_us(self.finished_after):
             return False
         return self.finished_before is None or finished < to_us(self.finished_before)
+
+    def matches_text(self, record: status.JobRecord) -> bool:
+        wanted = fold(self.text or "")
+        return wanted in fold(record.job.metadata.name) or wanted in fold(record.id)
 
     def digest(self) -> str:
         """A short digest of the filters: a continue token is good for this query only."""
@@ -136,6 +177,8 @@ class JobQuery:
         state = None if self.state is None else self.state.value
         described = [self.tenant, self.queue, state, self.cluster, *window]
         described.append(selectors.describe(sorted(self.labels, key=selectors.describe_one)))
+        if self.text is not None or self.order is not Order.NEWEST:  # older tokens stay good
+            described += [None if self.text is None else fold(self.text), self.order.value]
         text = json.dumps(described, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

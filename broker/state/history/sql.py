@@ -8,6 +8,13 @@ per label of a job, with the job's finished time copied, indexed `(key, value, f
 a selector `key=value` pages by that index the same way; the other requirements (`!=`, `in`,
 `notin`, `key`, `!key`) are checked per row by the `(id, key)` primary key.
 
+The text search (`JobQuery.text`) is `LIKE` (SQLite: ASCII case ignored) or `ILIKE`
+(PostgreSQL, "C" collation: ASCII case ignored) of `%text%` on the `name` column and the id,
+`%`, `_` and `\\` escaped; no extension (pg_trgm, FTS5) is required. No index serves a
+substring, so a page with a text walks the page's index in order and tests each row until it
+has `limit + 1`: quick when matches are common, a scan of every row the other filters leave
+when they are rare (docs/architecture.md gives the figures).
+
 Times are microseconds since the epoch in SQLite (INTEGER) and `timestamptz` in PostgreSQL
 (the same microseconds). Text columns compare bytewise in both (SQLite's BINARY, PostgreSQL's
 `COLLATE "C"`): the order of ids is the code-point order `query.Cursor` sorts by in Python.
@@ -21,7 +28,7 @@ from dataclasses import dataclass, field
 from broker.api import affinity, selectors
 from broker.state.history import query as queries
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the `name` column (the job's metadata.name)
 HISTORY = "job_history"
 LABELS = "job_history_labels"
 FILTERED = ("tenant", "queue", "state", "cluster")
@@ -33,6 +40,7 @@ CREATE TABLE IF NOT EXISTS job_history_meta (
 INSERT OR IGNORE INTO job_history_meta (name, value) VALUES ('schema', {SCHEMA_VERSION});
 CREATE TABLE IF NOT EXISTS {HISTORY} (
     id TEXT NOT NULL PRIMARY KEY,
+    name TEXT NOT NULL DEFAULT '',
     tenant TEXT NOT NULL,
     queue TEXT NOT NULL,
     state TEXT NOT NULL,
@@ -56,6 +64,7 @@ INSERT INTO job_history_meta (name, value) VALUES ('schema', {SCHEMA_VERSION})
     ON CONFLICT (name) DO NOTHING;
 CREATE TABLE IF NOT EXISTS {HISTORY} (
     id text COLLATE "C" NOT NULL PRIMARY KEY,
+    name text COLLATE "C" NOT NULL DEFAULT '',
     tenant text COLLATE "C" NOT NULL,
     queue text COLLATE "C" NOT NULL,
     state text COLLATE "C" NOT NULL,
@@ -73,10 +82,28 @@ CREATE TABLE IF NOT EXISTS {LABELS} (
 );
 """
 
+# From schema 1: the name column, filled from each record's JSON, and the indexes made again
+# with it (`INDEXES`, after this): once, at the first open by a broker of schema 2.
+_OLD_INDEXES = "".join(
+    f"DROP INDEX IF EXISTS {HISTORY}_{column};\n" for column in ("finished", *FILTERED)
+)
+SQLITE_UPGRADE = f"""
+ALTER TABLE {HISTORY} ADD COLUMN name TEXT NOT NULL DEFAULT '';
+UPDATE {HISTORY} SET name = coalesce(json_extract(record, '$.job.metadata.name'), '');
+{_OLD_INDEXES}UPDATE job_history_meta SET value = {SCHEMA_VERSION} WHERE name = 'schema';
+"""
+POSTGRES_UPGRADE = f"""
+ALTER TABLE {HISTORY} ADD COLUMN IF NOT EXISTS name text COLLATE "C" NOT NULL DEFAULT '';
+UPDATE {HISTORY} SET name = coalesce(record->'job'->'metadata'->>'name', '');
+{_OLD_INDEXES}UPDATE job_history_meta SET value = {SCHEMA_VERSION} WHERE name = 'schema';
+"""
+
+# Each index ends in `name`: a text search tests it in the index, reading a row only when it
+# matches (SQLite defers the row's read), not every row it walks (1.7 KB of JSON each).
 INDEXES = [
-    f"CREATE INDEX IF NOT EXISTS {HISTORY}_finished ON {HISTORY} (finished, id)",
+    f"CREATE INDEX IF NOT EXISTS {HISTORY}_finished ON {HISTORY} (finished, id, name)",
     *(
-        f"CREATE INDEX IF NOT EXISTS {HISTORY}_{column} ON {HISTORY} ({column}, finished, id)"
+        f"CREATE INDEX IF NOT EXISTS {HISTORY}_{column} ON {HISTORY} ({column}, finished, id, name)"
         for column in FILTERED
     ),
     f"CREATE INDEX IF NOT EXISTS {LABELS}_value ON {LABELS} (key, value, finished, id)",
@@ -91,10 +118,17 @@ class Dialect:
     placeholder: Callable[[int], str]  # the n-th parameter (from 1)
     time: Callable[[int], object]  # microseconds → the driver's value for a time column
     record: str  # the record column as the driver should return it (text)
+    like: str  # the operator of a substring that ignores (ASCII) case
 
 
-SQLITE = Dialect("sqlite", lambda _: "?", lambda us: us, "h.record")
-POSTGRES = Dialect("postgresql", lambda n: f"${n}", queries.from_us, "h.record::text")
+SQLITE = Dialect("sqlite", lambda _: "?", lambda us: us, "h.record", "LIKE")
+POSTGRES = Dialect("postgresql", lambda n: f"${n}", queries.from_us, "h.record::text", "ILIKE")
+
+
+def like_pattern(text: str) -> str:
+    """`%text%` with the pattern characters of `text` escaped (by `\\`, `ESCAPE '\\'`)."""
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
 
 
 @dataclass
@@ -113,8 +147,9 @@ class Statement:
 def page_query(
     dialect: Dialect, query: queries.JobQuery, after: queries.Cursor | None, limit: int
 ) -> tuple[str, list[object]]:
-    """The SELECT of one page: `limit` rows of (record, finished, id), newest finished first,
-    after `after` (None, or a cursor in the live section: from the start)."""
+    """The SELECT of one page: `limit` rows of (record, finished, id) in the query's order
+    (newest finished first, or oldest), after `after` (None, or a cursor in the live section:
+    from the start when newest first, nothing left when oldest first)."""
     statement = Statement(dialect)
     bind = statement.bind
     driving = _driving_label(query.labels)
@@ -135,16 +170,27 @@ def page_query(
     if query.finished_before is not None:
         before = dialect.time(queries.to_us(query.finished_before))
         where.append(f"{order}.finished < {bind(before)}")
+    newest = query.newest_first
     if after is not None and not after.live:
         time, job_id = bind(dialect.time(after.time_us)), bind(after.job_id)
-        where.append(f"({order}.finished, {order}.id) < ({time}, {job_id})")
+        beyond = "<" if newest else ">"
+        where.append(f"({order}.finished, {order}.id) {beyond} ({time}, {job_id})")
+    elif after is not None and not newest:  # oldest first, the reader past history already
+        where.append("1 = 0")
+    if query.text is not None:
+        pattern = like_pattern(queries.fold(query.text))
+        where.append(
+            f"(h.name {dialect.like} {bind(pattern)} ESCAPE '\\'"
+            f" OR h.id {dialect.like} {bind(pattern)} ESCAPE '\\')"
+        )
     for requirement in query.labels:
         if requirement is not driving:
             where.append(_label_clause(statement, requirement))
+    direction = "DESC" if newest else "ASC"
     sql = (
         f"SELECT {dialect.record}, h.finished, h.id FROM {source}"
         f" WHERE {' AND '.join(where) or 'TRUE'}"
-        f" ORDER BY {order}.finished DESC, {order}.id DESC LIMIT {bind(limit)}"
+        f" ORDER BY {order}.finished {direction}, {order}.id {direction} LIMIT {bind(limit)}"
     )
     return sql, statement.params
 

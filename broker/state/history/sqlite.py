@@ -44,9 +44,11 @@ WRITER_CACHE_KIB = 65536  # the writer's page cache: its indexes' hot pages (+40
 READER_CACHE_KIB = 16384
 
 UPSERT = (
-    f"INSERT INTO {sql.HISTORY} (id, tenant, queue, state, cluster, created, finished, record)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant,"
-    " queue = excluded.queue, state = excluded.state, cluster = excluded.cluster,"
+    f"INSERT INTO {sql.HISTORY}"
+    " (id, name, tenant, queue, state, cluster, created, finished, record)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET name = excluded.name,"
+    " tenant = excluded.tenant, queue = excluded.queue, state = excluded.state,"
+    " cluster = excluded.cluster,"
     " created = excluded.created, finished = excluded.finished, record = excluded.record"
 )
 INSERT_LABEL = f"INSERT INTO {sql.LABELS} (id, key, value, finished) VALUES (?, ?, ?, ?)"
@@ -181,6 +183,9 @@ class SqliteHistory:
                     f"sqlite history {self.path} has schema {version}, newer than this"
                     f" broker's {sql.SCHEMA_VERSION}: upgrade the broker"
                 )
+            if int(version) < sql.SCHEMA_VERSION:
+                log.info("sqlite history %s: schema %s, upgrading", self.path, version)
+                conn.executescript(f"BEGIN IMMEDIATE; {sql.SQLITE_UPGRADE} COMMIT;")
             for statement in sql.INDEXES:
                 conn.execute(statement)
         except BaseException:
@@ -214,6 +219,7 @@ class SqliteHistory:
                 [
                     (
                         r.id,
+                        r.name,
                         r.tenant,
                         r.queue,
                         r.state,

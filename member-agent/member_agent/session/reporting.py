@@ -7,6 +7,8 @@ that is smaller, the whole summary otherwise, and nothing when nothing changed. 
 with every summary the agent process sends.
 
 The summary itself is `member_agent.inventory.summary.summarise`, the one the simulator uses.
+Every summary carries the cluster's `labels` (`--cluster-label`) once the session's welcome
+said the broker reads them (`send_labels`, protocol 5); an older broker is sent none.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from broker.api import inventory, messages
 from member_agent.inventory import model, summary
@@ -34,9 +36,12 @@ class SummaryReporter:
         interval: float = 0.05,
         summarise: Summarise | None = None,
         clock: Callable[[], float] = time.monotonic,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.source = source
         self.cluster = cluster
+        self.labels = dict(labels or {})
+        self.send_labels = False  # set per session from the broker's welcome
         self.interval = interval
         self.summarise: Summarise = summarise or summary.summarise
         self.clock = clock
@@ -98,7 +103,10 @@ class SummaryReporter:
 
     def _compute(self, *, bump: bool = True) -> inventory.ClusterSummary:
         computed = self.summarise(self.source())
-        update: dict[str, object] = {"cluster": self.cluster}
+        update: dict[str, object] = {
+            "cluster": self.cluster,
+            "labels": dict(self.labels) if self.send_labels else {},
+        }
         if bump:
             self.seq += 1
             self.sent += 1

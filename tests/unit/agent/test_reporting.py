@@ -98,6 +98,30 @@ def test_a_delta_carries_only_the_changed_model(tmp_path: Path) -> None:
     assert full is not None and full.full and full.summary.seq == 3
 
 
+def test_cluster_labels_go_only_to_a_broker_that_reads_them(tmp_path: Path) -> None:
+    inv = builders.small_backend(tmp_path).inventory()
+    labels = {"region": "eu-west", "tier": "spot"}
+    reporter = reporting.SummaryReporter(lambda: inv, cluster="small", labels=labels)
+    old = reporter.attach(lambda _: None)  # a broker older than protocol 5: no labels
+    frame = messages.encode(old)
+    assert '"labels"' not in frame  # what an older broker, forbidding unknown fields, reads
+    decoded = messages.decode(frame)
+    assert isinstance(decoded, messages.Summary) and decoded.summary.labels == {}
+    reporter.send_labels = True  # the welcome said v >= LABELS_SINCE
+    first = messages.decode(messages.encode(reporter.attach(lambda _: None)))
+    assert isinstance(first, messages.Summary) and first.summary.labels == labels
+    take(inv, "l4-000", 0)
+    delta = reporter.next_message()
+    assert delta is not None and not delta.full and delta.summary.labels == labels
+
+
+def test_a_summary_with_labels_kubernetes_would_refuse_is_refused() -> None:
+    with pytest.raises(ValueError, match="labels"):
+        inventory.ClusterSummary(cluster="c", labels={"not a key": "x"})
+    with pytest.raises(ValueError, match="labels"):
+        inventory.ClusterSummary(cluster="c", labels={"region": "no spaces"})
+
+
 async def test_changes_are_coalesced(tmp_path: Path) -> None:
     reporter, inv = summaries_reporter(tmp_path)
     sent: list[messages.Summary] = []

@@ -7,6 +7,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from gpufed import cli, daemons
 from member_agent import app
 
 
@@ -65,3 +66,17 @@ def test_bad_settings_name_the_field(settings: dict[str, object], field: str) ->
         del values["nodes_file"]
     with pytest.raises(pydantic.ValidationError, match=field):
         app.AgentSettings.model_validate({**values, **settings})
+
+
+def test_cluster_labels_are_repeatable_or_comma_separated() -> None:
+    argv = ["agent", "--broker", "http://b", "--cluster", "c", "--backend", "kubernetes"]
+    argv += ["--token-file", "t"]
+    argv += ["--cluster-label", "region=eu-west,tier=spot", "--cluster-label", "zone=a"]
+    settings = daemons.agent_settings(cli.build_parser().parse_args(argv))
+    assert settings.cluster_labels == {"region": "eu-west", "tier": "spot", "zone": "a"}
+    with pytest.raises(SystemExit):  # not KEY=VALUE: argparse says so and exits 2
+        cli.build_parser().parse_args([*argv, "--cluster-label", "region"])
+    with pytest.raises(pydantic.ValidationError, match="cluster label"):
+        app.AgentSettings(
+            broker_url="http://b", cluster="c", backend="kubernetes", cluster_labels={"a b": "x"}
+        )

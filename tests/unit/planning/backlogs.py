@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from broker.api import clusterchoice
 from broker.api import queues as api
 from broker.planning import backlog, cyclestart, parking, planning, quotas, reservation, snapshot
 from tests.builders import make_job
@@ -36,6 +37,7 @@ class Cluster:
     present: bool = True
     healthy: bool = True
     shared: dict[str, int] = field(default_factory=dict)  # model -> free milli on opened GPUs
+    labels: dict[str, str] = field(default_factory=dict)  # what spec.clusters selects on
 
     def capacity(self) -> snapshot.ClusterCapacity:
         models: dict[str, snapshot.ModelCapacity] = {}
@@ -57,7 +59,7 @@ class Cluster:
             if node.rack is not None:
                 hist = found.racks.setdefault(node.rack, [0] * (node.size + 1))
                 hist[node.free] += 1
-        return snapshot.ClusterCapacity(self.name, self.healthy, models)
+        return snapshot.ClusterCapacity(self.name, self.healthy, models, labels=self.labels)
 
 
 def make_clusters() -> list[Cluster]:
@@ -68,10 +70,29 @@ def make_clusters() -> list[Cluster]:
         ]
 
     return [
-        Cluster("c1", nodes("c1h", H100, 8, 4, 2)),
-        Cluster("c2", nodes("c2a", A100, 8, 3, 2) + nodes("c2h", H100, 4, 2, 0)),
-        Cluster("c3", nodes("c3h", H100, 8, 2, 0), present=False),
+        Cluster("c1", nodes("c1h", H100, 8, 4, 2), labels=dict(LABELS[0])),
+        Cluster(
+            "c2", nodes("c2a", A100, 8, 3, 2) + nodes("c2h", H100, 4, 2, 0), labels=dict(LABELS[1])
+        ),
+        Cluster("c3", nodes("c3h", H100, 8, 2, 0), present=False, labels=dict(LABELS[2])),
     ]
+
+
+# the labels a cluster may have (`World.relabel`), and the `spec.clusters` a job may give
+LABELS: list[dict[str, str]] = [
+    {"region": "eu"},
+    {"region": "us", "tier": "spot"},
+    {"region": "eu", "tier": "spot"},
+    {},
+]
+CHOICES: dict[str, dict[str, Any]] = {
+    "": {},
+    "eu": {"selector": {"matchLabels": {"region": "eu"}}},
+    "spot": {"selector": {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}},
+    "nowhere": {"selector": {"matchLabels": {"region": "mars"}}},
+    "order": {"order": ["c2", "c3"]},
+    "prefer": {"preferred": [{"weight": 10, "selector": {"matchLabels": {"tier": "spot"}}}]},
+}
 
 
 def _queue(name: str, quotas: dict[str, tuple[int, int | None]], **more: Any) -> dict[str, Any]:
@@ -142,6 +163,7 @@ class JobSpec:
     klass: str | None = None
     shared: bool = False  # one pod of half a GPU
     cpu_task: bool = False  # and a CPU-only pod
+    clusters: str = ""  # its spec.clusters, a key of CHOICES
 
 
 def request_of(spec: JobSpec, job_id: str) -> tuple[Any, Any]:
@@ -158,6 +180,8 @@ def request_of(spec: JobSpec, job_id: str) -> tuple[Any, Any]:
         builder.doc["spec"]["priorityClass"] = spec.klass
     if spec.cpu_task:
         builder.task("side", gpus=0)
+    if CHOICES[spec.clusters]:
+        builder.clusters(**CHOICES[spec.clusters])
     job = builder.build()
     return job, builder.request(job_id)
 
@@ -247,6 +271,7 @@ class World:
             created=self.now,
             request=request,
             priority_class=job.spec.priority_class,
+            clusters=clusterchoice.choice_of(job.spec.clusters),
         )
         return job_id
 
@@ -295,6 +320,10 @@ class World:
             found.nodes.append(
                 Node(f"{cluster}-x{len(found.nodes)}", model.model, model.size, model.rack, 0)
             )
+
+    def relabel(self, cluster: str, index: int) -> None:
+        """A cluster's agent restarted with other --cluster-label flags."""
+        self.clusters[cluster].labels = dict(LABELS[index % len(LABELS)])
 
     def configure(self, index: int) -> None:
         self.config = self.configs[index % len(self.configs)]
@@ -372,6 +401,7 @@ def _with(job: snapshot.PendingJob, **changes: Any) -> snapshot.PendingJob:
         "excluded": job.excluded,
         "priority_class": job.priority_class,
         "queued_since": job.queued_since,
+        "clusters": job.clusters,
     }
     fields.update(changes)
     return snapshot.PendingJob(**fields)

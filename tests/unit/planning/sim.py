@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from broker.api import clusterchoice
 from broker.api import queues as api
 from broker.planning import planning, snapshot
 from tests.builders import JobBuilder, make_model_summary, make_summary
@@ -58,6 +59,7 @@ def pending(
         request=builder.request(job_id),
         priority_class=job.spec.priority_class,
         queued_since=at(queued_s) if queued_s is not None else None,
+        clusters=clusterchoice.choice_of(job.spec.clusters),
     )
 
 
@@ -93,6 +95,7 @@ class Cluster:
     gpus: int = 8
     model: str = H100
     free: dict[str, int] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)  # what spec.clusters selects on
 
     def __post_init__(self) -> None:
         self.free = {f"{self.name}-n{i}": self.gpus for i in range(self.nodes)}
@@ -101,9 +104,10 @@ class Cluster:
         hist = [0] * (self.gpus + 1)
         for count in self.free.values():
             hist[count] += 1
-        return make_summary(
+        summary = make_summary(
             self.name, make_model_summary(self.model, nodes_by_free=hist, gpus_per_node=self.gpus)
         )
+        return summary.model_copy(update={"labels": self.labels})
 
     def take(self, gpus: int, *, from_free: int | None = None) -> str:
         """Best fit: the fullest node (by name among equals) with `gpus` free."""

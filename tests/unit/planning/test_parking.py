@@ -118,6 +118,32 @@ def test_what_changes_the_fleet_or_the_queues_wakes_every_parked_job(change) -> 
     assert planned(cycle(twins)) >= jobs
 
 
+def test_a_job_its_selector_excludes_everywhere_parks_and_a_label_change_wakes_it() -> None:
+    """With room on c1 and within its queue's guarantee (it could reclaim, so it would be
+    planned every cycle), a job whose spec.clusters matches no cluster's labels has nothing
+    to do: it parks, and wakes once a cluster is labelled so it is allowed there."""
+    world, twins = world_of(1)  # preemption and reservations on
+    nowhere = world.submit(JobSpec(gpus=8, queue="a", models=(H100,), clusters="nowhere"))
+    first = cycle(twins)
+    assert [p.job.job_id for p in first.parked.parks] == [nowhere]
+    (miss,) = first.full.unplaceable
+    assert {(r.cluster, r.code.value) for r in miss.details} == {
+        ("c1", "ClusterSelector"),
+        ("c2", "ClusterSelector"),
+    }
+    assert planned(cycle(twins)) == set()
+    world.clusters["c2"].labels = {"region": "mars"}  # an A100 cluster with 4-GPU H100 nodes
+    outcome = cycle(twins)
+    assert nowhere in outcome.parked.woken
+    assert outcome.full.assignments == []  # no 8-GPU H100 node there
+    # allowed somewhere and within its guarantee, it could reclaim: planned every cycle
+    assert outcome.parked.parks == []
+    assert planned(cycle(twins)) == {nowhere}
+    world.clusters["c1"].labels = {"region": "mars"}
+    outcome = cycle(twins)
+    assert [(a.job_id, a.cluster) for a in outcome.full.assignments] == [(nowhere, "c1")]
+
+
 def test_a_lower_priority_holding_gpus_wakes_a_job_that_may_preempt_it() -> None:
     """Nothing of the capacity it needs came free, yet it preempts: the broker's estimate of
     the GPUs a victim gives back (`preemption.give_back`) puts them on a node of 7 free."""

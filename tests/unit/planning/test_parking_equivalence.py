@@ -1,10 +1,10 @@
 """Parking changes no decision: random sequences of events — submits of every shape, size,
-model, priority and queue; jobs finishing and requeued; cancels and rejections; nodes'
-free GPUs changing; clusters joining, leaving, failing, growing; the queues configuration
-edited; time passing — driven through cycles planned twice, once over every pending job
-(`planning.plan_cycle`) and once over the backlog with its parked jobs
-(`parking.plan_backlog`). Every cycle must dispatch, preempt, reserve and set aside the same,
-and tell each job it planned the same reasons."""
+model, priority, queue and `spec.clusters`; jobs finishing and requeued; cancels and
+rejections; nodes' free GPUs changing; clusters joining, leaving, failing, growing,
+relabelled; the queues configuration edited; time passing — driven through cycles planned
+twice, once over every pending job (`planning.plan_cycle`) and once over the backlog with its
+parked jobs (`parking.plan_backlog`). Every cycle must dispatch, preempt, reserve and set
+aside the same, and tell each job it planned the same reasons."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ specs = st.builds(
     klass=st.sampled_from([None, None, "low", "high"]),
     shared=st.sampled_from([False] * 9 + [True]),
     cpu_task=st.sampled_from([False] * 9 + [True]),
+    clusters=st.sampled_from(["", "", "", "", "eu", "spot", "nowhere", "order", "prefer"]),
 )
 clusters = st.sampled_from(["c1", "c2", "c3"])
 events = st.one_of(
@@ -52,6 +53,7 @@ events = st.one_of(
     st.tuples(st.just("free"), clusters, st.integers(0, 9), st.integers(0, 8)),
     st.tuples(st.just("toggle"), clusters, st.sampled_from(["present", "healthy", "grow"])),
     st.tuples(st.just("configure"), st.integers(0, 4)),
+    st.tuples(st.just("relabel"), clusters, st.integers(0, 3)),
     st.tuples(st.just("advance"), st.sampled_from([0.5, 5, 25, 70, 130, 400])),
 )
 histories = st.lists(st.lists(events, min_size=1, max_size=6), min_size=8, max_size=40)
@@ -75,6 +77,8 @@ def play(world: World, event: tuple[Any, ...]) -> None:
         world.set_free(*args)
     elif kind == "toggle":
         world.toggle(*args)
+    elif kind == "relabel":
+        world.relabel(*args)
     elif kind == "configure":
         world.configure(args[0])
     else:

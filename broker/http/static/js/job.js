@@ -41,12 +41,27 @@ function timeline(record) {
       event.message ? h('div', { class: 'note' }, event.message) : null)));
 }
 
+// A queued job's place in line and its estimated start (`position`, `eta` of why).
+function inLine(why) {
+  const place = why.position;
+  if (!place && !why.eta && !why.etaReason) return null;
+  return h('dl', { class: 'facts', id: 'position' },
+    place ? [
+      h('dt', {}, 'Position in its queue'), h('dd', {}, String(place.inQueue)),
+      h('dt', {}, 'Among jobs wanting ' + ((place.models || []).join(', ') || 'no GPU model')),
+      h('dd', {}, `${place.competing} (${place.gpusAhead} GPUs ahead)`),
+    ] : null,
+    h('dt', {}, 'Estimated start'),
+    h('dd', {}, why.eta ? timeEl(why.eta) : `unknown: ${why.etaReason}`));
+}
+
 function whyPanel(why) {
   if (!why) return null;
   const rows = why.clusters || [];
   return h('section', { class: 'panel', id: 'why', 'aria-labelledby': 'why-title' },
     h('h2', { id: 'why-title' }, 'Why it waits'),
     h('p', {}, why.message),
+    inLine(why),
     rows.length ? h('table', {},
       h('thead', {}, h('tr', {}, h('th', { scope: 'col' }, 'Cluster'), h('th', { scope: 'col' }, 'Reasons'))),
       h('tbody', {}, rows.map((c) => h('tr', {},

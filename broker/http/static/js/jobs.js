@@ -1,9 +1,12 @@
-// Jobs: a page of GET /v1/jobs (filters by state, queue and cluster on the broker; the text
-// filter and sorting over the page shown), kept current by the event stream.
+// Jobs: a page of GET /v1/jobs (filters by state, queue, cluster and text, and the order,
+// newest or oldest first, on the broker; the column buttons sort the page shown), kept
+// current by the event stream.
 import * as api from './api.js';
 import { clear, duration, h, rowOf, STATES, stateBadge, timeEl } from './dom.js';
 
-const filters = { state: '', queue: '', cluster: '', text: '', limit: '50' };
+const filters = { state: '', queue: '', cluster: '', text: '', sort: 'newest', limit: '50' };
+const SEARCH_DELAY_MS = 250; // typing pauses this long before the broker is asked
+const ASCII_UPPER = /[A-Z]/g;
 const sorting = { key: '', dir: 1 };
 
 const COLUMNS = [
@@ -18,17 +21,16 @@ const COLUMNS = [
   { key: 'ran', label: 'Ran', num: true },
 ];
 
+// ASCII case only, as the broker folds it (names and ids are DNS labels)
+const fold = (text) => text.replace(ASCII_UPPER, (c) => c.toLowerCase());
+
+// the broker's filters, for a job the event stream brings
 function matchesServer(record) {
+  const text = fold(filters.text);
   return (!filters.state || record.status.state === filters.state) &&
     (!filters.queue || record.job.spec.queue === filters.queue) &&
-    (!filters.cluster || record.status.cluster === filters.cluster);
-}
-
-function matchesText(row) {
-  const text = filters.text.trim().toLowerCase();
-  if (!text) return true;
-  return [row.name, row.id, row.tenant, row.queue, row.cluster]
-    .some((value) => value && value.toLowerCase().includes(text));
+    (!filters.cluster || record.status.cluster === filters.cluster) &&
+    (!text || fold(record.job.metadata.name).includes(text) || fold(record.id).includes(text));
 }
 
 function select(id, label, options, value, onChange) {
@@ -48,6 +50,7 @@ export function render(main, ctx) {
   let next = null;
   let loading = null;
   let frame = 0;
+  let typing = 0;
   let disposed = false;
 
   const tbody = h('tbody', { id: 'jobs-body' });
@@ -77,7 +80,7 @@ export function render(main, ctx) {
     const asked = api.get('/v1/jobs', {
       query: {
         state: filters.state, queue: filters.queue, cluster: filters.cluster,
-        limit: filters.limit, continue: tokens[pageIndex],
+        q: filters.text, sort: filters.sort, limit: filters.limit, continue: tokens[pageIndex],
       },
     }).then((body) => {
       if (disposed || asked !== loading) return;
@@ -97,11 +100,21 @@ export function render(main, ctx) {
     clear(filterBar);
     const search = h('input', {
       id: 'jobs-text', name: 'text', type: 'search', value: filters.text,
-      placeholder: 'name, id, tenant…',
+      placeholder: 'name or id', maxlength: '200',
     });
     search.addEventListener('input', () => {
-      filters.text = search.value;
-      schedule();
+      clearTimeout(typing);
+      typing = setTimeout(() => {
+        filters.text = search.value;
+        reload();
+      }, SEARCH_DELAY_MS);
+    });
+    const order = h('select', { id: 'jobs-sort', name: 'sort' },
+      [['newest', 'Newest first'], ['oldest', 'Oldest first']].map(([value, text]) =>
+        h('option', { value, selected: value === filters.sort }, text)));
+    order.addEventListener('change', () => {
+      filters.sort = order.value;
+      reload();
     });
     const sizes = h('select', { id: 'jobs-limit', name: 'limit' },
       ['25', '50', '100', '500'].map((n) => h('option', { value: n, selected: n === filters.limit }, n)));
@@ -116,7 +129,8 @@ export function render(main, ctx) {
         (v) => { filters.queue = v; reload(); }),
       select('jobs-cluster', 'Cluster', withValue(clusters, filters.cluster), filters.cluster,
         (v) => { filters.cluster = v; reload(); }),
-      h('label', { for: 'jobs-text' }, 'Search this page', search),
+      h('label', { for: 'jobs-text' }, 'Search name or id', search),
+      h('label', { for: 'jobs-sort' }, 'Order', order),
       h('label', { for: 'jobs-limit' }, 'Per page', sizes),
     );
   }
@@ -142,7 +156,7 @@ export function render(main, ctx) {
     frame = 0;
     if (disposed) return;
     const now = Date.now();
-    let rows = [...records.values()].map((r) => rowOf(r, now)).filter(matchesText);
+    let rows = [...records.values()].map((r) => rowOf(r, now));
     if (sorting.key) {
       const key = sorting.key;
       rows = rows.slice().sort((a, b) => {
@@ -184,9 +198,8 @@ export function render(main, ctx) {
       if (tr !== before) tbody.insertBefore(tr, before);
       before = tr.nextSibling;
     }
-    const hidden = records.size - rows.length;
     count.textContent = `${rows.length} job${rows.length === 1 ? '' : 's'} on this page` +
-      (hidden ? ` (${hidden} hidden by the search)` : '') + (ctx.connected ? ', updated live' : '');
+      (ctx.connected ? ', updated live' : '');
     prev.disabled = pageIndex === 0;
     nextButton.disabled = !next;
     pageLabel.textContent = `Page ${pageIndex + 1}`;
@@ -209,7 +222,7 @@ export function render(main, ctx) {
     filterBar,
     error,
     h('table', { class: 'jobs', id: 'jobs-table' },
-      h('caption', { class: 'visually-hidden' }, 'Jobs, newest first; column buttons sort this page'),
+      h('caption', { class: 'visually-hidden' }, 'Jobs in the order chosen; column buttons sort this page'),
       h('thead', {}, h('tr', {}, headers)),
       tbody),
     count,
@@ -235,19 +248,23 @@ export function render(main, ctx) {
       if (records.has(data.id)) {
         if (matchesServer(data)) records.set(data.id, data);
         else records.delete(data.id);
-      } else if (pageIndex === 0 && matchesServer(data)) {
+      } else if (filters.sort === 'newest' && pageIndex === 0 && matchesServer(data)) {
         const newest = records.values().next().value;
         if (!newest || Date.parse(data.created) >= Date.parse(newest.created)) {
           const entries = [[data.id, data], ...records];
           records.clear();
           for (const [id, record] of entries) records.set(id, record);
         }
+      } else if (filters.sort === 'oldest' && !next && matchesServer(data) &&
+        records.size < Number(filters.limit)) {
+        records.set(data.id, data); // the last page: a new job comes last
       }
       schedule();
     },
     dispose() {
       disposed = true;
       clearInterval(ticker);
+      clearTimeout(typing);
       if (frame) cancelAnimationFrame(frame);
     },
   };
