@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.api import errors
-from broker.http import auth, roles
+from broker.http import auth, roles, tokens
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ class Verifier:
         self.settings = settings
         self._keys: dict[str, jwt.PyJWK] = {}  # by kid ("" for a key without one)
         self._fetched_at = -float("inf")
-        self._file_signature: tuple[int, int] | None = None
+        self._file_signature: tokens.Signature = None
         self._fetching = asyncio.Lock()
         if not settings.jwks_is_url:
             self._read_file()
@@ -274,22 +273,19 @@ class Verifier:
 
     def _read_file(self) -> None:
         path = Path(self.settings.jwks or "")
+        signature = tokens.file_signature(path)  # before reading: a change meanwhile shows
         try:
-            stat = os.stat(path)
             raw = path.read_bytes()
         except OSError as exc:
             raise OidcError(f"OIDC JWKS file {path}: cannot read it: {exc.strerror}") from None
         self._keys = parse_jwks(_json(raw, where=f"OIDC JWKS file {path}"), where=str(path))
-        self._file_signature = (stat.st_ino, stat.st_mtime_ns)
+        self._file_signature = signature
 
     def file_changed(self) -> bool:
         if self.settings.jwks_is_url:
             return False
-        try:
-            stat = os.stat(self.settings.jwks or "")
-        except OSError:
-            return False
-        return (stat.st_ino, stat.st_mtime_ns) != self._file_signature
+        now = tokens.file_signature(Path(self.settings.jwks or ""))
+        return now is not None and now != self._file_signature
 
     async def _fetch_jwks(self) -> Any:
         timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_SECONDS)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,10 +29,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from broker.http import tokens
+
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 2.0
-Signature = tuple[tuple[int, int, int] | None, ...]
+Signature = tuple[tokens.Signature, ...]
 
 
 class TlsFilesError(ValueError):
@@ -86,14 +87,7 @@ def _reason(exc: Exception) -> str:
 
 
 def _signature(paths: tuple[Path, ...]) -> Signature:
-    def one(path: Path) -> tuple[int, int, int] | None:
-        try:
-            stat = os.stat(path)
-        except OSError:
-            return None
-        return (stat.st_size, stat.st_mtime_ns, stat.st_ino)
-
-    return tuple(one(path) for path in paths)
+    return tuple(tokens.file_signature(path) for path in paths)
 
 
 class ServerTls:

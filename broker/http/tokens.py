@@ -201,7 +201,7 @@ def _first_problem(exc: pydantic.ValidationError) -> str:
 Signature = tuple[int, int, int, int] | None
 
 
-def _signature(path: Path) -> Signature:
+def file_signature(path: Path) -> Signature:
     """What changes when the file does: device, inode, size, mtime (through symlinks)."""
     try:
         stat = os.stat(path)
@@ -234,7 +234,7 @@ class Follower:
 
     def load(self) -> None:
         """The first read, at start: TokensFileError stops the broker."""
-        signature = _signature(self.path)
+        signature = file_signature(self.path)
         entries = read_file(self.path)
         self._apply(entries)
         self._applied = self._seen = signature
@@ -243,7 +243,7 @@ class Follower:
     async def reload(self, *, why: str) -> bool:
         """Read the file again; True if its tokens now apply."""
         async with self._reading:
-            signature = _signature(self.path)
+            signature = file_signature(self.path)
             try:
                 entries = await asyncio.to_thread(read_file, self.path)
             except TokensFileError as exc:
@@ -258,7 +258,7 @@ class Follower:
 
     async def poll(self) -> None:
         """One look at the file; reloads it if it changed and has been still since."""
-        signature = _signature(self.path)
+        signature = file_signature(self.path)
         if signature == self._applied or self._failed == (signature,) or signature != self._seen:
             self._seen = signature
             return
