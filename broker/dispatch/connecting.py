@@ -37,6 +37,8 @@ REFUSED_HELLO = web.RequestKey("refused_hello", str)
 
 GUARD_SECONDS = 1.0  # how often a session's credentials are checked again
 CLOSE_ALL_SECONDS = 1.0  # a handover closes the agent sessions for at most this long
+INBOX_MESSAGES = 4096  # read ahead of what is applied; past it the socket waits (TCP)
+BATCH_MESSAGES = 512  # reports applied under one hold of the book's lock, at most
 
 
 def describe(exc: Exception) -> str:
@@ -173,21 +175,57 @@ class Sessions:
     async def _receive(
         self, ws: web.WebSocketResponse, cluster: fleet.Cluster, *, epoch: int
     ) -> None:
-        async for frame in ws:
-            if frame.type != WSMsgType.TEXT:
-                continue
-            cluster.last_seen = time.monotonic()
-            try:
-                message = messages.decode(frame.data)
-            except (pydantic.ValidationError, ValueError, RecursionError) as exc:
-                await self._refuse(ws, cluster, frame.data, exc)
+        """Read the session's frames into a queue while `_work` applies what has arrived,
+        a batch at a time, until the socket closes and the queue is empty."""
+        inbox: asyncio.Queue[messages.Message | None] = asyncio.Queue(maxsize=INBOX_MESSAGES)
+        working = asyncio.create_task(self._work(inbox, cluster, epoch=epoch))
+        try:
+            async for frame in ws:
+                if frame.type != WSMsgType.TEXT:
+                    continue
+                cluster.last_seen = time.monotonic()
+                try:
+                    message = messages.decode(frame.data)
+                except (pydantic.ValidationError, ValueError, RecursionError) as exc:
+                    await self._refuse(ws, cluster, frame.data, exc)
+                    break
+                await inbox.put(message)
+        finally:
+            with contextlib.suppress(asyncio.QueueFull):
+                inbox.put_nowait(None)
+            if inbox.full():  # cancelled with the inbox full: what is read is still applied
+                working.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await working
+
+    async def _work(
+        self,
+        inbox: asyncio.Queue[messages.Message | None],
+        cluster: fleet.Cluster,
+        *,
+        epoch: int,
+    ) -> None:
+        """Apply the messages in the order they came: a run of reports under one hold of the
+        book's lock (`reports.apply`), a summary as it comes."""
+        while True:
+            batch = [await inbox.get()]
+            while not inbox.empty() and len(batch) < BATCH_MESSAGES and batch[-1] is not None:
+                batch.append(inbox.get_nowait())
+            done = batch[-1] is None
+            run: list[messages.Message] = []
+            for message in batch:
+                if isinstance(message, messages.Accepted | messages.Rejected | messages.JobUpdate):
+                    run.append(message)
+                    continue
+                if run:
+                    await self.reports.apply(cluster, run, session=epoch)
+                    run = []
+                if message is not None:
+                    self._handle(cluster, message)
+            if run:
+                await self.reports.apply(cluster, run, session=epoch)
+            if done:
                 return
-            try:
-                await self._handle(cluster, message, epoch=epoch)
-            except Exception:  # one message's failure must not end the session
-                kind = type(message).__name__
-                self.meters.agent_messages_failed.labels(cluster=cluster.name, type=kind).inc()
-                logger.exception("handling %s from %s failed", kind, cluster.name)
 
     async def _refuse(
         self, ws: web.WebSocketResponse, cluster: fleet.Cluster, data: str, exc: Exception
@@ -202,25 +240,22 @@ class Sessions:
         self.fleet.changed.set()
         await ws.close(code=4400, message=reason.encode()[:120])
 
-    async def _handle(
-        self, cluster: fleet.Cluster, message: messages.Message, *, epoch: int
-    ) -> None:
-        """One message of the session `epoch` (what it acknowledges is for that session)."""
-        match message:
-            case messages.Summary():
-                cluster.apply_summary(message)
-                self._export_summary(cluster)
-                self.fleet.changed.set()
-            case messages.Accepted():
-                await self.reports.accepted(cluster, message)
-            case messages.Rejected():
-                await self.reports.rejected(cluster, message)
-            case messages.JobUpdate():
-                await self.reports.job_update(cluster, message, session=epoch)
-            case messages.Heartbeat():
-                pass
-            case _:
-                logger.warning("unexpected %s from %s", message.type, cluster.name)
+    def _handle(self, cluster: fleet.Cluster, message: messages.Message) -> None:
+        """A message other than a report (those go to `reports.apply`)."""
+        try:
+            match message:
+                case messages.Summary():
+                    cluster.apply_summary(message)
+                    self._export_summary(cluster)
+                    self.fleet.changed.set()
+                case messages.Heartbeat():
+                    pass
+                case _:
+                    logger.warning("unexpected %s from %s", message.type, cluster.name)
+        except Exception:  # one message's failure must not end the session
+            kind = type(message).__name__
+            self.meters.agent_messages_failed.labels(cluster=cluster.name, type=kind).inc()
+            logger.exception("handling %s from %s failed", kind, cluster.name)
 
     def _export_summary(self, cluster: fleet.Cluster) -> None:
         if cluster.summary is None:

@@ -71,84 +71,115 @@ class AgentReports:
 
     async def accepted(self, cluster: fleet.Cluster, message: messages.Accepted) -> None:
         async with self.book.lock:
-            record = self._owned(cluster.name, message.job_id)
-            if record is not None and transitions.is_stale(record, message.attempt):
-                await self._cancel_stale(cluster.name, record.id, message.epoch, message.attempt)
-                return
-            flight = cluster.inflight.get(message.job_id)
-            if flight is not None:
-                flight.accepted = True
-            self.spans.answered(message.job_id, accepted=True)
-            if record is None:
-                await self._cancel_stale(
-                    cluster.name, message.job_id, message.epoch, message.attempt
-                )
-                return
-            self.meters.placements.labels(result="accepted").inc()
-            draft = book.draft_of(record)
-            draft.status.pods = [
-                status.PodStatus(name=p.name, task=p.task, node=p.node, gpus=p.gpus)
-                for p in message.pods
-            ]
-            self.book.commit_soon(draft)
-            if record.status.cancel_requested:
-                await self.fleet.send_cancel(
-                    cluster.name,
-                    record.id,
-                    epoch=message.epoch,
-                    reason="Cancelled",
-                    attempt=message.attempt,
-                )
+            await self._accepted(cluster, message)
+
+    async def _accepted(self, cluster: fleet.Cluster, message: messages.Accepted) -> None:
+        record = self._owned(cluster.name, message.job_id)
+        if record is not None and transitions.is_stale(record, message.attempt):
+            await self._cancel_stale(cluster.name, record.id, message.epoch, message.attempt)
+            return
+        flight = cluster.inflight.get(message.job_id)
+        if flight is not None:
+            flight.accepted = True
+        self.spans.answered(message.job_id, accepted=True)
+        if record is None:
+            await self._cancel_stale(cluster.name, message.job_id, message.epoch, message.attempt)
+            return
+        self.meters.placements.labels(result="accepted").inc()
+        draft = book.draft_of(record)
+        draft.status.pods = [
+            status.PodStatus(name=p.name, task=p.task, node=p.node, gpus=p.gpus)
+            for p in message.pods
+        ]
+        self.book.commit_soon(draft)
+        if record.status.cancel_requested:
+            await self.fleet.send_cancel(
+                cluster.name,
+                record.id,
+                epoch=message.epoch,
+                reason="Cancelled",
+                attempt=message.attempt,
+            )
 
     async def rejected(self, cluster: fleet.Cluster, message: messages.Rejected) -> None:
         async with self.book.lock:
-            record = self._owned(cluster.name, message.job_id)
-            if record is not None and transitions.is_stale(record, message.attempt):
-                return
-            cluster.inflight.pop(message.job_id, None)
-            self.spans.answered(message.job_id, accepted=False, reasons=message.reasons)
-            if record is None or record.status.state != JobState.DISPATCHED:
-                return
-            self.meters.placements.labels(result="rejected").inc()
-            cluster.rejected[record.id] = cluster.summary.seq if cluster.summary else 0
-            reasons = [f"{cluster.name}: {r}" for r in message.reasons]
-            draft = book.draft_of(record)
-            draft.status.reasons = reasons
-            if draft.status.cancel_requested:
-                transitions.move(draft, JobState.CANCELLED, "Cancelled", "cancelled while offered")
-            else:
-                transitions.requeue(draft, "Rejected", "; ".join(reasons))
-            await self._commit([draft])
+            await self._rejected(cluster, message)
+
+    async def _rejected(self, cluster: fleet.Cluster, message: messages.Rejected) -> None:
+        record = self._owned(cluster.name, message.job_id)
+        if record is not None and transitions.is_stale(record, message.attempt):
+            return
+        cluster.inflight.pop(message.job_id, None)
+        self.spans.answered(message.job_id, accepted=False, reasons=message.reasons)
+        if record is None or record.status.state != JobState.DISPATCHED:
+            return
+        self.meters.placements.labels(result="rejected").inc()
+        cluster.rejected[record.id] = cluster.summary.seq if cluster.summary else 0
+        reasons = [f"{cluster.name}: {r}" for r in message.reasons]
+        draft = book.draft_of(record)
+        draft.status.reasons = reasons
+        if draft.status.cancel_requested:
+            transitions.move(draft, JobState.CANCELLED, "Cancelled", "cancelled while offered")
+        else:
+            transitions.requeue(draft, "Rejected", "; ".join(reasons))
+        await self._commit([draft])
 
     async def job_update(
         self, cluster: fleet.Cluster, message: messages.JobUpdate, *, session: int | None = None
     ) -> None:
         """Apply what the agent says of a job (group-committed); a report with a `seq` is
         acknowledged on its `session` (the epoch it came on) once that is committed."""
-        session = cluster.epoch if session is None else session
         async with self.book.lock:
-            record = self._owned(cluster.name, message.job_id)
-            if record is None or transitions.is_stale(record, message.attempt):
-                # applied already (a report sent again), or about an attempt moved past
-                if not message.state.terminal:
-                    await self._cancel_stale(
-                        cluster.name, message.job_id, message.epoch, message.attempt
-                    )
-            else:
-                draft = book.draft_of(record)
-                text = message.message
-                changed = self._update(
-                    draft,
-                    message.state,
-                    message.reason,
-                    text,
-                    message.pods,
-                    checkpoint=message.checkpoint,
+            await self._job_update(cluster, message, session=session)
+
+    async def apply(
+        self, cluster: fleet.Cluster, batch: Sequence[messages.Message], *, session: int
+    ) -> None:
+        """The reports an agent sent back to back (Accepted, Rejected, JobUpdate), applied in
+        order under one hold of the book's lock. Each message waiting for the lock on its
+        own would let one commit in flight (a dispatch, a group commit: a store round trip)
+        pace a whole cluster's reports, one per round trip. One report's failure is counted
+        and logged, and the others applied."""
+        async with self.book.lock:
+            for message in batch:
+                try:
+                    match message:
+                        case messages.Accepted():
+                            await self._accepted(cluster, message)
+                        case messages.Rejected():
+                            await self._rejected(cluster, message)
+                        case messages.JobUpdate():
+                            await self._job_update(cluster, message, session=session)
+                except Exception:  # one message's failure must not end the session
+                    kind = type(message).__name__
+                    self.meters.agent_messages_failed.labels(cluster=cluster.name, type=kind).inc()
+                    logger.exception("handling %s from %s failed", kind, cluster.name)
+
+    async def _job_update(
+        self, cluster: fleet.Cluster, message: messages.JobUpdate, *, session: int | None
+    ) -> None:
+        session = cluster.epoch if session is None else session
+        record = self._owned(cluster.name, message.job_id)
+        if record is None or transitions.is_stale(record, message.attempt):
+            # applied already (a report sent again), or about an attempt moved past
+            if not message.state.terminal:
+                await self._cancel_stale(
+                    cluster.name, message.job_id, message.epoch, message.attempt
                 )
-                if changed:
-                    self.book.commit_soon(draft)
-            if message.seq is not None:
-                self.acks.after_commit(cluster.name, message.job_id, seq=message.seq, epoch=session)
+        else:
+            draft = book.draft_of(record)
+            changed = self._update(
+                draft,
+                message.state,
+                message.reason,
+                message.message,
+                message.pods,
+                checkpoint=message.checkpoint,
+            )
+            if changed:
+                self.book.commit_soon(draft)
+        if message.seq is not None:
+            self.acks.after_commit(cluster.name, message.job_id, seq=message.seq, epoch=session)
 
     def _update(
         self,

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import pytest
@@ -205,6 +205,64 @@ async def test_an_accepted_offer_is_never_withdrawn(broker: Broker) -> None:
     later = cluster.inflight["j1"].sent_at + 3600
     assert await broker.jobs.reports.withdraw_unanswered(cluster, now=later) == 0
     assert broker.record.status.state == State.DISPATCHED
+
+
+class CountingLock(asyncio.Lock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.holds = 0
+
+    async def acquire(self) -> Literal[True]:
+        self.holds += 1
+        return await super().acquire()
+
+
+async def test_reports_sent_back_to_back_are_applied_in_order_under_one_hold_of_the_lock(
+    broker: Broker,
+) -> None:
+    """While a commit holds the book (a dispatch, a group commit in flight), an agent's
+    reports queue up; they are then applied in the order sent, holding the lock once."""
+    book = broker.jobs.book
+    lock = book.lock = CountingLock()
+    placed = [status.PodPlacement(name="j1-worker-0", task="worker", node="n0")]
+    batch: list[messages.Message] = [
+        messages.Accepted(job_id="j1", epoch=1, pods=placed),
+        messages.JobUpdate(job_id="j1", epoch=1, state=State.RUNNING),
+        messages.JobUpdate(job_id="j1", epoch=1, state=State.SUCCEEDED, seq=4),
+    ]
+    await lock.acquire()  # a commit in flight
+    applying = asyncio.create_task(broker.jobs.reports.apply(broker.cluster, batch, session=1))
+    await settle()
+    assert not applying.done()
+    lock.release()
+    await applying
+    assert lock.holds == 2  # the commit's, and the batch's one
+    await broker.flush()
+    states = [event.state for event in broker.record.status.events]
+    assert states[-3:] == [State.DISPATCHED, State.RUNNING, State.SUCCEEDED]
+    assert [pod.node for pod in broker.record.status.pods] == ["n0"]
+    assert broker.link.acks() == [(1, [4])]
+
+
+async def test_one_report_that_fails_leaves_the_rest_of_its_batch_applied(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reports = broker.jobs.reports
+
+    async def broken(cluster: fleet.Cluster, message: messages.Accepted) -> None:
+        raise RuntimeError("a bug in one handler")
+
+    monkeypatch.setattr(reports, "_accepted", broken)
+    placed = [status.PodPlacement(name="j1-worker-0", task="worker", node="n0")]
+    batch: list[messages.Message] = [
+        messages.Accepted(job_id="j1", epoch=1, pods=placed),
+        messages.JobUpdate(job_id="j1", epoch=1, state=State.RUNNING),
+    ]
+    await reports.apply(broker.cluster, batch, session=1)
+    await broker.flush()
+    assert broker.record.status.state == State.RUNNING
+    failed = reports.meters.agent_messages_failed.labels(cluster="east", type="Accepted")
+    assert failed._value.get() == 1
 
 
 # ---- the broker app: a silent agent and a real one ------------------------------------------
