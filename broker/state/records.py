@@ -117,7 +117,9 @@ def decode_idempotency(key: str, value: bytes, revision: int) -> IdempotencyEntr
 
 
 def encode(record: status.JobRecord) -> bytes:
-    return record.model_dump_json(by_alias=True).encode()
+    """The stored bytes, without the fields at their defaults: a record of a job that uses no
+    newer feature stays readable by the previous release (a rolling upgrade runs both)."""
+    return record.model_dump_json(by_alias=True, exclude_defaults=True).encode()
 
 
 @dataclass(frozen=True)
