@@ -49,7 +49,7 @@ from broker.state import (
     store,
 )
 from broker.state.history import protocol as history_store
-from broker.telemetry import metrics, stalls
+from broker.telemetry import garbage, metrics, stalls
 
 logger = logging.getLogger(__name__)
 
@@ -354,6 +354,13 @@ def create_app(settings: BrokerSettings) -> web.Application:
             asyncio.create_task(book.run_flusher(), name="group-commit"),
             asyncio.create_task(queue_registry.follow(backing), name="queues-watch"),
         ]
+        if settings.freeze_gc:
+            collector = garbage.Collector(meters.gc_pauses)
+            collector.install()
+            renewed = (
+                leadership.renewed_within if isinstance(leadership, electing.Election) else None
+            )
+            tasks.append(asyncio.create_task(collector.run(renewed), name="collector"))
         if watch is not None:
             tasks += [
                 asyncio.create_task(watch.run(loaded_at + 1), name=watching.TASK),

@@ -158,8 +158,7 @@ class LeaderWork:
     async def _stop_tasks(self) -> None:
         self.active = False
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            await scheduling.stop_task(task)
+        await asyncio.gather(*(scheduling.stop_task(task) for task in tasks))
 
     async def _end(self) -> None:
         """The term ended: no session, no draft, no gauge of it stays."""

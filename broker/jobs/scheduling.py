@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import io
 import itertools
 import logging
 import time
@@ -386,7 +387,26 @@ class Scheduler:
             await asyncio.sleep(max(self.min_interval, pause))
 
 
-async def stop_task(task: asyncio.Task[None]) -> None:
+STOP_SECONDS = 10.0  # a task cancelled and still running after this is left behind
+
+
+async def stop_task(task: asyncio.Task[None], *, timeout: float = STOP_SECONDS) -> bool:
+    """Cancel `task` and wait for it to end, for at most `timeout` seconds: a task that
+    swallows its cancellation (a bug) must not hold up the end of a term, and with it every
+    term after (the replica would lead without working). Such a task is logged with where
+    it is, and left behind; False then."""
     task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        where = io.StringIO()
+        task.print_stack(limit=12, file=where)
+        logger.error(
+            "task %s still runs %g s after it was cancelled; left behind:\n%s",
+            task.get_name(),
+            timeout,
+            where.getvalue(),
+        )
+        return False
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    return True

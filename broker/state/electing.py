@@ -222,6 +222,11 @@ class Election:
     def leader_url(self) -> str | None:
         return self.leader.url if self.leader is not None else None
 
+    def renewed_within(self, seconds: float) -> bool:
+        """True unless this replica leads on a lease last renewed more than `seconds` ago
+        (when a pause of the whole process costs it the least: `telemetry.garbage`)."""
+        return not self.is_leader or time.monotonic() - self._renewed_at <= seconds
+
     def fence(self) -> store.Compare | None:
         leader = self.leader
         if not self.is_leader or leader is None:

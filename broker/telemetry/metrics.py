@@ -91,6 +91,13 @@ class BrokerMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=r,
         )
+        self.gc_pauses = Histogram(
+            "gpufed_gc_pause_seconds",
+            "How long each pass of the garbage collector held the broker, by generation",
+            ["generation"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
         self.cycle_duration = Histogram(
             "gpufed_scheduling_cycle_duration_seconds",
             "One scheduling cycle, end to end",

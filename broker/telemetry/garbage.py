@@ -1,0 +1,126 @@
+"""The garbage collector's pauses: measured, and kept to what changed lately.
+
+CPython's collector stops the world for a full pass over every container object that lives
+in its oldest generation. A broker with 20,000 jobs in its book holds about 1.1 million
+(some 56 per record: models, their dicts, lists of events and pods); one full pass over
+them took 0.5 s here, on two loaded cores, and a full pass comes each time a quarter again as
+many objects have survived into that generation: with jobs going through at hundreds a
+second, every few tens of seconds. Passes of 1-2 s were what made a single leader miss its
+lease renewals in the soak benchmark (its TTL is 5 s: renewals every 1.7 s, and it steps
+down 4 s after the last one) and the watchdog take healthy agents for silent ones.
+
+`Collector` does two things:
+
+- it measures every pass (`gc.callbacks`) in `gpufed_gc_pause_seconds{generation}` and logs
+  a pass longer than `warn_seconds`;
+- every `freeze_every` seconds it collects the young generations and moves what survived
+  into the permanent generation (`gc.freeze`): automatic full passes then look only at what
+  survived since, a few seconds' worth. Frozen objects are still freed by reference
+  counting when dropped (records, models: no cycles); only a cycle that dies while frozen
+  waits for the reclaiming pass: every `full_every` seconds, everything is unfrozen, fully
+  collected once and frozen again. On the leader that pass waits for the moment just after
+  a lease renewal (`just_renewed`), when the lease has the most time left.
+
+`broker.app` starts it when `freeze_gc` is set (the service's default; tests of the app
+leave the collector alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import Histogram
+
+logger = logging.getLogger(__name__)
+
+FREEZE_EVERY_SECONDS = 10.0
+FULL_EVERY_SECONDS = 600.0
+WARN_SECONDS = 0.25
+LATEST_RENEWAL_SECONDS = 0.5  # a full pass on the leader only this soon after a renewal
+DUE_CHECK_SECONDS = 0.05
+
+
+class Collector:
+    def __init__(
+        self,
+        pauses: Histogram,
+        *,
+        freeze_every: float = FREEZE_EVERY_SECONDS,
+        full_every: float = FULL_EVERY_SECONDS,
+        warn_seconds: float = WARN_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pauses = pauses
+        self.freeze_every = freeze_every
+        self.full_every = full_every
+        self.warn_seconds = warn_seconds
+        self.clock = clock
+        self.freezes = 0
+        self.full_passes = 0
+        self._started: float | None = None
+
+    def install(self) -> None:
+        """Measure every pass from now on (once; `uninstall` undoes it)."""
+        if self._measure not in gc.callbacks:
+            gc.callbacks.append(self._measure)
+
+    def uninstall(self) -> None:
+        if self._measure in gc.callbacks:
+            gc.callbacks.remove(self._measure)
+
+    def _measure(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is None:
+            return
+        took = time.perf_counter() - self._started
+        self._started = None
+        generation = int(info.get("generation", 2))
+        self.pauses.labels(generation=str(generation)).observe(took)
+        if took > self.warn_seconds:
+            logger.warning(
+                "the garbage collector held the loop %.2f s (generation %d, %d objects "
+                "collected, %d frozen)",
+                took,
+                generation,
+                int(info.get("collected", 0)),
+                gc.get_freeze_count(),
+            )
+
+    def freeze(self) -> None:
+        """Collect the young generations, then keep what survived out of later full passes."""
+        gc.collect(1)
+        gc.freeze()
+        self.freezes += 1
+
+    def full_pass(self) -> None:
+        """Everything collected once (cycles that died frozen too), then frozen again."""
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        self.full_passes += 1
+
+    async def run(self, just_renewed: Callable[[float], bool] | None = None) -> None:
+        """Freeze every `freeze_every` s and reclaim every `full_every` s, until cancelled;
+        `just_renewed(seconds)` (the leader's lease renewed that recently, or no lease held)
+        says when a full pass may start. Never ends on an error."""
+        full_due = self.clock() + self.full_every
+        while True:
+            await asyncio.sleep(self.freeze_every)
+            try:
+                if self.clock() < full_due:
+                    self.freeze()
+                    continue
+                # a moment in time, not an event: looked at every few tens of milliseconds
+                while just_renewed is not None and not just_renewed(LATEST_RENEWAL_SECONDS):  # noqa: ASYNC110
+                    await asyncio.sleep(DUE_CHECK_SECONDS)
+                self.full_pass()
+                full_due = self.clock() + self.full_every
+            except Exception:  # the collector's trouble must not end the broker's task
+                logger.exception("collector housekeeping failed")
