@@ -103,16 +103,21 @@ class AgentReports:
 
     async def rejected(self, cluster: fleet.Cluster, message: messages.Rejected) -> None:
         async with self.book.lock:
-            await self._rejected(cluster, message)
+            draft = self._rejected(cluster, message)
+            if draft is not None:
+                await self._commit([draft])
 
-    async def _rejected(self, cluster: fleet.Cluster, message: messages.Rejected) -> None:
+    def _rejected(
+        self, cluster: fleet.Cluster, message: messages.Rejected
+    ) -> status.JobRecord | None:
+        """The job queued again (or cancelled, if asked): the draft to commit, if any."""
         record = self._owned(cluster.name, message.job_id)
         if record is not None and transitions.is_stale(record, message.attempt):
-            return
+            return None
         cluster.inflight.pop(message.job_id, None)
         self.spans.answered(message.job_id, accepted=False, reasons=message.reasons)
         if record is None or record.status.state != JobState.DISPATCHED:
-            return
+            return None
         self.meters.placements.labels(result="rejected").inc()
         cluster.rejected[record.id] = cluster.summary.seq if cluster.summary else 0
         reasons = [f"{cluster.name}: {r}" for r in message.reasons]
@@ -122,7 +127,7 @@ class AgentReports:
             transitions.move(draft, JobState.CANCELLED, "Cancelled", "cancelled while offered")
         else:
             transitions.requeue(draft, "Rejected", "; ".join(reasons))
-        await self._commit([draft])
+        return draft
 
     async def job_update(
         self, cluster: fleet.Cluster, message: messages.JobUpdate, *, session: int | None = None
@@ -136,10 +141,11 @@ class AgentReports:
         self, cluster: fleet.Cluster, batch: Sequence[messages.Message], *, session: int
     ) -> None:
         """The reports an agent sent back to back (Accepted, Rejected, JobUpdate), applied in
-        order under one hold of the book's lock. Each message waiting for the lock on its
-        own would let one commit in flight (a dispatch, a group commit: a store round trip)
-        pace a whole cluster's reports, one per round trip. One report's failure is counted
-        and logged, and the others applied."""
+        order under one hold of the book's lock, their changes left to the group commit (the
+        hold never waits on the store). Each message waiting for the lock on its own would
+        let one commit in flight (a dispatch, a group commit: a store round trip) pace a
+        whole cluster's reports, one per round trip. One report's failure is counted and
+        logged, and the others applied."""
         async with self.book.lock:
             for message in batch:
                 try:
@@ -147,7 +153,10 @@ class AgentReports:
                         case messages.Accepted():
                             await self._accepted(cluster, message)
                         case messages.Rejected():
-                            await self._rejected(cluster, message)
+                            # with the group commit: a batch never waits on the store
+                            rejected = self._rejected(cluster, message)
+                            if rejected is not None:
+                                self.book.commit_soon(rejected)
                         case messages.JobUpdate():
                             await self._job_update(cluster, message, session=session)
                 except Exception:  # one message's failure must not end the session

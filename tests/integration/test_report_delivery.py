@@ -244,6 +244,18 @@ async def test_reports_sent_back_to_back_are_applied_in_order_under_one_hold_of_
     assert broker.link.acks() == [(1, [4])]
 
 
+async def test_a_rejection_in_a_batch_is_left_to_the_group_commit(broker: Broker) -> None:
+    """A batch holds the lock without waiting on the store: a rejected offer is queued again
+    with the next group commit, not by a commit of its own inside the batch."""
+    reject = messages.Rejected(job_id="j1", epoch=1, reasons=["no room"])
+    await broker.jobs.reports.apply(broker.cluster, [reject], session=1)
+    assert broker.record.status.state == State.DISPATCHED  # committed: not yet
+    assert broker.jobs.book.latest("j1").status.state == State.QUEUED  # type: ignore[union-attr]
+    await broker.flush()
+    assert broker.record.status.state == State.QUEUED
+    assert broker.record.status.reasons == ["east: no room"]
+
+
 async def test_one_report_that_fails_leaves_the_rest_of_its_batch_applied(
     broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
