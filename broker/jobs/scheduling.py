@@ -10,7 +10,8 @@ the reservations for the next cycle; export the per-queue gauges.
 The backlog is kept between cycles (`planning.backlog`): a book observer notes the jobs that
 changed, and a cycle with nothing new costs O(clusters + live jobs), not O(queued jobs). A
 cycle plans at most `plan_limit` jobs (`planning.budget`) and reads at most `look_limit`
-changed ones into the backlog: a deep backlog is worked through in slices, cycle after cycle.
+changed ones into the backlog: a deep backlog is worked through in slices, cycle after cycle,
+each slice smaller while planning is slow (`budget.next_limit`: about a quarter of a second).
 `full_replan=True` plans every pending job every cycle instead (the same decisions, the old
 cost: benchmarks compare them).
 A dispatch the store refuses leaves the jobs queued; the next cycles back off (up to 2 s)
@@ -159,6 +160,7 @@ class Scheduler:
         self.commit_failures = 0  # dispatch commits failed in a row: the next cycle waits
         self.full_replan = full_replan  # plan every pending job every cycle, park none
         self.plan_limit = plan_limit  # pending jobs planned per cycle (`planning.budget`)
+        self.limit = plan_limit  # the next cycle's: less while planning is slow (`next_limit`)
         # changed jobs read into the backlog per cycle (reading is cheaper than planning)
         self.look_limit = 4 * (plan_limit or budget.DEFAULT_LIMIT)
         self.backlog = backlog.Backlog()  # the pending jobs, live or parked
@@ -258,7 +260,7 @@ class Scheduler:
                 releasing=releasing,
                 now=status.utcnow(),
                 park=not self.full_replan,
-                limit=self.plan_limit,
+                limit=self.limit,
             )
             self.backlog.settle(cycle.woken, cycle.parks)
             self.reference = cycle.reference
@@ -268,6 +270,10 @@ class Scheduler:
             self.last_plan_seconds = decided
             if cycle.planned:
                 self.meters.decision_duration.observe(decided / len(cycle.planned))
+            if self.plan_limit is not None and self.limit is not None:
+                self.limit = budget.next_limit(
+                    self.limit, self.plan_limit, took=decided, planned=len(cycle.planned)
+                )
             self.reservations = plan.reservations
             self._note_set_aside(plan, fleet)
             await self.victims.preempt(plan.preemptions)

@@ -15,6 +15,11 @@ goes ahead of one before it; across queues the fair-share order decides among th
 the cycle holds, as Kueue's scheduler does with one head per ClusterQueue per cycle. What
 a deferred job is told is what it was last told (or that it waits for the next cycle).
 With no more pending jobs than the limit, every one is planned: nothing changes at all.
+
+The limit adapts (`next_limit`): a cycle whose planning held the loop past `TARGET_SECONDS`
+makes the next slice smaller in proportion, down to `FLOOR`, and quick cycles grow it back
+to the configured `--plan-limit`. What a job costs to plan grows with the fleet, the gangs
+and how loaded the machine is; the lease and the agents' heartbeats do not wait for it.
 """
 
 from __future__ import annotations
@@ -65,3 +70,23 @@ def select(
     planned = [job for job in pending if job.job_id in chosen]
     deferred = [job for job in pending if job.job_id not in chosen]
     return planned, deferred
+
+
+# the slice a cycle aims at: the leader's lease is renewed every 1.7 s and steps down 4 s
+# after the last renewal; agents are taken for silent after 3 heartbeats
+TARGET_SECONDS = 0.25
+FLOOR = 50  # jobs a cycle plans at least, however slow planning is
+
+
+def next_limit(current: int, configured: int, *, took: float, planned: int) -> int:
+    """The limit of the next cycle, from how long this one's `planned` jobs took: shrunk in
+    proportion when planning held the loop past `TARGET_SECONDS` (a loaded machine, large
+    gangs, a large fleet), grown back by a quarter while it takes under half of that; never
+    above `configured`, never below `FLOOR`. A cycle that planned fewer than its limit says
+    nothing about a larger one unless it was slow."""
+    if took > TARGET_SECONDS and planned:
+        per_job = took / planned
+        return max(FLOOR, min(configured, int(TARGET_SECONDS / per_job)))
+    if took < TARGET_SECONDS / 2 and planned >= current:
+        return min(configured, max(current + 1, int(current * 1.25)))
+    return min(current, configured)

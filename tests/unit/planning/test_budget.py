@@ -125,3 +125,28 @@ def test_the_broker_flag_defaults_to_the_budget_and_refuses_nonsense() -> None:
     assert getattr(settings("--plan-limit", "50"), "plan_limit", None) == 50
     with pytest.raises(pydantic.ValidationError, match="plan_limit"):
         settings("--plan-limit", "0")
+
+
+def test_a_slow_cycle_shrinks_the_next_slice_in_proportion() -> None:
+    # 500 jobs in 1 s: 2 ms each; a quarter of a second holds 125 of them
+    assert budget.next_limit(500, 500, took=1.0, planned=500) == 125
+    # slower still: never below the floor
+    assert budget.next_limit(125, 500, took=10.0, planned=125) == budget.FLOOR
+
+
+def test_a_quick_cycle_grows_the_slice_back_up_to_the_configured_limit() -> None:
+    limit = budget.FLOOR
+    seen = []
+    for _ in range(30):
+        limit = budget.next_limit(limit, 500, took=0.01, planned=limit)
+        seen.append(limit)
+    assert seen == sorted(seen)
+    assert seen[-1] == 500
+    assert budget.next_limit(500, 500, took=0.01, planned=500) == 500
+
+
+def test_a_cycle_with_fewer_jobs_than_its_limit_keeps_it_unless_slow() -> None:
+    assert budget.next_limit(200, 500, took=0.01, planned=10) == 200  # says nothing larger
+    assert budget.next_limit(200, 500, took=0.2, planned=10) == 200  # within the target
+    assert budget.next_limit(200, 500, took=0.5, planned=100) == 50  # 5 ms a job: slow
+    assert budget.next_limit(600, 500, took=0.2, planned=10) == 500  # configured lowered
