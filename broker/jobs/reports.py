@@ -13,6 +13,7 @@ sends it until then, and a report sent twice is applied once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from datetime import datetime
@@ -25,6 +26,10 @@ from broker.state import errors
 from broker.telemetry import jobspans, metrics
 
 logger = logging.getLogger(__name__)
+
+# reports applied (jobs reconciled) between two yields to the loop: one step of a task is
+# one run of the loop's callbacks, and a lease renewal's answer waits behind it
+YIELD_EVERY = 64
 
 
 class AgentReports:
@@ -147,7 +152,9 @@ class AgentReports:
         whole cluster's reports, one per round trip. One report's failure is counted and
         logged, and the others applied."""
         async with self.book.lock:
-            for message in batch:
+            for done, message in enumerate(batch):
+                if done and not done % YIELD_EVERY:  # let the loop's other callbacks run
+                    await asyncio.sleep(0)
                 try:
                     match message:
                         case messages.Accepted():
@@ -239,7 +246,9 @@ class AgentReports:
             drafts: dict[str, status.JobRecord] = {}
             cancels: list[tuple[str, int]] = []  # job, attempt: cancel once committed
             held = {job.job_id for job in hello.jobs}
-            for job in hello.jobs:
+            for done, job in enumerate(hello.jobs):
+                if done and not done % YIELD_EVERY:  # thousands held: the loop runs between
+                    await asyncio.sleep(0)
                 record = self._owned(cluster.name, job.job_id)
                 if record is None or transitions.is_stale(record, job.attempt):
                     held.discard(job.job_id)  # not the attempt the broker runs there
