@@ -83,9 +83,18 @@ class LeaderWork:
                     step_down("its leader work failed")
                 await asyncio.sleep(SYNC_RETRY)
             finally:
-                await self._stop_tasks()
-                if not self._closing:
-                    await self._end()
+                await self._wind_up()
+
+    async def _wind_up(self) -> None:
+        """End the term's work; an error on the way is logged and counted, never raised (it
+        would end this task, and the replica would lead again without working)."""
+        try:
+            await self._stop_tasks()
+            if not self._closing:
+                await self._end()
+        except Exception:
+            self.meters.background_errors.labels(task="leader-work").inc()
+            logger.exception("ending the leader's term failed")
 
     async def close(self, task: asyncio.Task[None] | None) -> None:
         """Stop the leader's work for good (SIGTERM: what waits for the group commit is

@@ -23,7 +23,6 @@ once per `min_interval`, and at least every `max_interval` for time-based condit
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import io
 import itertools
@@ -47,7 +46,7 @@ from broker.planning import (
     snapshot,
     usage,
 )
-from broker.state import registry
+from broker.state import errors, registry
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -397,10 +396,13 @@ STOP_SECONDS = 10.0  # a task cancelled and still running after this is left beh
 
 
 async def stop_task(task: asyncio.Task[None], *, timeout: float = STOP_SECONDS) -> bool:
-    """Cancel `task` and wait for it to end, for at most `timeout` seconds: a task that
-    swallows its cancellation (a bug) must not hold up the end of a term, and with it every
-    term after (the replica would lead without working). Such a task is logged with where
-    it is, and left behind; False then."""
+    """Cancel `task` and wait for it to end, for at most `timeout` seconds; never raises.
+
+    A task that swallows its cancellation (a bug) must not hold up the end of a term, and
+    with it every term after (the replica would lead without working): it is logged with
+    where it is, and left behind; False then. A task that had ended with an error (the
+    retirer ends itself with NotLeaderError when a fenced write finds the term over) has it
+    logged: raised here, it would end the caller — the leader's work, for good."""
     task.cancel()
     done, _ = await asyncio.wait({task}, timeout=timeout)
     if not done:
@@ -413,6 +415,9 @@ async def stop_task(task: asyncio.Task[None], *, timeout: float = STOP_SECONDS) 
             where.getvalue(),
         )
         return False
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    if not task.cancelled() and (error := task.exception()) is not None:
+        if isinstance(error, errors.StoreError):  # NotLeaderError among them: the term ended
+            logger.warning("task %s had ended: %s", task.get_name(), error)
+        else:
+            logger.error("task %s had ended with an error", task.get_name(), exc_info=error)
     return True

@@ -1,6 +1,7 @@
 """`scheduling.stop_task`, which ends a leader's term: a task that swallows its cancellation
 is left behind after the timeout (logged with where it is) instead of holding up the end of
-the term and every term after it."""
+the term and every term after it, and a task that had ended with an error has it logged,
+not raised into the leader's work."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import pytest
 
 from broker.jobs import scheduling
+from broker.state import errors
 
 
 async def test_a_task_that_ends_on_its_cancel_is_awaited() -> None:
@@ -43,14 +45,26 @@ async def test_a_task_that_swallows_its_cancel_is_left_behind(
     assert task.done()
 
 
-async def test_an_error_the_task_ended_with_is_raised() -> None:
+async def test_an_error_the_task_ended_with_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Raised here, it would end the caller: the leader's work, for good."""
+
+    async def deposed() -> None:
+        raise errors.NotLeaderError("replica r0 is not the leader")
+
     async def failing() -> None:
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
             raise RuntimeError("broke on the way out") from None
 
-    task = asyncio.create_task(failing())
+    ended = asyncio.create_task(deposed(), name="retirer")
+    broken = asyncio.create_task(failing(), name="broken")
     await asyncio.sleep(0)
-    with pytest.raises(RuntimeError, match="broke on the way out"):
-        await scheduling.stop_task(task, timeout=1.0)
+    with caplog.at_level(logging.WARNING, logger="broker.jobs.scheduling"):
+        assert await scheduling.stop_task(ended, timeout=1.0) is True
+        assert await scheduling.stop_task(broken, timeout=1.0) is True
+    assert "task retirer had ended: replica r0 is not the leader" in caplog.text
+    assert "task broken had ended with an error" in caplog.text
+    assert "RuntimeError: broke on the way out" in caplog.text
