@@ -18,6 +18,7 @@ from broker.api import leases
 from broker.api.queues import QueueMode
 from broker.dispatch import connecting, leading
 from broker.http import (
+    arrays,
     audit,
     auth,
     clusters,
@@ -247,6 +248,7 @@ def create_app(settings: BrokerSettings) -> web.Application:
 
     app.on_shutdown.append(on_shutdown)
     jobs.add_routes(app)
+    arrays.add_routes(app)
     clusters.add_routes(app)
     openapi.add_routes(app)
     queues.add_routes(app)

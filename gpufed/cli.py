@@ -129,8 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="print each event (state change) until the job ends; exit 0 if it Succeeded, "
         "1 if it Failed or was Cancelled",
     )
-    for name, text in [("cancel", "cancel a job"), ("why", "why a job is not running")]:
-        _user_parser(sub, name, text).add_argument("job_id", help="the job's id (gpufed list)")
+    cancelling = _user_parser(sub, "cancel", "cancel a job, or an array's jobs (--array)")
+    cancelling.add_argument("job_id", help="the job's id (gpufed list); with --array, the array")
+    cancelling.add_argument(
+        "--array",
+        action="store_true",
+        help="JOB_ID names an array (spec.array): its id, or its name (the newest array of "
+        "that name); every job of it not finished is cancelled",
+    )
+    cancelling.add_argument(
+        "--index", type=int, help="with --array: only the job of this index", default=None
+    )
+    _user_parser(sub, "why", "why a job is not running").add_argument(
+        "job_id", help="the job's id (gpufed list)"
+    )
     listing = _user_parser(
         sub,
         "list",
@@ -142,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--cluster", help="only jobs placed on this cluster")
     listing.add_argument(
         "-l", "--selector", help="label selector on metadata.labels (team=vision,tier!=spot)"
+    )
+    listing.add_argument(
+        "--array", help="only the jobs of the arrays of this name (label gpufed.io/array)"
+    )
+    listing.add_argument(
+        "--index", type=int, help="with --array: only the job of this index", default=None
     )
     listing.add_argument(
         "-q", "--search", metavar="TEXT", help="only jobs whose name or id holds TEXT (any case)"

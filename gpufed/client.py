@@ -240,6 +240,12 @@ class BrokerClient:
         result: dict[str, Any] = await self._call("DELETE", f"/v1/jobs/{job_id}")
         return result
 
+    async def cancel_array(self, array: str, *, index: int | None = None) -> dict[str, Any]:
+        """Cancel an array's jobs (its id, or its newest of that name), or one index."""
+        params = {"index": str(index)} if index is not None else None
+        result: dict[str, Any] = await self._call("DELETE", f"/v1/arrays/{array}", params=params)
+        return result
+
     async def queues(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("GET", "/v1/queues")
         return result

@@ -202,6 +202,45 @@ def add_agent_parser(sub: Any) -> None:
         "nvidia.com/gpu.shared); a job asking gpu-milli goes only to nodes advertising it",
     )
     agent.add_argument(
+        "--auto-cordon",
+        action="store_true",
+        help="cordon a node (spec.unschedulable) once --cordon-after of its GPUs have failed; "
+        "without it, failed GPUs only leave the inventory",
+    )
+    agent.add_argument(
+        "--cordon-after",
+        type=int,
+        default=2,
+        metavar="N",
+        help="GPU failures on one node (since the agent started) before --auto-cordon cordons it",
+    )
+    agent.add_argument(
+        "--gpu-health-taint",
+        action="append",
+        dest="gpu_health_taints",
+        metavar="KEY",
+        help="kubernetes: a node or DRA device taint key that marks GPUs unhealthy (repeat; "
+        "replaces the defaults gpufed.io/gpu-unhealthy, nvidia.com/gpu-xid, "
+        "gpu.nvidia.com/xid, gpu.nvidia.com/gpu-lost); its value names GPUs as gpu-<i>, or "
+        "none: all of the node's",
+    )
+    agent.add_argument(
+        "--gpu-health-label",
+        action="append",
+        dest="gpu_health_labels",
+        metavar="KEY",
+        help="kubernetes: a node label key that marks GPUs unhealthy (repeat; replaces the "
+        "default gpufed.io/gpu-unhealthy)",
+    )
+    agent.add_argument(
+        "--gpu-health-condition",
+        action="append",
+        dest="gpu_health_conditions",
+        metavar="TYPE",
+        help="kubernetes: a node condition type that, True, marks GPUs unhealthy (repeat; "
+        "replaces the default GPUUnhealthy); its message names GPUs as gpu-<i>, or none: all",
+    )
+    agent.add_argument(
         "--fence-after",
         type=float,
         help="seconds without word from the broker after which the agent fences itself: no "
@@ -223,6 +262,22 @@ def add_agent_parser(sub: Any) -> None:
     )
     agent.add_argument(
         "--metrics-port", type=int, default=0, help="serve /metrics on this port (0: not at all)"
+    )
+    agent.add_argument(
+        "--dcgm-url",
+        action="append",
+        dest="dcgm_urls",
+        metavar="URL",
+        help="dcgm-exporter's Prometheus page (http://HOST:9400/metrics; repeat for each "
+        "exporter, or one Prometheus /federate URL for all): each queue's GPUs allocated and "
+        "utilised on /metrics (needs --metrics-port); see docs/kubernetes.md",
+    )
+    agent.add_argument(
+        "--dcgm-interval",
+        type=duration,
+        default=15.0,
+        metavar="SECONDS",
+        help="how often the --dcgm-url pages are read",
     )
     agent.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
@@ -479,10 +534,17 @@ def agent_settings(args: argparse.Namespace) -> Any:
             "dra_device_class": args.dra_device_class,
             "dra_attributes": dict(args.dra_attributes or []),
             "shared_gpu_resource": args.shared_gpu_resource,
+            "auto_cordon": args.auto_cordon,
+            "cordon_after": args.cordon_after,
+            "gpu_health_taints": args.gpu_health_taints,
+            "gpu_health_labels": args.gpu_health_labels,
+            "gpu_health_conditions": args.gpu_health_conditions,
             "freeze_gc": True,
             "fence_after_seconds": args.fence_after,
             "journal_file": args.sim_journal,
             "proxy_url": args.proxy,
+            "dcgm_urls": args.dcgm_urls or [],
+            "dcgm_interval_seconds": args.dcgm_interval,
             **tlsflags.agent_settings(args),
         }
     )

@@ -40,8 +40,17 @@ async def clusters(args: argparse.Namespace, api: client.BrokerClient) -> int:
     header = ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"]
     table = tables.render([*header, "LABELS"], rows)
     degraded = [f"{c['name']}: {c['reason']}" for c in items if c.get("reason")]
-    jobcommands.print_answer(args, items, "\n".join([table, *degraded]))
+    sick = [_gpu_health(c) for c in items if c.get("unhealthy_gpus") or c.get("cordoned_nodes")]
+    jobcommands.print_answer(args, items, "\n".join([table, *degraded, *sick]))
     return 0
+
+
+def _gpu_health(cluster: dict[str, Any]) -> str:
+    """`h100: 2 unhealthy GPUs; cordoned for GPU failures: node-3, node-7`."""
+    parts = [f"{cluster.get('unhealthy_gpus') or 0} unhealthy GPUs"]
+    if cluster.get("cordoned_nodes"):
+        parts.append("cordoned for GPU failures: " + ", ".join(cluster["cordoned_nodes"]))
+    return f"{cluster['name']}: " + "; ".join(parts)
 
 
 def _queue_rows(views: Sequence[dict[str, Any]]) -> list[list[Any]]:

@@ -226,9 +226,34 @@ def _watch_line(event: dict[str, Any]) -> str:
 
 
 async def cancel(args: argparse.Namespace, api: client.BrokerClient) -> int:
+    if getattr(args, "array", False):
+        found = await api.cancel_array(args.job_id, index=args.index)
+        lines = [f"{j['id']} cancelling ({j['status']['state']})" for j in found["items"]]
+        print_answer(args, found, "\n".join(lines))
+        return 0
+    if getattr(args, "index", None) is not None:
+        raise problems.CliError(
+            "--index goes with --array", kind="usage", title="Bad arguments", code=2
+        )
     job = await api.cancel(args.job_id)
     print_answer(args, job, f"{job['id']} cancelling ({job['status']['state']})")
     return 0
+
+
+def array_selector(args: argparse.Namespace) -> str | None:
+    """`--selector` with `--array NAME` (and `--index I`) added as their labels."""
+    from broker.api import arrays
+
+    parts = [args.selector] if args.selector else []
+    if getattr(args, "array", None):
+        parts.append(f"{arrays.ARRAY_LABEL}={args.array}")
+        if args.index is not None:
+            parts.append(f"{arrays.INDEX_LABEL}={args.index}")
+    elif getattr(args, "index", None) is not None:
+        raise problems.CliError(
+            "--index goes with --array", kind="usage", title="Bad arguments", code=2
+        )
+    return ",".join(parts) or None
 
 
 async def why(args: argparse.Namespace, api: client.BrokerClient) -> int:
@@ -276,7 +301,7 @@ async def list_jobs(args: argparse.Namespace, api: client.BrokerClient) -> int:
             queue=args.queue,
             state=state,
             cluster=args.cluster,
-            selector=args.selector,
+            selector=array_selector(args),
             search=args.search,
             sort=args.sort,
             limit=size,

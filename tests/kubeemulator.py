@@ -360,6 +360,17 @@ class Emulator(kmock.KubernetesEmulator):
             return None
         return dict(self.objects[key].raw)
 
+    def node(self, name: str) -> dict[str, Any]:
+        """A Node as stored (KeyError if there is none)."""
+        found = [
+            obj.raw
+            for (resource, _, n), obj in self.objects.items()
+            if resource.plural == "nodes" and n == name and not obj.deleted
+        ]
+        if not found:
+            raise KeyError(name)
+        return dict(found[0])
+
     def pods(self) -> list[dict[str, Any]]:
         return [
             obj.raw

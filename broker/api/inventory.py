@@ -81,6 +81,15 @@ class ModelSummary(_Model):
         return self
 
 
+class GPUHealth(_Model):
+    """What the agent says of its GPUs' health (protocol 6): GPUs out of service (unhealthy,
+    counted among the models' unavailable GPUs too) and the nodes it cordoned for repeated
+    GPU failures."""
+
+    unhealthy_gpus: Count = 0
+    cordoned_nodes: list[Name] = Field(default_factory=list, max_length=10_000)
+
+
 class ClusterSummary(_Model):
     cluster: Name
     seq: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
@@ -91,6 +100,9 @@ class ClusterSummary(_Model):
     labels: dict[Name, Annotated[str, Field(max_length=63)]] = Field(
         default_factory=dict, max_length=MAX_LABELS
     )
+    # protocol 6, only to a broker that reads it (None is left out of the frame): absent, an
+    # older agent, which says nothing of GPU health but its unavailable GPUs
+    gpu_health: GPUHealth | None = None
 
     @model_validator(mode="after")
     def _unique_models(self) -> ClusterSummary:
@@ -138,4 +150,11 @@ class ClusterView(_Model):
         default_factory=dict,
         description="the cluster's labels, as its agent reports them: what spec.clusters "
         "selects on",
+    )
+    unhealthy_gpus: int = Field(
+        0, description="GPUs the agent keeps out of service as unhealthy (among unavailable)"
+    )
+    cordoned_nodes: list[str] = Field(
+        default_factory=list,
+        description="nodes the agent cordoned after repeated GPU failures (--auto-cordon)",
     )

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from broker.api import affinity, clusterchoice, policies
+from broker.api import affinity, arrays, clusterchoice, dependencies, policies
 
 # the policies live in `policies`; their names here too, as `jobs.ClusterLostPolicy` is read
 ClusterLostPolicy = policies.ClusterLostPolicy
@@ -265,6 +265,12 @@ class JobSpec(_Strict):
         "(preferred) and in what order it spills over (order), by the clusters' labels; "
         "absent: any cluster",
     )
+    depends_on: dependencies.DependsOn = None
+    array: arrays.ArraySpec | None = Field(
+        None,
+        description="count indexed jobs from this one (`<name>-<i>`, GPUFED_ARRAY_INDEX=i in "
+        "every pod), at most parallelism of them holding GPUs at once; absent: one job",
+    )
 
     @property
     def cluster_lost(self) -> ClusterLostPolicy:
@@ -321,6 +327,8 @@ class GPUJob(_Strict):
     @model_validator(mode="after")
     def _check_shapes(self, info: ValidationInfo) -> GPUJob:
         strict = _at_submit(info)
+        if strict:
+            _check_sequencing(self)
         gpus = 0
         for index, task in enumerate(self.spec.tasks):
             gpus += shape_of(task, where=f"spec.tasks[{index}]", strict=strict).gpus
@@ -330,6 +338,17 @@ class GPUJob(_Strict):
                 "a GPUJob asks for at least one GPU"
             )
         return self
+
+
+def _check_sequencing(job: GPUJob) -> None:
+    """At submit: the broker's array labels are the broker's, an array's names fit."""
+    for key in job.metadata.labels:
+        if key in arrays.LABELS:
+            raise ValueError(f"metadata.labels[{key}]: set by the broker on an array's jobs")
+    if job.spec.array is not None:
+        problem = arrays.name_problem(job.metadata.name, job.spec.array.count)
+        if problem is not None:
+            raise ValueError(f"metadata.name: {problem}")
 
 
 class ShapeError(ValueError):

@@ -46,6 +46,10 @@ Cluster labels (protocol 5): the agent's summaries carry the cluster's labels
 (`ClusterSummary.labels`, `gpufed agent --cluster-label`), only to a broker whose welcome says
 `v` >= `LABELS_SINCE`: an older broker, which forbids unknown fields, is sent none. A summary
 without the field is a cluster without labels. An offer leaves `spec.clusters` out.
+
+GPU health (protocol 6): the agent's summaries carry `ClusterSummary.gpu_health` (its
+unhealthy GPUs and the nodes it cordoned for GPU failures) only to a broker whose welcome says
+`v` >= `GPU_HEALTH_SINCE`; to an older one the field is left out (None is not encoded).
 """
 
 from __future__ import annotations
@@ -61,11 +65,12 @@ from broker.api import inventory, jobs, policies, status
 # every number on the wire is bounded (int64): a frame with a larger one is refused
 WireInt = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, Field(ge=1, le=2**63 - 1)]
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 ACKS_SINCE = 2  # the protocol version from which brokers acknowledge final reports
 LEASE_SINCE = 3  # the protocol version from which agents read the broker's grace in welcome
 CHECKPOINTS_SINCE = 4  # the protocol version from which brokers read `JobUpdate.checkpoint`
 LABELS_SINCE = 5  # the protocol version from which brokers read `ClusterSummary.labels`
+GPU_HEALTH_SINCE = 6  # the protocol version from which brokers read `ClusterSummary.gpu_health`
 
 
 class _Msg(BaseModel):

@@ -227,6 +227,8 @@ BROKER_ONLY: dict[str, object] = {
     "preemption": True,
     "ttl_seconds_after_finished": True,
     "clusters": True,  # spec.clusters: the broker's choice of cluster (`clusterchoice`)
+    "depends_on": True,  # spec.dependsOn: when the broker queues the job (`dependencies`)
+    "array": True,  # spec.array: the agent reads the index from the job's labels (`arrays`)
 }
 
 

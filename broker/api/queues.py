@@ -252,6 +252,8 @@ class ReasonCode(StrEnum):
     PREEMPTION_BUDGET = "PreemptionBudget"
     PLANNING_FAILED = "PlanningFailed"  # planning it raised: set aside, see the broker's log
     CLUSTER_SELECTOR = "ClusterSelector"  # excluded by the job's spec.clusters.selector
+    DEPENDENCY = "Dependency"  # Waiting: a job of its spec.dependsOn is not done yet
+    ARRAY_PARALLELISM = "ArrayParallelism"  # spec.array.parallelism of its array hold GPUs
 
 
 class WhyReason(_Model):

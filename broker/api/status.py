@@ -9,10 +9,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from broker.api import jobs
+from broker.api import arrays, dependencies, jobs
+
+ResolvedDependency = dependencies.Resolved  # a field of JobStatus is named `dependencies`
 
 
 class JobState(StrEnum):
+    WAITING = "Waiting"  # for its spec.dependsOn: not planned until they are met
     QUEUED = "Queued"
     DISPATCHED = "Dispatched"
     RUNNING = "Running"
@@ -90,6 +93,10 @@ class JobStatus(_Model):
     infra_retries: int = Field(0, alias="infraRetries")
     # the newest `gpufed.io/last-checkpoint` its pods showed (the agents report it)
     last_checkpoint: datetime | None = Field(None, alias="lastCheckpoint")
+    # what each spec.dependsOn entry resolved to at submit; left out if the job has none
+    dependencies: list[ResolvedDependency] | None = Field(
+        None, exclude_if=lambda value: value is None
+    )
 
 
 STORED_ONLY = frozenset({"trace_parent"})  # JobRecord fields the API does not show
@@ -109,6 +116,8 @@ class JobRecord(_Model):
     trace_parent: SkipJsonSchema[str | None] = Field(None, alias="traceParent")
     trace_id: str | None = Field(None, alias="traceId")
     idempotency_key: str | None = Field(None, alias="idempotencyKey")
+    # the array the job is one index of (spec.array); left out for a job of no array
+    array: arrays.ArrayMember | None = Field(None, exclude_if=lambda value: value is None)
 
     def api_json(self) -> dict[str, Any]:
         """The job as the API shows it: as stored, less what only the store keeps."""
@@ -162,3 +171,5 @@ class SubmitResponse(_Model):
     id: str
     state: JobState
     trace_id: str | None = Field(None, alias="traceId")
+    # an array's submit: the array (its jobs are `<array.id>-<index>`; `id` is index 0's)
+    array: arrays.ArrayMember | None = Field(None, exclude_if=lambda value: value is None)

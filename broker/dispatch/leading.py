@@ -6,7 +6,8 @@ job change the former leader committed is in the book), counts every cluster the
 jobs on as away from now (`fleet.start_term`: the lost-cluster grace starts over), and then
 starts the leader's tasks, each made anew for the term: the scheduling cycle, the sessions'
 watchdog (offer timeouts, lost clusters), the idempotency sweep, the cancels followers commit
-(`requests.ForwardedCancels`), the active deadlines (`jobs.deadlines`), the cluster views
+(`requests.ForwardedCancels`), the active deadlines (`jobs.deadlines`), the waiting jobs
+whose dependencies end (`jobs.dependents`), the cluster views
 for the followers (`state.views`) and the retirement of finished jobs (`jobs.retiring`: to
 the history store; without one, only the jobs past their own `ttlSecondsAfterFinished`,
 deleted). Only then is it `active`: `http.clusters` accepts agents on an active leader only.
@@ -117,6 +118,7 @@ class LeaderWork:
             ("idempotency-sweep", self.jobs.run_key_sweeper()),
             ("forwarded-cancels", self.jobs.forwarded.run()),
             ("deadlines", self.jobs.run_deadlines()),
+            ("dependencies", self.jobs.run_dependencies()),
         ]
         if self.leadership.replicated:
             work.append(("cluster-views", self._publish_views()))

@@ -10,7 +10,8 @@ from aiohttp import web
 from broker.api import errors, queues, status, submits
 from broker.http import auth, documents, forwarding, keys, listing, submitting
 from broker.jobs import positions, service, transitions
-from broker.planning import quotas
+from broker.planning import dependencies as planning_deps
+from broker.planning import planning, quotas
 from broker.state import registry
 
 MAX_BODY = 1024 * 1024
@@ -52,7 +53,9 @@ async def submit(request: web.Request) -> web.Response:
 
 
 def _submitted(record: status.JobRecord, *, replayed: bool) -> web.Response:
-    body = status.SubmitResponse(id=record.id, state=record.status.state, trace_id=record.trace_id)
+    body = status.SubmitResponse(
+        id=record.id, state=record.status.state, trace_id=record.trace_id, array=record.array
+    )
     headers = {"Location": f"/v1/jobs/{record.id}"}
     if replayed:
         headers["Idempotent-Replayed"] = "true"
@@ -104,11 +107,13 @@ async def why(request: web.Request) -> web.Response:
                 return web.json_response(answered)
     work = request.app.get(keys.LEADER_WORK)
     scheduler = work.scheduler if work is not None and work.active else None
+    waiting = record.status.state == status.JobState.WAITING
     answer = why_answer(
         record,
         book,
         request.app.get(keys.QUEUES),
         lines=scheduler.positions if scheduler is not None else None,
+        depends=await book.dependency_verdict(record) if waiting else None,
     )
     if asked_leader and not answer.reasons:
         answer = answer.model_copy(
@@ -126,15 +131,23 @@ def why_answer(
     queue_registry: registry.QueueRegistry | None,
     *,
     lines: positions.Positions | None = None,
+    depends: planning_deps.Verdict | None = None,
 ) -> queues.WhyAnswer:
     """Per cluster, the sorted reasons the job is not placed: codes and plain words; for a
-    queued job, its position and ETA from the leader's scheduler (`lines`, None: not here)."""
+    queued job, its position and ETA from the leader's scheduler (`lines`, None: not here);
+    for a waiting one, the dependencies it waits for (`depends`: what they say now)."""
     waiting = book.waiting(record.id)
     reasons = [
         queues.WhyReason(cluster=r.cluster, code=r.code, message=r.message)
         for r in (waiting.details if waiting is not None else ())
     ]
-    if not reasons:  # an agent's rejection, kept with the job
+    if depends is not None and record.status.state == status.JobState.WAITING:
+        reasons = [_waiting_for(text) for text in depends.waiting_for]
+        if depends.failed is not None:  # the leader fails it in a moment
+            reasons.append(_waiting_for(f"{depends.failed}: it fails with DependencyFailed"))
+        if depends.met:
+            reasons.append(_waiting_for("its dependencies are met: it is queued in a moment"))
+    elif not reasons:  # an agent's rejection, kept with the job
         for text in record.status.reasons:
             cluster, _, message = text.partition(": ")
             reasons.append(
@@ -149,7 +162,7 @@ def why_answer(
     return queues.WhyAnswer(
         id=record.id,
         state=record.status.state.value,
-        placed=record.status.state != status.JobState.QUEUED,
+        placed=record.status.state not in (status.JobState.QUEUED, status.JobState.WAITING),
         queue=spec.queue,
         priority=tenancy.priority_of(spec.queue, spec.priority, spec.priority_class),
         clusters=[
@@ -165,6 +178,12 @@ def why_answer(
         if reasons
         else _plain_state(record, book),
         **_in_line(record, lines),
+    )
+
+
+def _waiting_for(text: str) -> queues.WhyReason:
+    return queues.WhyReason(
+        cluster=planning.FLEET, code=queues.ReasonCode.DEPENDENCY, message=f"waits for {text}"
     )
 
 
@@ -197,6 +216,8 @@ def _plain_state(record: status.JobRecord, book: service.Jobs) -> str:
         if last is not None and last.reason == transitions.PREEMPTED:
             return f"preempted ({last.message}); waiting for the next scheduling cycle"
         return "waiting for the next scheduling cycle"
+    if state == status.JobState.WAITING:
+        return "waiting for its dependencies (spec.dependsOn)"
     if state.terminal:
         return f"finished: {state.value}"
     preempting = book.preempting_message(record.id)

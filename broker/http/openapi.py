@@ -157,7 +157,10 @@ def _document() -> dict[str, Any]:
                             "idempotency window) answers the first job again, with the header "
                             "Idempotent-Replayed: true; with another body it is a 422 of type "
                             "urn:gpufed:problem:idempotency-key-reused. After the window the key "
-                            "makes a new job."
+                            "makes a new job. A job with spec.dependsOn is stored Waiting (a "
+                            "dependency cycle is a 422 naming spec.dependsOn[i].job); one with "
+                            "spec.array stores spec.array.count jobs `<name>-<i>` (ids "
+                            "`<array.id>-<i>`), the answer naming index 0 and the array."
                         ),
                         "parameters": [
                             {
@@ -315,6 +318,43 @@ def _document() -> dict[str, Any]:
                                 "content": {"application/json": {"schema": ref("JobRecord")}},
                             },
                             "404": _problem("no such job"),
+                            **auth_errors,
+                        },
+                    },
+                },
+                "/v1/arrays/{array}": {
+                    "parameters": [
+                        {
+                            "name": "array",
+                            "in": "path",
+                            "required": True,
+                            "description": "an array's id, or its name: the caller's newest "
+                            "array of that name",
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "delete": {
+                        "summary": "Cancel an array's jobs (spec.array), or one index of it",
+                        "description": (
+                            "Every job of the array not finished yet is cancelled as DELETE "
+                            "/v1/jobs/{id} would; with index, only that one. List an array with "
+                            "GET /v1/jobs?labelSelector=gpufed.io/array=<name> (and "
+                            ",gpufed.io/array-index=<i> for one index)."
+                        ),
+                        "parameters": [
+                            {
+                                "name": "index",
+                                "in": "query",
+                                "description": "cancel only the job of this index",
+                                "schema": {"type": "integer", "minimum": 0},
+                            }
+                        ],
+                        "responses": {
+                            "202": {
+                                "description": "the array's jobs as committed",
+                                "content": {"application/json": {"schema": ref("JobList")}},
+                            },
+                            "404": _problem("no such array (or index) with jobs not yet retired"),
                             **auth_errors,
                         },
                     },

@@ -72,6 +72,9 @@ ROUTES: Mapping[tuple[str, str], Rule] = MappingProxyType(
             Role.ADMIN, *_SUBMITTERS, what="cancels a job of its tenant (admin: any)"
         ),
         ("GET", "/v1/jobs/{job_id}/why"): _rule(*_READERS, what="a job of its tenant (admin: any)"),
+        ("DELETE", "/v1/arrays/{array}"): _rule(
+            Role.ADMIN, *_SUBMITTERS, what="cancels an array's jobs of its tenant (admin: any)"
+        ),
         ("GET", "/v1/queues"): _rule(
             *_READERS, what="its tenant's queues (admin, a viewer without tenant: every queue)"
         ),

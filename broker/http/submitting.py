@@ -30,7 +30,7 @@ import pydantic
 from aiohttp import web
 from opentelemetry import trace
 
-from broker.api import errors, jobs, status, submits
+from broker.api import arrays, errors, jobs, status, submits
 from broker.http import auth, documents, keys, problems
 from broker.jobs import service
 from broker.state import registry
@@ -44,8 +44,10 @@ _ID_CHARS = string.ascii_lowercase + string.digits
 _ITEM_FIELDS = frozenset({"job", "idempotencyKey"})
 
 
-def new_job_id(name: str) -> str:
-    return f"{name[:50].rstrip('-')}-{''.join(secrets.choice(_ID_CHARS) for _ in range(8))}"
+def new_job_id(name: str, *, length: int = 59) -> str:
+    """A new id from a name: at most `length` characters, 8 random ones at the end."""
+    head = name[: length - 9].rstrip("-")
+    return f"{head}-{''.join(secrets.choice(_ID_CHARS) for _ in range(8))}"
 
 
 # ---- what both routes check and make ----------------------------------------------------------
@@ -75,16 +77,39 @@ def admit(
             queues.check_job(principal.name, job)
         except errors.GpufedError as exc:
             raise problems.relocated(exc, where) from None
+    check_array_size(job, where=where)
     return job
 
 
+def check_array_size(job: jobs.GPUJob, *, where: str = "", jobs_before: int = 0) -> None:
+    """An array (with `jobs_before` jobs of the same request before it) within what one
+    request may store: `arrays.MAX_COUNT` jobs, `arrays.MAX_ARRAY_BYTES` of them."""
+    spec = job.spec.array
+    if spec is None:
+        return
+    field = f"{where}.spec.array.count" if where else "spec.array.count"
+    problem = arrays.size_problem(len(job.model_dump_json(by_alias=True)), spec.count)
+    if problem is None and jobs_before + spec.count > arrays.MAX_COUNT:
+        problem = (
+            f"{jobs_before} jobs before it and {spec.count} of it; a request stores at most "
+            f"{arrays.MAX_COUNT} jobs: send the array on its own"
+        )
+    if problem is not None:
+        raise errors.Invalid(f"{field}: {problem}", field=field, title="Invalid job")
+
+
 def new_record(
-    book: service.Jobs, principal: auth.Principal, job: jobs.GPUJob, *, key: str | None
+    book: service.Jobs,
+    principal: auth.Principal,
+    job: jobs.GPUJob,
+    *,
+    key: str | None,
+    job_id: str | None = None,
 ) -> status.JobRecord:
     """A new job of `principal`'s, with a trace of its own."""
     traceparent, parent = book.new_trace()
     return status.JobRecord(
-        id=new_job_id(job.metadata.name),
+        id=job_id or new_job_id(job.metadata.name),
         tenant=principal.name,
         job=job,
         traceparent=traceparent,
@@ -92,6 +117,48 @@ def new_record(
         trace_id=traceparent.split("-")[1],
         idempotency_key=key,
     )
+
+
+async def new_records(
+    book: service.Jobs, principal: auth.Principal, job: jobs.GPUJob, *, key: str | None
+) -> list[status.JobRecord]:
+    """The jobs a submit makes: the job, or its array's `count` jobs (`api.arrays`: job `i`
+    named `<name>-<i>`, id `<array id>-<i>`, labelled; the key on index 0's), a turn of the
+    event loop every `ITEMS_PER_TURN` of them (10,000 take most of a second)."""
+    spec = job.spec.array
+    if spec is None:
+        return [new_record(book, principal, job, key=key)]
+    name = job.metadata.name
+    array_id = new_job_id(name, length=arrays.MAX_ARRAY_ID)
+    out = []
+    for index in range(spec.count):
+        if index and index % ITEMS_PER_TURN == 0:
+            await asyncio.sleep(0)
+        labels = {**job.metadata.labels, arrays.ARRAY_LABEL: name, arrays.INDEX_LABEL: str(index)}
+        meta = job.metadata.model_copy(
+            update={"name": arrays.member_name(name, index), "labels": labels}
+        )
+        member = job.model_copy(update={"metadata": meta})
+        record = new_record(
+            book,
+            principal,
+            member,
+            key=key if index == 0 else None,
+            job_id=f"{array_id}-{index}",
+        )
+        record.array = arrays.ArrayMember(
+            id=array_id, name=name, index=index, count=spec.count, parallelism=spec.limit
+        )
+        out.append(record)
+    return out
+
+
+async def resolve(book: service.Jobs, new: Sequence[status.JobRecord]) -> None:
+    """Resolve the dependencies of jobs stored together (`jobs.dependents`); Invalid naming
+    the field if they close a cycle."""
+    refusal = next((r for r in await book.resolve_dependencies(new) if r is not None), None)
+    if refusal is not None:
+        raise refusal
 
 
 def _span_attributes(record: status.JobRecord) -> dict[str, str]:
@@ -105,20 +172,33 @@ def _span_attributes(record: status.JobRecord) -> dict[str, str]:
 async def submit_one(
     book: service.Jobs, principal: auth.Principal, job: jobs.GPUJob, *, key: str | None
 ) -> tuple[status.JobRecord, bool]:
-    """Store one admitted job; returns it and whether it was replayed (its key's job, the
-    same body: IdempotencyKeyReused if another)."""
+    """Store one admitted job (an array: its jobs); returns it (an array's index 0) and
+    whether it was replayed (its key's job, the same body: IdempotencyKeyReused if another).
+    An array's index 0 is stored first, with the key, then the others together: a replay
+    stores none of them again."""
+    new = await new_records(book, principal, job, key=key)
     if key:
-        existing = await book.find_idempotent(principal.name, key, job)
+        existing = await book.find_idempotent(principal.name, key, new[0].job)
         if existing is not None:
             return existing, True
-    record = new_record(book, principal, job, key=key)
+    await resolve(book, new)
+    record = new[0]
     with jobspans.tracer.start_as_current_span(
         "job.submit",
         context=tracing.context_of(record.traceparent),
         attributes=_span_attributes(record),
     ):
         stored = await book.submit(record)
+    for start in range(1, len(new) if stored is record else 1, submits.MAX_BATCH_ITEMS):
+        chunk = new[start : start + submits.MAX_BATCH_ITEMS]  # a batch's worth at a time
+        failure = next((r for r in await _store(book, chunk, batch=len(chunk)) if _failed(r)), None)
+        if isinstance(failure, Exception):
+            raise failure
     return stored, stored is not record
+
+
+def _failed(result: status.JobRecord | Exception) -> bool:
+    return isinstance(result, Exception)
 
 
 # ---- the batch route ------------------------------------------------------------------------
@@ -145,26 +225,36 @@ async def submit_batch(request: web.Request) -> web.Response:
     book = request.app[keys.JOBS]
     queue_registry = request.app.get(keys.QUEUES)
     answers: list[submits.BatchItemAnswer | None] = [None] * len(items)
-    admitted: list[tuple[int, status.JobRecord]] = []
+    admitted: list[tuple[int, list[status.JobRecord]]] = []
     repeats: list[_Repeat] = []
     keyed: set[str] = set()
+    expanded = 0  # the jobs the items read so far make (an array: its count)
     for index, item in enumerate(items):
         if index and index % ITEMS_PER_TURN == 0:
             await asyncio.sleep(0)
         try:
             key, job = _read_item(principal, item, index, queues=queue_registry)
+            check_array_size(job, where=f"items[{index}].job", jobs_before=expanded)
+            expanded += job.spec.array.count if job.spec.array is not None else 1
         except errors.GpufedError as exc:  # anything else: a 500, and nothing stored yet
             answers[index] = _refused(index, exc, status_code=problems.status_of(exc))
             continue
-        if key is not None and key in keyed:
+        if key is not None and (key in keyed or job.spec.array is not None):
+            # a keyed array is stored as a single submit stores it: a replay stores none
             repeats.append(_Repeat(index, key, job))
+            keyed.add(key)
             continue
         if key is not None:
             keyed.add(key)
-        admitted.append((index, new_record(book, principal, job, key=key)))
-    results = await _store(book, [record for _, record in admitted], batch=len(items))
-    for (index, record), result in zip(admitted, results, strict=True):
-        answers[index] = _answer(index, result, replayed=result is not record, request=request)
+        admitted.append((index, await new_records(book, principal, job, key=key)))
+    admitted = await _resolve_items(book, admitted, answers)
+    results = await _store(book, [r for _, group in admitted for r in group], batch=len(items))
+    at = 0
+    for index, group in admitted:
+        mine = results[at : at + len(group)]
+        at += len(group)
+        first: status.JobRecord | Exception = next((r for r in mine if _failed(r)), mine[0])
+        answers[index] = _answer(index, first, replayed=first is not group[0], request=request)
     for repeat in repeats:
         try:
             stored, replayed = await submit_one(book, principal, repeat.job, key=repeat.key)
@@ -182,6 +272,28 @@ async def submit_batch(request: web.Request) -> web.Response:
         failed=sum(1 for a in done if a.status >= 400),
     )
     return web.json_response(answer.model_dump(mode="json", by_alias=True, exclude_none=True))
+
+
+async def _resolve_items(
+    book: service.Jobs,
+    admitted: list[tuple[int, list[status.JobRecord]]],
+    answers: list[submits.BatchItemAnswer | None],
+) -> list[tuple[int, list[status.JobRecord]]]:
+    """The items' dependencies resolved together (a name may be another item's job); an
+    item whose job closes a cycle is refused (its field named from the body's root)."""
+    refusals = await book.resolve_dependencies([r for _, group in admitted for r in group])
+    kept = []
+    at = 0
+    for index, group in admitted:
+        mine = refusals[at : at + len(group)]
+        at += len(group)
+        refusal = next((r for r in mine if r is not None), None)
+        if refusal is None:
+            kept.append((index, group))
+            continue
+        error = problems.relocated(refusal, f"items[{index}].job")
+        answers[index] = _refused(index, error, status_code=problems.status_of(error))
+    return kept
 
 
 async def _read_batch(request: web.Request) -> Any:

@@ -105,6 +105,7 @@ class JobBook(creating.Creating):
         self._holding: set[str] = set()
         self._finished: set[str] = set()  # final, not yet retired to history
         self._by_cluster: dict[str, set[str]] = {}
+        self._array_holding: dict[str, set[str]] = {}  # array id -> its jobs holding GPUs
         self._soon: dict[str, status.JobRecord] = {}  # drafts waiting for the group commit
         self._after: dict[str, list[Callable[[], None]]] = {}  # see `after_commit`
         self._creating: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]] = []
@@ -219,6 +220,11 @@ class JobBook(creating.Creating):
             if record is not None:
                 out.append(record)
         return out
+
+    def array_holding(self) -> dict[str, int]:
+        """Per array id, how many of its jobs hold GPUs (what `spec.array.parallelism`
+        bounds; the planner's `array_holding`)."""
+        return {array_id: len(jobs) for array_id, jobs in self._array_holding.items() if jobs}
 
     def clusters(self) -> list[str]:
         """The clusters the book places unfinished jobs on."""
@@ -425,6 +431,7 @@ class JobBook(creating.Creating):
         self._holding.discard(job_id)
         self._finished.discard(job_id)
         self._waiting.pop(job_id, None)
+        self._index_array(entry.record, holding=False)
         if entry.record.status.cluster:
             self._by_cluster.get(entry.record.status.cluster, set()).discard(job_id)
         return True
@@ -468,7 +475,20 @@ class JobBook(creating.Creating):
             self._holding.add(job_id)
         else:
             self._holding.discard(job_id)
+        self._index_array(after, holding=state in HOLDING)
         if state.terminal:
             self._finished.add(job_id)
         else:
             self._finished.discard(job_id)
+
+    def _index_array(self, record: status.JobRecord, *, holding: bool) -> None:
+        if record.array is None:
+            return
+        members = self._array_holding.get(record.array.id)
+        if holding:
+            self._array_holding.setdefault(record.array.id, set()).add(record.id)
+        elif members is not None and record.id in members:
+            members.discard(record.id)
+            self.wakeup.set()  # room in its array: the next job of it may go
+            if not members:
+                del self._array_holding[record.array.id]

@@ -93,6 +93,9 @@ class Dispatcher:
             priority_class=record.job.spec.priority_class,
             queued_since=record.status.events[-1].time if record.status.events else None,
             clusters=clusterchoice.choice_of(record.job.spec.clusters),
+            array=None
+            if record.array is None
+            else snapshot.ArrayLimit(record.array.id, record.array.parallelism),
         )
 
     def note_unplaced(self, plan: planning.CyclePlan) -> None:

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from broker.api import inventory, messages
 from broker.planning import fitting, snapshot
@@ -112,6 +112,7 @@ class Cluster:
                     "seq": incoming.seq,
                     "fragmentation_milli": incoming.fragmentation_milli,
                     "labels": incoming.labels,
+                    "gpu_health": incoming.gpu_health,
                 }
             )
         # the agent sends a summary after each accepted offer: accepted placements are in it
@@ -241,6 +242,7 @@ class Fleet:
                     running_jobs=running.get(name, 0),
                     reason=cluster.reason,
                     labels=dict(cluster.summary.labels) if cluster.summary is not None else {},
+                    **_health_view(cluster.summary),
                 )
             )
         return out
@@ -267,3 +269,11 @@ class Fleet:
                 continue
             capacities.append(capacity)
         return snapshot.FleetSnapshot.build(capacities)
+
+
+def _health_view(summary: inventory.ClusterSummary | None) -> dict[str, Any]:
+    """What `GET /v1/clusters` shows of the agent's GPU health (nothing from an older agent)."""
+    health = summary.gpu_health if summary is not None else None
+    if health is None:
+        return {}
+    return {"unhealthy_gpus": health.unhealthy_gpus, "cordoned_nodes": list(health.cordoned_nodes)}

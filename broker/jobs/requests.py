@@ -1,11 +1,12 @@
 """What users ask of their jobs: submit and cancel. Called by `http/` via `service`.
 
-A submit is stored as Queued (group-committed with the submits arriving with it; a batch's
-jobs all together, `submit_many`) before it is answered; a cancel is committed before the
-agent is asked to delete the pods, and the job ends Cancelled when the agent reports them
-gone. A job waiting on a lost cluster (`failurePolicy.clusterLost: wait`) ends Cancelled at
-once: no agent can be asked, and the one that returns is told to delete the pods (they are a
-stale copy by then).
+A submit is stored as Queued, or Waiting when it has dependencies (group-committed with the
+submits arriving with it; a batch's jobs all together, `submit_many`) before it is
+answered; a cancel is committed before the agent is asked to delete the pods, and the job
+ends Cancelled when the agent reports them gone (a queued or waiting job: at once). A job
+waiting on a lost cluster (`failurePolicy.clusterLost: wait`) ends Cancelled at once: no
+agent can be asked, and the one that returns is told to delete the pods (they are a stale
+copy by then).
 
 Any replica takes submits and cancels: a cancel is a plain compare-and-swap (not fenced by
 the leader's term: it decides no placement), tried again from the store's record if another
@@ -52,7 +53,11 @@ class Requests:
         """Store new jobs together (a batch: one group commit, `book.create_many`); each
         answered on its own, in order: the job stored, its key's job, or what refused it."""
         for record in new:
-            record.record(JobState.QUEUED, "Submitted", "accepted by the broker")
+            if record.status.dependencies:  # resolved at submit (`dependents.resolve`)
+                text = "accepted by the broker; waiting for its dependencies (spec.dependsOn)"
+                record.record(JobState.WAITING, "Submitted", text)
+            else:
+                record.record(JobState.QUEUED, "Submitted", "accepted by the broker")
         results = await self.book.create_many(new)
         for record, result in zip(new, results, strict=True):
             if result is record:
@@ -88,8 +93,9 @@ class Requests:
             state = draft.status.state
             if state.terminal or draft.status.cancel_requested:
                 return self.book.get(job_id)
-            if state == JobState.QUEUED:
-                transitions.move(draft, JobState.CANCELLED, reason, "cancelled while queued", by=by)
+            if state in (JobState.QUEUED, JobState.WAITING):
+                text = f"cancelled while {state.value.lower()}"
+                transitions.move(draft, JobState.CANCELLED, reason, text, by=by)
                 await self.book.commit([draft], fenced=False)
                 return draft
             cluster = self.fleet.clusters.get(draft.status.cluster or "")

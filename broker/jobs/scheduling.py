@@ -260,6 +260,7 @@ class Scheduler:
                 now=status.utcnow(),
                 park=not self.full_replan,
                 limit=self.limit,
+                array_holding=self.book.array_holding(),
             )
             self.backlog.settle(cycle.woken, cycle.parks)
             self.reference = cycle.reference

@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 
+from broker.api import errors as api_errors
 from broker.api import jobs, status
 from broker.api.status import JobState
 from broker.jobs import (
@@ -24,6 +26,7 @@ from broker.jobs import (
     acknowledging,
     book,
     deadlines,
+    dependents,
     dispatching,
     expiring,
     fleet,
@@ -33,6 +36,7 @@ from broker.jobs import (
     requests,
     retiring,
 )
+from broker.planning import dependencies as planning_deps
 from broker.planning import quotas, snapshot
 from broker.state import electing, errors, records
 from broker.state.history import protocol as history_store
@@ -79,12 +83,14 @@ class Jobs:
         )
         self.forwarded = requests.ForwardedCancels(self.book, clusters, leading=self.leading)
         self.deadlines = deadlines.Deadlines(self.book, clusters, meters=meters)
+        self.dependents = dependents.Dependents(self.book, meters=meters)
         self.ttls = retiring.TTLs()
         self.book.observe(observing.JobTelemetry(self.spans, meters, active=self.leading))
         self.book.observe(self.accounts)
         self.book.observe(self.victims)
         self.book.observe(self.forwarded)
         self.book.observe(self.deadlines)
+        self.book.observe(self.dependents)
         self.book.observe(self.ttls)
 
     @property
@@ -214,6 +220,36 @@ class Jobs:
     async def run_key_sweeper(self) -> None:
         """Delete expired idempotency keys, until cancelled (`expiring`)."""
         await expiring.run_sweeper(self.book, meters=self.meters)
+
+    async def run_dependencies(self) -> None:
+        """Queue or fail the waiting jobs as their dependencies end, until cancelled."""
+        await self.dependents.run()
+
+    async def resolve_dependencies(
+        self, new: Sequence[status.JobRecord]
+    ) -> list[api_errors.Invalid | None]:
+        """Resolve the `spec.dependsOn` of jobs about to be stored together; per job, the
+        refusal of one that would close a cycle (`dependents.resolve`)."""
+        return await self.dependents.resolve(new)
+
+    async def dependency_verdict(self, record: status.JobRecord) -> planning_deps.Verdict:
+        """What a waiting job's dependencies say now (`why`)."""
+        return await self.dependents.verdict(record)
+
+    def array_jobs(self, tenant: str | None, array: str) -> list[status.JobRecord]:
+        """The jobs of the tenant's array of id `array`, else of its newest array named so,
+        by index (the live ones: what the book holds); `tenant` None: any tenant's."""
+        by_id: dict[str, list[status.JobRecord]] = {}
+        newest: tuple[datetime, str] | None = None
+        for record in self.book:
+            member = record.array
+            if member is None or (tenant is not None and record.tenant != tenant):
+                continue
+            by_id.setdefault(member.id, []).append(record)
+            if member.name == array and (newest is None or newest[0] < record.created):
+                newest = (record.created, member.id)
+        chosen = by_id.get(array) or (by_id.get(newest[1], []) if newest else [])
+        return sorted(chosen, key=lambda r: r.array.index if r.array else 0)
 
     async def run_deadlines(self) -> None:
         """Fail the jobs past their active deadline, until cancelled (`deadlines`)."""

@@ -241,6 +241,7 @@ def plan_backlog(
     max_assignments: int = 10_000,
     park: bool = True,
     limit: int | None = None,
+    array_holding: Mapping[str, int] | None = None,
 ) -> BacklogPlan:
     """One cycle over the live jobs and the parked ones a change woke: the same decisions
     as `planning.plan_cycle` over every pending job. `fleet` is not changed; `parked` is
@@ -278,6 +279,7 @@ def plan_backlog(
             now=now,
             max_assignments=max_assignments,
             stand_ins=stand_ins,
+            array_holding=array_holding,
         )
         rounds += 1
         more = decide_reservation_wakes(parked, plan, planned, held, start=start, now=now)

@@ -32,6 +32,7 @@ ACTING = frozenset(
         ReasonCode.WAITING_FOR_PREEMPTION,
         ReasonCode.PREEMPTION_BUDGET,
         ReasonCode.MIN_RUN_TIME,
+        ReasonCode.ARRAY_PARALLELISM,  # its array's jobs end without a summary's change
     }
 )
 

@@ -66,6 +66,7 @@ def plan_cycle(
     now: datetime | None = None,
     max_assignments: int = 10_000,
     stand_ins: Sequence[snapshot.PendingJob] = (),
+    array_holding: Mapping[str, int] | None = None,
 ) -> CyclePlan:
     """Decide one cycle. The fleet snapshot is changed (assumed placements).
 
@@ -74,6 +75,9 @@ def plan_cycle(
     the shell) `running` is read only when a preemption is searched for, so it may be lazy.
     `stand_ins` take their turn in the fair-share order (phase 3) and are not planned: parked
     jobs (`parking`) whose place in their queue could hold a job behind them back.
+    `array_holding`: per array id, how many of its jobs hold GPUs (Dispatched or Running);
+    a job of an array with `parallelism` of them holding (or assigned in this cycle) waits
+    (`ArrayParallelism`), before any quota, fit, preemption or reservation.
     """
     cycle = _Cycle(
         fleet,
@@ -86,6 +90,7 @@ def plan_cycle(
         max_assignments=max_assignments,
         stand_ins=stand_ins,
     )
+    cycle.array_holding = dict(array_holding or {})
     cycle.run(reservations or {})
     return cycle.plan
 
@@ -151,6 +156,7 @@ class _Cycle:
         )
         self.taken_by: dict[str, set[str]] = {}
         self.reservations: dict[str, reservation.Reservation] = {}
+        self.array_holding: dict[str, int] = {}  # array id -> its jobs holding GPUs
 
     # ---- the phases -------------------------------------------------------------------
 
@@ -254,7 +260,26 @@ class _Cycle:
                 holder = holder or item.job_id
         return frozenset(models), holder
 
+    def _array_full(self, job: snapshot.PendingJob) -> bool:
+        """Does the job's array hold GPUs with as many jobs as its parallelism? Then the job
+        waits, explained (`ArrayParallelism`): it neither fits, preempts nor reserves."""
+        limit = job.array
+        if limit is None:
+            return False
+        holding = self.array_holding.get(limit.array_id, 0)
+        if holding < limit.parallelism:
+            return False
+        message = (
+            f"{holding} jobs of its array {limit.array_id} hold GPUs, its parallelism is "
+            f"{limit.parallelism}: it waits until one of them ends"
+        )
+        reason = Reason(FLEET, ReasonCode.ARRAY_PARALLELISM, message)
+        self.plan.unplaceable.append(Unplaceable.of(job.job_id, [reason]))
+        return True
+
     def _place(self, job: snapshot.PendingJob) -> bool:
+        if self._array_full(job):
+            return False
         admission = self.ledger.admit(job.queue, job.request, self.fleet_models)
         reasons: list[Reason] = []
         if not admission.admissible and admission.misses:
@@ -337,6 +362,9 @@ class _Cycle:
         self.ledger.charge(job.queue, gpus)
         self.ledger.job_counts[job.queue] = self.ledger.job_counts.get(job.queue, 0) + 1
         self.taken_by.setdefault(fit.cluster, set()).add(job.queue)
+        if job.array is not None:
+            array_id = job.array.array_id
+            self.array_holding[array_id] = self.array_holding.get(array_id, 0) + 1
         self.plan.assignments.append(Assignment(job.job_id, fit.cluster, fit.takes, borrowing))
 
     def _explain_taken(

@@ -85,6 +85,14 @@ class ClusterCapacity:
 
 
 @dataclass(frozen=True)
+class ArrayLimit:
+    """The array a queued job is one index of, and how many of its jobs may hold GPUs."""
+
+    array_id: str
+    parallelism: int
+
+
+@dataclass(frozen=True)
 class PendingJob:
     """A queued job as the planner sees it."""
 
@@ -97,6 +105,7 @@ class PendingJob:
     priority_class: str | None = None
     queued_since: datetime | None = None  # last time it (re)entered the queue; None: created
     clusters: clusterchoice.Choice | None = None  # its spec.clusters; None: any cluster
+    array: ArrayLimit | None = None  # its spec.array's bound; None: a job of no array
 
     @property
     def waiting_since(self) -> datetime:

@@ -37,9 +37,11 @@ class Published:
 
 
 def encode_view(view: inventory.ClusterView, *, seen_at: float | None) -> bytes:
-    data = view.model_dump(mode="json", exclude={"last_seen_seconds", "running_jobs"})
-    if not data.get("labels"):  # a cluster without labels: a view every follower reads
-        data.pop("labels", None)
+    # without the fields at their defaults (no labels, no GPU trouble): a view a follower of
+    # the previous release reads too, during a rolling upgrade (its models are strict)
+    data = view.model_dump(
+        mode="json", exclude={"last_seen_seconds", "running_jobs"}, exclude_defaults=True
+    )
     data["seenAt"] = seen_at
     return json.dumps(data, sort_keys=True).encode()
 

@@ -125,6 +125,11 @@ class BrokerMetrics:
         self.pending_jobs = Gauge(
             "gpufed_pending_jobs", "Jobs waiting in a queue", ["queue"], registry=r
         )
+        self.waiting_jobs = Gauge(
+            "gpufed_waiting_jobs",
+            "Jobs Waiting for their dependencies (spec.dependsOn), not yet queued",
+            registry=r,
+        )
         self.pending_oldest_age = Gauge(
             "gpufed_pending_oldest_age_seconds",
             "How long the queue's oldest waiting job has been Queued (since it last entered)",

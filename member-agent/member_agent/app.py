@@ -10,6 +10,9 @@ agent restarted while its pods ran), so the broker neither loses nor runs them t
 `broker_url` names one broker or several replicas, comma-separated (`session.brokers`:
 failover and following the leader); `fence_after_seconds` is the longest the agent runs its
 jobs without word from the broker (`session.leasing`, the rule in `broker.api.leases`).
+With `dcgm_urls` (`--dcgm-url`) the agent reads dcgm-exporter every `dcgm_interval_seconds`
+(`utilisation.scraping`) and serves each queue's GPUs allocated and utilised on its /metrics
+(`utilisation.exporting`).
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from broker.api import affinity, inventory
 from member_agent import telemetry
-from member_agent.cluster import base, simulated
+from member_agent.cluster import base, gpuhealth, simulated, simulated_pods
+from member_agent.cluster import kubernetes_health as health
 from member_agent.jobs import handling
 from member_agent.placement import limits
 from member_agent.session import brokers, connecting, reporting, tls
+from member_agent.utilisation import scraping
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +124,32 @@ class AgentSettings(BaseModel):
         description="device-plugin: the resource of the device plugin's shared GPU replicas "
         "(default nvidia.com/gpu.shared); sharing pods go only to nodes advertising it",
     )
+    auto_cordon: bool = Field(
+        False,
+        description="cordon a node (Kubernetes: spec.unschedulable) once cordon_after of its "
+        "GPUs have failed",
+    )
+    cordon_after: Annotated[int, Field(ge=1)] = Field(
+        gpuhealth.DEFAULT_CORDON_AFTER,
+        description="GPU failures on one node (since the agent started) before auto_cordon "
+        "cordons it",
+    )
+    gpu_health_taints: list[str] | None = Field(
+        None,
+        description="kubernetes backend: node and DRA device taint keys that mark GPUs "
+        "unhealthy (None: " + ", ".join(health.DEFAULT_TAINTS) + ")",
+    )
+    gpu_health_labels: list[str] | None = Field(
+        None,
+        description="kubernetes backend: node label keys that mark GPUs unhealthy (None: "
+        + ", ".join(health.DEFAULT_LABELS)
+        + ")",
+    )
+    gpu_health_conditions: list[str] | None = Field(
+        None,
+        description="kubernetes backend: node condition types that, True, mark GPUs "
+        "unhealthy (None: " + ", ".join(health.DEFAULT_CONDITIONS) + ")",
+    )
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
     freeze_gc: bool = Field(False, description="move start-up objects out of the collector")
     metrics_host: str = "0.0.0.0"
@@ -131,12 +162,24 @@ class AgentSettings(BaseModel):
         "HTTP_PROXY and the like are not read",
         pattern=r"^http://[^/\s]+/?$",
     )
+    dcgm_urls: list[str] = Field(
+        default_factory=list,
+        description="dcgm-exporter's /metrics (one URL per exporter, or a Prometheus /federate "
+        "URL for all): GPU utilisation per queue on the agent's /metrics (utilisation/)",
+    )
+    dcgm_interval_seconds: Annotated[float, Field(gt=0)] = scraping.DEFAULT_INTERVAL_SECONDS
+    dcgm_timeout_seconds: Annotated[float, Field(gt=0)] = scraping.DEFAULT_TIMEOUT_SECONDS
 
     @field_validator("broker_url")
     @classmethod
     def _broker_urls(cls, value: str) -> str:
         brokers.parse_urls(value)  # raises ValueError naming the URL that is not one
         return value
+
+    @field_validator("dcgm_urls")
+    @classmethod
+    def _dcgm_urls(cls, value: list[str]) -> list[str]:
+        return [scraping.check_url(url) for url in value]
 
     @field_validator("dra_attributes")
     @classmethod
@@ -155,6 +198,19 @@ class AgentSettings(BaseModel):
                 raise ValueError(f"cluster label {key}={item}: {problem}")
         return value
 
+    def health_settings(self) -> gpuhealth.HealthSettings:
+        return gpuhealth.HealthSettings(
+            auto_cordon=self.auto_cordon, cordon_after=self.cordon_after
+        )
+
+    def health_keys(self) -> health.HealthKeys:
+        given = {
+            "taints": self.gpu_health_taints,
+            "labels": self.gpu_health_labels,
+            "conditions": self.gpu_health_conditions,
+        }
+        return health.HealthKeys(**{k: tuple(v) for k, v in given.items() if v is not None})
+
     def device_keys(self) -> dict[str, str]:
         """The DRA mode's `DeviceKeys`, as `DeviceKeys.from_mapping` reads them."""
         keys = {"driver": self.dra_driver, "deviceClass": self.dra_device_class or self.dra_driver}
@@ -172,6 +228,12 @@ class AgentSettings(BaseModel):
     def _nodes(self) -> AgentSettings:
         if self.backend == "simulated" and self.nodes_file is None:
             raise ValueError("nodes_file: the simulated backend needs a cluster description")
+        return self
+
+    @model_validator(mode="after")
+    def _dcgm(self) -> AgentSettings:
+        if self.dcgm_urls and not self.metrics_port:
+            raise ValueError("dcgm_urls: GPU utilisation is served on /metrics: set metrics_port")
         return self
 
     @model_validator(mode="after")
@@ -229,6 +291,8 @@ def make_backend(settings: AgentSettings) -> base.ClusterBackend:
             devices=settings.devices,
             device_keys=module.DeviceKeys.from_mapping(settings.device_keys()),
             shared_gpu_resource=settings.shared_gpu_resource,
+            health_keys=settings.health_keys(),
+            health_settings=settings.health_settings(),
         )
         return backend
     assert settings.nodes_file is not None
@@ -236,7 +300,8 @@ def make_backend(settings: AgentSettings) -> base.ClusterBackend:
         settings.cluster,
         simulated.load_pools(settings.nodes_file),
         start_delay=settings.start_delay_seconds,
-        journal=simulated.Journal(settings.journal_file) if settings.journal_file else None,
+        journal=simulated_pods.Journal(settings.journal_file) if settings.journal_file else None,
+        health_settings=settings.health_settings(),
     )
 
 
@@ -275,6 +340,7 @@ async def run_agent(
             cluster=settings.cluster,
             interval=settings.summary_interval_seconds,
             labels=settings.cluster_labels,
+            health=lambda: cluster.gpu_health().summary(),
         )
         stack.callback(reporter.detach)
         router = connecting.Router()
@@ -292,8 +358,21 @@ async def run_agent(
             settings.connect_settings(), handler=handler, reporter=reporter, router=router
         )
         if settings.metrics_port:
+            dcgm = None
+            if settings.dcgm_urls:
+                dcgm = scraping.DCGMScraper(
+                    settings.dcgm_urls,
+                    interval=settings.dcgm_interval_seconds,
+                    timeout=settings.dcgm_timeout_seconds,
+                )
+                await dcgm.start()
+                stack.push_async_callback(dcgm.close)
             collector = telemetry.AgentCollector(
-                cluster=settings.cluster, handler=handler, connector=connector, reporter=reporter
+                cluster=settings.cluster,
+                handler=handler,
+                connector=connector,
+                reporter=reporter,
+                dcgm=dcgm,
             )
             runner = await telemetry.start_server(
                 collector, host=settings.metrics_host, port=settings.metrics_port

@@ -6,9 +6,13 @@
 `gpufed_agent_final_reports_resent_total`, `gpufed_agent_fenced` (1 while the cluster lease has
 lapsed), `gpufed_agent_lease_remaining_seconds`, `gpufed_agent_fences_total`,
 `gpufed_agent_fenced_jobs_total`, `gpufed_agent_placement_duration_seconds` (the
-handler's histogram). A collector of its own reads them from the handler, the connector and
-the reporter, so nothing has to remember to update a gauge. Every family carries the `cluster`
-label.
+handler's histogram), and the GPUs each queue holds with, given `--dcgm-url`, how busy they
+are (`utilisation.exporting`). A collector of its own reads them from the handler, the
+connector, the reporter and the DCGM scraper, so nothing has to remember to update a gauge.
+Every family carries the `cluster` label. GPU health, from the backend's `gpuhealth.HealthBook`:
+`gpufed_agent_gpus_unhealthy{node}`, `gpufed_agent_gpu_failures_total`,
+`gpufed_agent_gpu_failed_pods_total`, `gpufed_agent_node_cordons_total`,
+`gpufed_agent_nodes_cordoned`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from prometheus_client import aiohttp as prometheus_aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from member_agent.cluster import gpuhealth
 from member_agent.jobs import handling
 from member_agent.session import connecting, reporting
+from member_agent.utilisation import exporting, scraping
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +43,13 @@ class AgentCollector(Collector):
         handler: handling.JobHandler,
         connector: connecting.Connector,
         reporter: reporting.SummaryReporter,
+        dcgm: scraping.DCGMScraper | None = None,
     ) -> None:
         self.cluster = cluster
         self.handler = handler
         self.connector = connector
         self.reporter = reporter
+        self.dcgm = dcgm
 
     def collect(self) -> Iterator[Metric]:
         labels = ["cluster"]
@@ -98,8 +106,10 @@ class AgentCollector(Collector):
         resent.add_metric([self.cluster], self.handler.updates.resent)
         yield resent
         yield from self._lease(labels)
+        yield from _gpu_health(self.cluster, self.handler.backend.gpu_health())
         for family in self.handler.placement_duration.collect():
             yield label_cluster(family, self.cluster)
+        yield from exporting.collect(self.cluster, self.handler.table, self.dcgm)
 
     def _lease(self, labels: list[str]) -> Iterator[Metric]:
         lease = self.connector.lease
@@ -127,6 +137,43 @@ class AgentCollector(Collector):
         )
         stopped.add_metric([self.cluster], self.handler.fenced_jobs)
         yield stopped
+
+
+def _gpu_health(cluster: str, book: gpuhealth.HealthBook) -> Iterator[Metric]:
+    """`gpufed_agent_gpus_unhealthy{node}` (nodes with any), `gpufed_agent_gpu_failures_total`,
+    `gpufed_agent_gpu_failed_pods_total`, `gpufed_agent_node_cordons_total`,
+    `gpufed_agent_nodes_cordoned`."""
+    unhealthy = GaugeMetricFamily(
+        "gpufed_agent_gpus_unhealthy",
+        "GPUs out of service (unhealthy), by node: out of the inventory, counted unavailable",
+        labels=["cluster", "node"],
+    )
+    for node, count in book.unhealthy_gpus().items():
+        unhealthy.add_metric([cluster, node], count)
+    yield unhealthy
+    for name, doc, value in (
+        ("gpufed_agent_gpu_failures", "GPUs seen turning unhealthy", book.gpu_failures),
+        (
+            "gpufed_agent_gpu_failed_pods",
+            "Pods of gpufed's failed GPUFailed (their gangs with them)",
+            book.failed_pods,
+        ),
+        (
+            "gpufed_agent_node_cordons",
+            "Nodes the agent cordoned after repeated GPU failures (--auto-cordon)",
+            book.cordons,
+        ),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=["cluster"])
+        counter.add_metric([cluster], value)
+        yield counter
+    cordoned = GaugeMetricFamily(
+        "gpufed_agent_nodes_cordoned",
+        "Nodes the agent has cordoned for GPU failures since it started",
+        labels=["cluster"],
+    )
+    cordoned.add_metric([cluster], len(book.cordoned))
+    yield cordoned
 
 
 def label_cluster(family: Metric, cluster: str) -> Metric:

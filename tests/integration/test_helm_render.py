@@ -32,6 +32,7 @@ from broker.http import openapi
 from broker.state import opening
 from gpufed import cli, daemons
 from member_agent.cluster import kubernetes_devices as devices
+from member_agent.cluster import kubernetes_health
 from tests.integration.test_deploy_broker import flag_values, parse_broker_args
 from tests.integration.test_deploy_manifests import KUBERNETES_VERSIONS, merged, rules_of
 
@@ -200,6 +201,24 @@ AGENT_VARIANTS = {
                 "deviceClass": "gpu.example.com",
                 "attributes": {"product": "productName", "index": "gpu.nvidia.com/minor"},
             },
+        }
+    },
+    "GPU utilisation from DCGM": {
+        "dcgm": {
+            "urls": [
+                "http://10.0.3.7:9400/metrics",
+                'http://prometheus.monitoring:9090/federate?match[]={__name__=~"DCGM_FI_DEV_.*"}',
+            ],
+            "interval": "30s",
+        }
+    },
+    "GPU health and auto-cordon": {
+        "gpuHealth": {
+            "taints": ["example.com/gpu-xid"],
+            "labels": ["example.com/gpu-bad"],
+            "conditions": ["XidError"],
+            "autoCordon": True,
+            "cordonAfter": 3,
         }
     },
 }
@@ -590,6 +609,29 @@ def test_device_plugin_mode_renders_no_dra_rules_nor_flags(render: Render) -> No
     settings = agent_settings(rendered)
     assert settings.devices == "device-plugin"
     assert settings.shared_gpu_resource == "nvidia.com/gpu.shared"
+
+
+def test_the_dcgm_urls_and_interval_are_values(render: Render) -> None:
+    override = AGENT_VARIANTS["GPU utilisation from DCGM"]
+    settings = agent_settings(render("member-agent", override))
+    assert settings.dcgm_urls == override["dcgm"]["urls"]  # type: ignore[index]
+    assert settings.dcgm_interval_seconds == 30.0
+    assert agent_settings(render("member-agent")).dcgm_urls == []  # none by default
+
+
+def test_gpu_health_keys_and_auto_cordon_are_values(render: Render) -> None:
+    rendered = render("member-agent", AGENT_VARIANTS["GPU health and auto-cordon"])
+    settings = agent_settings(rendered)
+    assert (settings.auto_cordon, settings.cordon_after) == (True, 3)
+    assert settings.health_keys() == kubernetes_health.HealthKeys(
+        taints=("example.com/gpu-xid",), labels=("example.com/gpu-bad",), conditions=("XidError",)
+    )
+    # cordoning patches nodes: that one verb more, cluster-wide
+    rules = rules_of(rendered.one("ClusterRole", AGENT))
+    assert rules == AGENT_CLUSTER_RULES | {("", "nodes", "patch")}
+    default = agent_settings(render("member-agent"))
+    assert not default.auto_cordon and default.health_keys() == kubernetes_health.HealthKeys()
+    assert rules_of(render("member-agent").one("ClusterRole", AGENT)) == AGENT_CLUSTER_RULES
 
 
 def test_the_shared_gpu_resource_is_a_value(render: Render) -> None:

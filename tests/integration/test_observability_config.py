@@ -30,6 +30,7 @@ from member_agent import telemetry
 from member_agent.cluster import simulated
 from member_agent.jobs import handling
 from member_agent.session import connecting, reporting
+from member_agent.utilisation import scraping
 from tests import promql
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,8 +73,9 @@ def build_agent_collector() -> telemetry.AgentCollector:
     reporter = reporting.SummaryReporter(backend.inventory, cluster="inference")
     settings = connecting.ConnectSettings(broker_urls=("http://127.0.0.1:9",), cluster="inference")
     connector = connecting.Connector(settings, handler=handler, reporter=reporter, router=router)
+    dcgm = scraping.DCGMScraper(["http://127.0.0.1:9/metrics"])  # --dcgm-url: never started
     return telemetry.AgentCollector(
-        cluster="inference", handler=handler, connector=connector, reporter=reporter
+        cluster="inference", handler=handler, connector=connector, reporter=reporter, dcgm=dcgm
     )
 
 
@@ -408,6 +410,9 @@ REQUIRED_ALERTS = {
     "GpufedSchedulingDecisionSlow",
     "GpufedGPUsStrandedByFragmentation",
     "GpufedJobsPendingTooLong",
+    "GpufedGPUsUnhealthy",
+    "GpufedGPUFailures",
+    "GpufedNodeCordonedForGPUFailures",
 }
 
 

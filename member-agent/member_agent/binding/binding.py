@@ -11,6 +11,8 @@ annotations `gpufed.io/epoch` (the offer's), `gpufed.io/attempt` (the offer's at
 pods of a job run again are its latest attempt's, and their names say so too, see
 `gangs.pod_name`), `gpufed.io/min-member`, `gpufed.io/gang-size`, `gpufed.io/cluster-lost` (the
 job's `failurePolicy.clusterLost`: whether the agent's fence stops it) and the W3C `traceparent`.
+A job of an array (its `gpufed.io/array-index` label, `api.arrays`) gives every container of
+its pods the environment variable `GPUFED_ARRAY_INDEX` with its index.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from broker.api import jobs
+from broker.api import arrays, jobs
 from member_agent.cluster import base, errors
 from member_agent.placement import gang
 
@@ -67,8 +69,11 @@ def build_requests(
     if epoch is not None:
         gang_meta[base.EPOCH_ANNOTATION] = str(epoch)
     templates: dict[str, tuple[dict[str, Any], dict[str, str], dict[str, str]]] = {}
+    index = arrays.index_of(job.metadata.labels)
     for task in job.spec.tasks:
         template = task.template.model_dump(by_alias=True, exclude_none=True, mode="json")
+        if index is not None:
+            _set_env(template, arrays.INDEX_ENV, str(index))
         labels = {
             **task.template.metadata.labels,
             JOB_LABEL: job_id,
@@ -101,6 +106,25 @@ def build_requests(
             )
         )
     return requests
+
+
+def _set_env(template: dict[str, Any], name: str, value: str) -> None:
+    """Set `name=value` in the environment of every container (and init container) of the
+    pod template, over a value of that name the template gave."""
+    spec = template.get("spec")
+    if not isinstance(spec, dict):
+        return
+    for kind in ("initContainers", "containers"):
+        for container in spec.get(kind) or []:
+            if not isinstance(container, dict):
+                continue
+            env = [
+                e
+                for e in container.get("env") or []
+                if not (isinstance(e, dict) and e.get("name") == name)
+            ]
+            env.append({"name": name, "value": value})
+            container["env"] = env
 
 
 async def create_gang(

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from broker.api import status
+from member_agent.cluster import gpuhealth
 from member_agent.inventory import model
 
 EPOCH_ANNOTATION = "gpufed.io/epoch"
@@ -90,6 +91,7 @@ class HeldJob:
     traceparent: str | None = None
     attempt: int = 1  # of the pod whose annotations were read (1: not recorded)
     cluster_lost: str = "requeue"  # spec.failurePolicy.clusterLost (requeue: not recorded)
+    queue: str = ""  # the job's queue, from its pods' `gpufed.io/queue` label ("": none)
 
 
 def rfc3339(at: datetime) -> str:
@@ -118,6 +120,7 @@ def held_job(
     pods: Iterable[status.PodStatus],
     *,
     gpus: int,
+    queue: str = "",
 ) -> HeldJob:
     """A HeldJob from one of its pods' annotations and all its pods. Pods of an agent that
     wrote no such annotations: every pod found is needed, the epoch and size are unknown."""
@@ -134,6 +137,7 @@ def held_job(
         traceparent=annotations.get(TRACEPARENT_ANNOTATION) or None,
         attempt=_whole(annotations.get(ATTEMPT_ANNOTATION)) or 1,
         cluster_lost=annotations.get(CLUSTER_LOST_ANNOTATION) or "requeue",
+        queue=queue,
     )
 
 
@@ -177,4 +181,9 @@ class ClusterBackend(Protocol):
 
     def gpu_quotas(self, namespace: str) -> list[model.GPUQuota]:
         """The GPU quotas of a namespace the cluster enforces, with their use now."""
+        ...
+
+    def gpu_health(self) -> gpuhealth.HealthBook:
+        """Unhealthy GPUs, GPU failures, gangs failed and nodes cordoned for them (what
+        `/metrics` shows)."""
         ...

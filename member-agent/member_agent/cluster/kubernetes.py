@@ -58,6 +58,13 @@ claim (a shared one once no pod of gpufed's holds it); the pod's ownership delet
 Between the pod's create and its claim's reservation the kubelet, if it sees the pod, waits:
 it starts no container for a claim not reserved for the pod. See docs/kubernetes.md.
 
+GPU health (`kubernetes_health`, `gpuhealth`): a GPU the device plugin drops from allocatable,
+that a health taint or label of its node names, or whose DRA device is tainted leaves the
+inventory within the watch event that says so, and gpufed's pods on it fail `GPUFailed` (the
+gang with them, retried by the broker within its budget). With `--auto-cordon`, a node that has
+had `--cordon-after` GPU failures is cordoned: `spec.unschedulable: true` and the annotation
+`gpufed.io/cordoned` (why) in one merge patch of the Node; a warning is logged.
+
 Configuration: in a pod (`KUBERNETES_SERVICE_HOST` set) the service account is used; outside,
 a kubeconfig (`kubeconfig`, default `~/.kube/config`) and its `context`. Namespaces and label
 keys not passed in come from the environment, as the Helm chart sets them: `GPUFED_NAMESPACES`
@@ -81,11 +88,12 @@ from typing import Any, Literal
 from kubernetes_asyncio import client, config
 
 from broker.api import status
-from member_agent.cluster import base, errors, watching
+from member_agent.cluster import base, errors, gpuhealth, watching
 from member_agent.cluster import kubernetes_claimed as claimed
 from member_agent.cluster import kubernetes_claiming as claiming
 from member_agent.cluster import kubernetes_devices as devices
 from member_agent.cluster import kubernetes_errors as k8s_errors
+from member_agent.cluster import kubernetes_health as health
 from member_agent.cluster import kubernetes_objects as objects
 from member_agent.cluster import kubernetes_quotas as quotas
 from member_agent.cluster import kubernetes_state as state
@@ -95,6 +103,7 @@ logger = logging.getLogger(__name__)
 
 LabelKeys = objects.LabelKeys
 DeviceKeys = devices.DeviceKeys
+HealthKeys = health.HealthKeys
 Devices = Literal["device-plugin", "dra"]
 NAMESPACES_ENV = "GPUFED_NAMESPACES"
 LABEL_KEYS_ENV = "GPUFED_LABEL_KEYS"
@@ -166,6 +175,8 @@ class KubernetesBackend:
         devices: Devices = "device-plugin",
         device_keys: DeviceKeys | None = None,
         shared_gpu_resource: str | None = None,
+        health_keys: HealthKeys | None = None,
+        health_settings: gpuhealth.HealthSettings | None = None,
     ) -> None:
         self.cluster = cluster
         self.devices = devices
@@ -183,14 +194,24 @@ class KubernetesBackend:
         self._watch_timeout = watch_timeout_seconds
         self._request_timeout = request_timeout_seconds
         self._queue: asyncio.Queue[base.BackendEvent | None] = asyncio.Queue()
+        health_keys = health_keys or HealthKeys()
+        device_keys = dataclasses.replace(
+            device_keys or DeviceKeys(),
+            health_taints=health_keys.taints,
+            health_conditions=health_keys.conditions,
+        )
         self._book = _book(devices, device_keys)
+        self._health = gpuhealth.HealthBook(cluster, health_settings, cordon=self._cordon_soon)
         self._state = state.ClusterState(
             cluster,
             self._keys,
             self._queue.put_nowait,
             device_plugin=self._book is None,
             node_view=self._book_view if self._book is not None else None,
+            health_keys=health_keys,
+            health_book=self._health,
         )
+        self._cordoning: set[asyncio.Task[None]] = set()
         self._claims: claiming.Claims | None = None
         self._claimed: claimed.ClaimedPods | None = None
         self._quotas = quotas.QuotaBook()
@@ -336,9 +357,9 @@ class KubernetesBackend:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._cordoning]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._cordoning]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
@@ -383,6 +404,9 @@ class KubernetesBackend:
 
     def gpu_quotas(self, namespace: str) -> list[model.GPUQuota]:
         return self._quotas.gpu_quotas(namespace, in_use=self._state.gpus_requested(namespace))
+
+    def gpu_health(self) -> gpuhealth.HealthBook:
+        return self._health
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -456,6 +480,37 @@ class KubernetesBackend:
             async with response:
                 if response.status != 404:
                     await k8s_errors.check_response(response, what=what)
+
+    def _cordon_soon(self, node: str, why: str) -> None:
+        """The health book's cordon: the Node patched in the background (from a watch)."""
+        task = asyncio.get_running_loop().create_task(self.cordon(node, why), name="cordon")
+        self._cordoning.add(task)
+        task.add_done_callback(self._cordoning.discard)
+
+    async def cordon(self, node: str, why: str) -> None:
+        """Mark a node unschedulable, saying why in its `gpufed.io/cordoned` annotation; a
+        failure is logged (the node's GPUs are out of the inventory anyway)."""
+        what = f"cordon node {node}"
+        patch: RawCall = self._core().patch_node
+        body = {
+            "metadata": {"annotations": {gpuhealth.CORDON_ANNOTATION: why}},
+            "spec": {"unschedulable": True},
+        }
+        try:
+            async with k8s_errors.translating(what):
+                response = await patch(
+                    node,
+                    body,
+                    _content_type=claiming.MERGE_PATCH,
+                    _preload_content=False,
+                    _request_timeout=self._request_timeout,
+                )
+                async with response:
+                    await k8s_errors.check_response(response, what=what)
+        except errors.BackendError as exc:
+            logger.error("cluster %s: %s failed: %s", self.cluster, what, exc)
+            return
+        logger.warning("cluster %s: node %s cordoned: %s", self.cluster, node, why)
 
     async def _delete(self, namespace: str, name: str, *, grace: int) -> None:
         what = f"delete pod {namespace}/{name}"

@@ -195,32 +195,53 @@ class Claims:
 
 class ClaimFeed:
     """The claims watch's sink: every allocated claim that is not gpufed's holds its devices
-    (a record per claim, `state.hold`); gpufed's are held through their pods."""
+    (a record per claim, `state.hold`); gpufed's are held through their pods. Any claim whose
+    status says a device is unhealthy (`claims.sick_devices`) makes it an unhealthy GPU."""
 
     def __init__(self, cluster_state: state.ClusterState, book: devices.DeviceBook) -> None:
         self._state = cluster_state
         self._book = book
         self._raw: dict[str, dict[str, Any]] = {}  # foreign allocated claims, by key
+        self._was_sick: set[str] = set()  # claims that said a device is unhealthy
 
     def replace(self, items: list[dict[str, Any]], *, started: float) -> None:
         del started
         keys = set(self._raw)
         self._raw = {}
+        listed = set()
         for raw in items:
             key = _key(raw)
+            listed.add(key)
+            self._health(key, raw)
             if not claims.is_ours(raw) and claims.allocated(raw):
                 self._raw[key] = raw
+        for key in sorted(self._was_sick - listed):
+            self._health(key, None)
         for key in sorted(keys | set(self._raw)):
             self._resolve(key)
 
     def apply(self, kind: str, obj: dict[str, Any]) -> None:
         key = _key(obj)
+        self._health(key, None if kind == "DELETED" else obj)
         if kind == "DELETED" or claims.is_ours(obj) or not claims.allocated(obj):
             if self._raw.pop(key, None) is not None:
                 self._state.hold(key, None)
             return
         self._raw[key] = obj
         self._resolve(key)
+
+    def _health(self, key: str, raw: dict[str, Any] | None) -> None:
+        conditions = self._book.keys.health_conditions
+        sick = claims.sick_devices(raw, conditions) if raw is not None else {}
+        if not sick and key not in self._was_sick:
+            return
+        if sick:
+            self._was_sick.add(key)
+        else:
+            self._was_sick.discard(key)
+        nodes = self._book.set_claim_health(key, sick)
+        if nodes:
+            self._state.nodes_changed(nodes, reason=f"{key}: a device's health changed")
 
     def resolve_all(self) -> None:
         """The devices changed: find every claim's devices again."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -314,3 +314,19 @@ def allocated(claim: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         (str(r.get("driver", "")), str(r.get("pool", "")), str(r.get("device", "")))
         for r in results
     ]
+
+
+def sick_devices(
+    claim: Mapping[str, Any], condition_types: Iterable[str]
+) -> dict[tuple[str, str, str], str]:
+    """The devices a claim's `status.devices` says are unhealthy: (driver, pool, device) ->
+    why, for each with a condition of `condition_types` that is True (what a DRA driver may
+    report of an allocated device)."""
+    kinds = frozenset(condition_types)
+    out = {}
+    for entry in (claim.get("status") or {}).get("devices") or []:
+        for condition in entry.get("conditions") or []:
+            if condition.get("type") in kinds and condition.get("status") == "True":
+                ref = (str(entry.get("driver")), str(entry.get("pool")), str(entry.get("device")))
+                out[ref] = f"claim condition {condition['type']}: {condition.get('message', '')}"
+    return out

@@ -6,10 +6,13 @@ A slice counts when its `spec.driver` is the configured driver (`gpu.nvidia.com`
 and it names a node (`spec.nodeName`; slices for all nodes or a node selector publish network
 devices, not a node's GPUs). Of the slices of one pool only those of the highest
 `spec.pool.generation` count, as the scheduler reads them. A device is one of the node's GPUs
-when its `type` attribute, if published, is `gpu` (MIG devices and VFIO devices are not) and
-it has no NoSchedule or NoExecute taint. What is read of it (attribute names configurable
-through `DeviceKeys`; an unqualified name is also looked up in the driver's domain, as
-`gpu.nvidia.com/uuid`):
+when its `type` attribute, if published, is `gpu` (MIG devices and VFIO devices are not). A
+device with a NoSchedule or NoExecute taint, or a health taint of any effect
+(`DeviceKeys.health_taints`: NVIDIA's driver's `gpu.nvidia.com/xid` and
+`gpu.nvidia.com/gpu-lost` by default, see `kubernetes_health`), is an unhealthy GPU of the
+node, as is one a claim's status gives a health condition (`DeviceBook.set_claim_health`).
+What is read of it (attribute names configurable through `DeviceKeys`; an unqualified name is
+also looked up in the driver's domain, as `gpu.nvidia.com/uuid`):
 
 | what | default | NVIDIA's k8s-dra-driver-gpu |
 |---|---|---|
@@ -22,8 +25,10 @@ through `DeviceKeys`; an unqualified name is also looked up in the driver's doma
 (NVIDIA's driver published `index` and `minor` until 25.8 and names GPUs `gpu-<minor>`.)
 
 The inventory node (`with_devices`): GPU index i is the device whose index is i; an index the
-driver does not publish below the node's highest (a GPU turned into MIG devices, tainted or
-gone) is counted as taken, so gpufed never places on it. The model is the node's GFD product
+driver does not publish below the node's highest (a GPU turned into MIG devices or gone) is
+counted as taken, so gpufed never places on it; a tainted device is one of the node's
+unhealthy GPUs (`model.Node.unhealthy`): never free, counted unavailable, and gpufed's pods
+holding it fail `GPUFailed` (`kubernetes_state`). The model is the node's GFD product
 label when it has one (what jobs select and the broker knows), else the product with spaces
 made dashes, as GFD writes it; memory is the smallest device's; the NVLink domain the clique
 all the node's devices share, else the node's label.
@@ -40,13 +45,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.api import jobs
+from member_agent.cluster import kubernetes_health as health
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRIVER = "gpu.nvidia.com"
 _NAME_INDEX = re.compile(r"^[A-Za-z]+-([0-9]+)$")
-_BLOCKING = ("NoSchedule", "NoExecute")
 
 
 @dataclass(frozen=True)
@@ -63,16 +68,21 @@ class DeviceKeys:
     type: str = "type"
     gpu_type: str = "gpu"
     config_api: str = "resource.nvidia.com/v1beta1"  # the apiVersion of the driver's GpuConfig
+    # device taints that make a GPU unhealthy whatever their effect (not a slice attribute),
+    # and the condition types that do in a claim's `status.devices` (True)
+    health_taints: tuple[str, ...] = health.DEFAULT_TAINTS
+    health_conditions: tuple[str, ...] = health.DEFAULT_CONDITIONS
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DeviceKeys:
         """From camelCase names (`deviceClass`, `productName`: the field, not the attribute)."""
-        names = {f.name: f.name for f in dataclasses.fields(cls)}
+        names = {f.name: f.name for f in dataclasses.fields(cls) if not f.name.startswith("health")}
         names.update(deviceClass="device_class", gpuType="gpu_type", configApi="config_api")
         unknown = sorted(set(values) - set(names))
         if unknown:
             raise ValueError(f"DRA keys: unknown {unknown}; known: {sorted(names)}")
-        return cls(**{names[key]: str(value) for key, value in values.items()})
+        kwargs: dict[str, Any] = {names[key]: str(value) for key, value in values.items()}
+        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class Device:
     product: str = ""
     memory_mib: int = 0
     clique: str = ""
+    unhealthy: str = ""  # why the device is out of service (a taint), "" when it is not
 
 
 @dataclass(frozen=True)
@@ -146,8 +157,6 @@ def read_device(raw: Mapping[str, Any], keys: DeviceKeys, *, pool: str, node: st
     kind = attribute(device, keys.type, keys.driver)
     if kind is not None and str(kind) != keys.gpu_type:
         return None
-    if any(t.get("effect") in _BLOCKING for t in device.get("taints") or []):
-        return None
     index = _index({**device, "name": raw.get("name", "")}, keys)
     if index is None:
         return None
@@ -161,6 +170,7 @@ def read_device(raw: Mapping[str, Any], keys: DeviceKeys, *, pool: str, node: st
         product=str(attribute(device, keys.product, keys.driver) or ""),
         memory_mib=_memory_mib(device, keys),
         clique=str(attribute(device, keys.clique, keys.driver) or ""),
+        unhealthy=health.device_unhealthy(device, keys.health_taints),
     )
 
 
@@ -205,7 +215,11 @@ def with_devices(node: model.Node, devices: Mapping[int, Device]) -> model.Node:
         gpu_memory_mib=min(memory) if memory else node.gpu_memory_mib,
         nvlink_domain=domain,
         labels=dict(node.labels),
-        gpu_free=[model.GPU_MILLI if i in devices else 0 for i in range(count)],
+        gpu_free=[
+            model.GPU_MILLI if i in devices and not devices[i].unhealthy else 0
+            for i in range(count)
+        ],
+        unhealthy=frozenset(i for i, d in devices.items() if d.unhealthy),
     )
 
 
@@ -220,6 +234,9 @@ class DeviceBook:
         self._pool_devices: dict[str, list[Device]] = {}  # pool -> the devices that count
         self._by_node: dict[str, dict[int, Device]] = defaultdict(dict)
         self._by_ref: dict[tuple[str, str, str], Device] = {}
+        # devices a claim's status says are unhealthy (a health condition), by claim
+        self._claim_health: dict[str, dict[tuple[str, str, str], str]] = {}
+        self._sick: dict[tuple[str, str, str], str] = {}  # all of them
 
     def replace(self, items: Iterable[Mapping[str, Any]]) -> set[str]:
         """Every slice there is now; returns the nodes whose GPUs changed."""
@@ -258,7 +275,26 @@ class DeviceBook:
         return {n for n in nodes if before[n] != self._by_node.get(n, {})}
 
     def devices(self, node: str) -> dict[int, Device]:
-        return self._by_node.get(node, {})
+        found = self._by_node.get(node, {})
+        if not self._sick:
+            return found
+        return {
+            index: dataclasses.replace(device, unhealthy=device.unhealthy or why)
+            if (why := self._sick.get((device.driver, device.pool, device.name)))
+            else device
+            for index, device in found.items()
+        }
+
+    def set_claim_health(self, claim: str, sick: Mapping[tuple[str, str, str], str]) -> set[str]:
+        """The devices a claim's status says are unhealthy now (with why); returns the nodes
+        whose GPUs this changes."""
+        before = self._claim_health.pop(claim, {})
+        if sick:
+            self._claim_health[claim] = dict(sick)
+        if before == dict(sick):
+            return set()
+        self._sick = {ref: why for refs in self._claim_health.values() for ref, why in refs.items()}
+        return {d.node for ref in {*before, *sick} if (d := self._by_ref.get(ref)) is not None}
 
     def find(self, driver: str, pool: str, name: str) -> Device | None:
         return self._by_ref.get((driver, pool, name))

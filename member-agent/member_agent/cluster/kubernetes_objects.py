@@ -150,6 +150,7 @@ class PodRecord:
     claim: str = ""  # gpufed's pods in DRA mode: the ResourceClaim holding its GPUs
     sharing: str = ""  # gpufed's sharing pods: `gpufed.io/gpu-sharing` (timeslice, mps)
     checkpoint: str = ""  # gpufed's pods: `gpufed.io/last-checkpoint`, as the workload wrote it
+    queue: str = ""  # gpufed's pods: their `gpufed.io/queue` label
 
     @property
     def ours(self) -> bool:
@@ -258,6 +259,20 @@ def replica_milli(node: model.Node, keys: LabelKeys) -> int:
     """The share of a GPU one device-plugin replica is on this node (1000: not shared)."""
     replicas = parse_count(node.labels.get(keys.gpu_replicas, 0))
     return model.GPU_MILLI // replicas if replicas > 1 else model.GPU_MILLI
+
+
+def replica_slots(free: list[int], milli: int, count: int) -> list[status.GPUSlot]:
+    """`count` device-plugin replicas of `milli` each, each on the freest GPU left (which GPU
+    the kubelet chose is not known, only that each replica is a share of one)."""
+    left = list(free)
+    taken: dict[int, int] = {}
+    for _ in range(count):
+        best = max(range(len(left)), key=lambda i: (left[i], -i), default=None)
+        if best is None or left[best] < milli:
+            break
+        left[best] -= milli
+        taken[best] = taken.get(best, 0) + milli
+    return [status.GPUSlot.model_construct(index=i, milli=m) for i, m in sorted(taken.items())]
 
 
 def fresh_copy(node: model.Node) -> model.Node:
@@ -383,6 +398,7 @@ def read_pod(raw: Mapping[str, Any], *, shared_resource: str = SHARED_GPU_RESOUR
         claim=claim,
         sharing=str(annotations.get(SHARING_ANNOTATION, "")) if job_id else "",
         checkpoint=str(annotations.get(base.LAST_CHECKPOINT_ANNOTATION, "")) if job_id else "",
+        queue=str(labels.get(QUEUE_LABEL, "")) if job_id else "",
     )
 
 

@@ -17,6 +17,10 @@ adopts).
 DRA mode (`kubernetes_devices`): nodes carry no GPUs of their own (`device_plugin=False`); the
 `node_view` hook gives each node the GPUs its ResourceSlices publish, and ResourceClaims that
 other schedulers allocated are held like pods (`hold`: a record per claim, never reported).
+
+GPU health (`kubernetes_health`): each time a node is built its unhealthy GPUs leave the
+inventory and the `gpuhealth.HealthBook` is told; gpufed's pods on a GPU that has just failed,
+and a pod the kubelet reports an allocated device of Unhealthy, are reported Failed GPUFailed.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from broker.api import status
-from member_agent.cluster import base
+from member_agent.cluster import base, gpuhealth
+from member_agent.cluster import kubernetes_health as health
 from member_agent.cluster import kubernetes_objects as objects
 from member_agent.inventory import model
 
@@ -67,12 +72,17 @@ class ClusterState:
         *,
         device_plugin: bool = True,
         node_view: Callable[[model.Node], model.Node] | None = None,
+        health_keys: health.HealthKeys | None = None,
+        health_book: gpuhealth.HealthBook | None = None,
     ) -> None:
         self.inventory = model.Inventory(cluster=cluster)
         self._keys = keys
         self._emit = emit
         self._device_plugin = device_plugin
         self._node_view = node_view
+        self._health_keys = health_keys or health.HealthKeys()
+        self.health = health_book or gpuhealth.HealthBook(cluster)
+        self._node_health: dict[str, health.NodeHealth] = {}  # as the Node objects say
         self._held: dict[str, objects.PodRecord] = {}  # not pods: foreign claims (DRA)
         self._nodes: dict[str, model.Node] = {}  # as parsed, everything free
         self._pods: dict[str, objects.PodRecord] = {}  # by key, as the API reports them
@@ -96,13 +106,15 @@ class ClusterState:
         self._rebuild()
         for name in sorted(lost):
             self._report_node_lost(name)
+            self._forget_health(name)
         self._changed("nodes listed")
 
     def apply_node(self, kind: str, raw: dict[str, Any]) -> None:
         name = str((raw.get("metadata") or {}).get("name", ""))
+        old_health = self._node_health.get(name)
         node = None if kind == "DELETED" else self._read_node(raw)
         old = self._nodes.get(name)
-        if node == old:
+        if node == old and self._node_health.get(name) == old_health:
             return  # a heartbeat or a change gpufed does not read
         if node is None:
             del self._nodes[name]
@@ -111,14 +123,31 @@ class ClusterState:
         self._rebuild_node(name)
         if kind == "DELETED":
             self._report_node_lost(name)
-        if _shape(node) != _shape(old):
+            self._forget_health(name)
+        if _shape(node) != _shape(old) or self._node_health.get(name) != old_health:
             self._changed(f"node {name} changed")
 
     def _read_node(self, raw: dict[str, Any]) -> model.Node | None:
-        return objects.read_node(raw, self._keys, device_plugin=self._device_plugin)
+        """The node as the inventory reads it; what it says of its GPUs' health is kept."""
+        read = health.read_node(raw, self._keys, self._health_keys, plugin=self._device_plugin)
+        name = str((raw.get("metadata") or {}).get("name", ""))
+        self._node_health.pop(name, None)
+        if not read[1].healthy:
+            self._node_health[name] = read[1]
+        return read[0]
+
+    def _forget_health(self, name: str) -> None:
+        self._node_health.pop(name, None)
+        self.health.forget(name)
 
     def _read_pod(self, raw: dict[str, Any]) -> objects.PodRecord:
-        return objects.read_pod(raw, shared_resource=self._keys.shared_gpu_resource)
+        rec = objects.read_pod(raw, shared_resource=self._keys.shared_gpu_resource)
+        live = rec.phase in (status.PodPhase.PENDING, status.PodPhase.RUNNING)
+        if rec.ours and live and health.pod_gpu_unhealthy(raw.get("status") or {}):
+            return dataclasses.replace(
+                rec, phase=status.PodPhase.FAILED, reason=gpuhealth.GPU_FAILED
+            )
+        return rec
 
     def nodes_changed(self, names: Iterable[str], *, reason: str) -> None:
         """What these nodes have changed outside their Node objects (their devices): build
@@ -195,6 +224,8 @@ class ClusterState:
             return
         self._pods[key] = rec
         self._count(rec)
+        if rec.reason == gpuhealth.GPU_FAILED and (old is None or old.reason != rec.reason):
+            self.health.pods_failed()  # the kubelet said its device is unhealthy
         if _holding(old) != _holding(rec):
             if old is not None:
                 self._untrack(old)
@@ -250,6 +281,9 @@ class ClusterState:
             return f"node {rec.node} is NotReady"
         if not node.schedulable:
             return f"node {rec.node} is cordoned or tainted"
+        sick = sorted({s.index for s in rec.slots} & node.unhealthy)
+        if sick:
+            return f"GPU {', '.join(map(str, sick))} of node {rec.node} is unhealthy"
         slots = self._slots_for(node, rec)
         if len(slots) < rec.gpus:
             return f"node {rec.node} has {len(slots)} GPUs free for {rec.name}, needs {rec.gpus}"
@@ -319,6 +353,7 @@ class ClusterState:
                 first.job_meta,
                 self.pods_of(job_id),
                 gpus=sum(rec.gpus for rec in records),
+                queue=first.queue,
             )
         return out
 
@@ -379,7 +414,9 @@ class ClusterState:
         placement = status.PodPlacement.model_construct(
             name=rec.key, task=rec.task, node=rec.node, gpus=slots
         )
-        self.inventory.apply(placement, cpu_milli=rec.cpu_milli, memory_mib=rec.memory_mib)
+        self.inventory.apply(
+            placement, cpu_milli=rec.cpu_milli, memory_mib=rec.memory_mib, held=True
+        )
 
     def _slots_for(self, node: model.Node, rec: objects.PodRecord) -> list[status.GPUSlot]:
         if rec.gpus <= 0:
@@ -389,11 +426,14 @@ class ClusterState:
         if (
             rec.slots
             and len(chosen) == len(rec.slots)
-            and all(s.index < len(free) and free[s.index] >= s.milli for s in rec.slots)
+            and all(
+                s.index < len(free) and (free[s.index] >= s.milli or s.index in node.unhealthy)
+                for s in rec.slots
+            )
         ):
             return list(rec.slots)
         if rec.shared and not rec.slots:  # a foreign pod's device-plugin replicas
-            return _replica_slots(free, objects.replica_milli(node, self._keys), rec.gpus)
+            return objects.replica_slots(free, objects.replica_milli(node, self._keys), rec.gpus)
         milli = rec.slots[0].milli if rec.slots else model.GPU_MILLI
         if rec.gpus == 1 and milli < model.GPU_MILLI:
             shared = [i for i, f in enumerate(free) if f >= milli]
@@ -417,6 +457,7 @@ class ClusterState:
             self._track(rec)
             self._place(rec)
         self._refresh_mig(*self._nodes)
+        self._apply_health(*self._nodes)
 
     def _rebuild_node(self, name: str) -> None:
         keys = list(self._by_node.get(name, ()))
@@ -429,6 +470,36 @@ class ClusterState:
         for rec in sorted(records, key=lambda rec: not rec.ours):
             self._place(rec)
         self._refresh_mig(name)
+        self._apply_health(name)
+
+    def _apply_health(self, *names: str) -> None:
+        """Take the nodes' unhealthy GPUs out of the inventory; gpufed's pods on those that
+        have just failed fail GPUFailed."""
+        for name in names:
+            node = self.inventory.nodes.get(name)
+            if node is None:
+                continue
+            found = self._node_health.get(name, health.NodeHealth())
+            if found.healthy and not node.unhealthy and name not in self.health.unhealthy:
+                continue  # the common case, at every relist: nothing to do
+            ours = {
+                rec.key: {slot.index for slot in self.inventory.pods[rec.key][0].gpus}
+                for rec in self.holders(name)
+                if rec.ours and rec.key in self.inventory.pods
+            }
+            held = set().union(*ours.values())
+            chosen = health.choose_unhealthy(found, node.gpu_free, ours=held, named=node.unhealthy)
+            if chosen or node.unhealthy:
+                self.inventory.set_unhealthy(name, chosen)
+            failed = self.health.observe(name, chosen, reason="; ".join(found.reasons))
+            for key in sorted(key for key, indices in ours.items() if indices & failed):
+                rec = self.record(key)
+                if rec is not None and rec.phase not in _TERMINAL:
+                    self.health.pods_failed()
+                    failure = dataclasses.replace(
+                        rec, phase=status.PodPhase.FAILED, reason=gpuhealth.GPU_FAILED
+                    )
+                    self._report(failure)
 
     def _fresh(self, node: model.Node) -> model.Node:
         """The inventory's node: everything free, with the devices DRA publishes for it."""
@@ -500,20 +571,6 @@ class ClusterState:
             self._report(
                 dataclasses.replace(rec, phase=status.PodPhase.FAILED, reason=objects.NODE_LOST)
             )
-
-
-def _replica_slots(free: list[int], milli: int, count: int) -> list[status.GPUSlot]:
-    """`count` device-plugin replicas of `milli` each, each on the freest GPU left (which GPU
-    the kubelet chose is not known, only that each replica is a share of one)."""
-    left = list(free)
-    taken: dict[int, int] = {}
-    for _ in range(count):
-        best = max(range(len(left)), key=lambda i: (left[i], -i), default=None)
-        if best is None or left[best] < milli:
-            break
-        left[best] -= milli
-        taken[best] = taken.get(best, 0) + milli
-    return [status.GPUSlot.model_construct(index=i, milli=m) for i, m in sorted(taken.items())]
 
 
 class NodeFeed:

@@ -7,8 +7,9 @@ Failed if `gpufed.io/sim-outcome` says `Failed:<reason>`. `Failed:<reason>@<atte
 comma-separated list, matched against the pod's `gpufed.io/attempt`, 1 when absent) fails only
 those attempts of the job and lets the others succeed: with `Failed:NodeLost@1` the first
 attempt fails with NodeLost and the broker's retry succeeds. Timers are asyncio `call_later`
-handles, never polling loops. Fault injection for tests and chaos runs: `fail_creates_after`
-and `set_node_ready`.
+handles, never polling loops. Fault injection for tests and chaos runs: `fail_creates_after`,
+`set_node_ready` and GPU failures (`gpus`, `simulated_faults`: `fail_gpu`, or a job's
+`gpufed.io/sim-gpu-failure` annotation).
 
 Graceful deletion, as the kubelet does it: a running pod deleted with a grace period gets its
 SIGTERM and keeps running, and its GPUs, until it exits or the grace ends, whichever comes
@@ -19,11 +20,11 @@ sooner. A workload that checkpoints is `gpufed.io/sim-checkpoint-every`: it
 writes `gpufed.io/last-checkpoint` on its pod that often while it runs. Annotations the agent
 writes (`annotate_pod`: the preemption notice) are kept on the pod.
 
-A `Journal` (`gpufed agent --sim-journal FILE`) records a JSON line each time a pod starts or
-stops running (finished, deleted, or gone with the agent process), and when a running pod is
-told to terminate (`terminate`, with its `grace` and the `notice` annotation it saw then),
-with the wall-clock time: what the e2e tests read to check that no two copies of a job ever
-run at the same moment, and that a preempted pod got its notice and its grace.
+A `simulated_pods.Journal` (`gpufed agent --sim-journal FILE`) records a JSON line each time
+a pod starts or stops running (finished, deleted, or gone with the agent process), and when a
+running pod is told to terminate (`terminate`, with its `grace` and the `notice` annotation it
+saw then), with the wall-clock time: what the e2e tests read to check that no two copies of a
+job ever run at the same moment, and that a preempted pod got its notice and its grace.
 
 The backend outlives an agent given it (`app.run_agent(..., backend=...)`): an agent started
 again on the same backend finds the pods it holds (`held_jobs`), as on a real cluster.
@@ -34,12 +35,10 @@ stands in for them.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -49,7 +48,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from broker.api import jobs, status
-from member_agent.cluster import base, errors
+from member_agent.cluster import base, errors, gpuhealth, simulated_pods
+from member_agent.cluster import simulated_faults as faults
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)
@@ -198,103 +198,6 @@ def build_nodes(pools: list[PoolSpec]) -> list[model.Node]:
     return nodes
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from `12`, `1.5`, `30s`, `5m` or `2h`."""
-    text = text.strip()
-    factor = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(text[-1:], 0.0)
-    number = text[:-1] if factor else text
-    value = float(number) * (factor or 1.0)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"not a duration: {text!r}")
-    return value
-
-
-def parse_outcome(text: str, *, attempt: int = 1) -> tuple[status.PodPhase, str]:
-    """`Succeeded`, `Failed` or `Failed:<reason>` (reason defaults to Error), optionally for
-    some attempts only: `Failed:NodeLost@1`, `Failed@1,2`; another attempt succeeds."""
-    outcome, at, attempts = text.partition("@")
-    if at:
-        try:
-            only = {int(part) for part in attempts.split(",")}
-        except ValueError:
-            raise ValueError(f"not a list of attempts: {attempts!r}") from None
-        if attempt not in only:
-            return status.PodPhase.SUCCEEDED, ""
-    phase, _, reason = outcome.partition(":")
-    if phase.strip() == "Failed":
-        return status.PodPhase.FAILED, reason.strip() or "Error"
-    return status.PodPhase.SUCCEEDED, ""
-
-
-class Journal:
-    """When each pod started and stopped running, a JSON line each: `{"t": <unix seconds>,
-    "event": "start" | "stop", "cluster", "job", "pod", "attempt", "node", "phase"}`. Lines are
-    written as they happen (line-buffered, appended), so a reader sees them at once."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._file = path.open("a", encoding="utf-8", buffering=1)
-
-    def write(
-        self,
-        event: str,
-        cluster: str,
-        pod: SimPod,
-        *,
-        phase: str,
-        extra: Mapping[str, object] | None = None,
-    ) -> None:
-        line: dict[str, object] = {
-            "t": time.time(),
-            "event": event,
-            "cluster": cluster,
-            "job": pod.request.job_id,
-            "pod": pod.request.name,
-            "attempt": _attempt_of(pod.request.annotations),
-            "node": pod.request.node,
-            "phase": phase,
-            **(extra or {}),
-        }
-        self._file.write(json.dumps(line) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
-
-
-@dataclass
-class SimPod:
-    request: base.PodRequest
-    phase: status.PodPhase
-    duration: float | None
-    outcome: tuple[status.PodPhase, str]
-    created: float
-    reason: str = ""
-    started: float | None = None
-    finished: float | None = None
-    timer: asyncio.TimerHandle | None = None
-    annotations: dict[str, str] = field(default_factory=dict)  # as the pod has them now
-    exit_after: float = 0.0  # seconds its workload takes to exit after SIGTERM
-    checkpoint_every: float | None = None
-    checkpoint_timer: asyncio.TimerHandle | None = None
-    terminating_until: float | None = None  # deleted with a grace: gone by then
-
-    def stop_timers(self) -> None:
-        for handle in (self.timer, self.checkpoint_timer):
-            if handle is not None:
-                handle.cancel()
-        self.timer = self.checkpoint_timer = None
-
-    def status(self) -> status.PodStatus:
-        return status.PodStatus(
-            name=self.request.name,
-            task=self.request.task,
-            node=self.request.node,
-            gpus=list(self.request.gpus),
-            phase=self.phase,
-            reason=self.reason,
-        )
-
-
 class SimulatedBackend:
     """A ClusterBackend whose nodes come from pools and whose pods run on timers."""
 
@@ -306,7 +209,8 @@ class SimulatedBackend:
         start_delay: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
         fail_creates_after: int | None = None,
-        journal: Journal | None = None,
+        journal: simulated_pods.Journal | None = None,
+        health_settings: gpuhealth.HealthSettings | None = None,
     ) -> None:
         self.cluster = cluster
         self.start_delay = start_delay
@@ -314,12 +218,20 @@ class SimulatedBackend:
         self._inventory = model.Inventory(cluster=cluster)
         for node in build_nodes(pools):
             self._inventory.add(node)
-        self._pods: dict[tuple[str, str], SimPod] = {}
-        self._by_job: dict[str, dict[tuple[str, str], SimPod]] = {}
+        self._pods: dict[tuple[str, str], simulated_pods.SimPod] = {}
+        self._by_job: dict[str, dict[tuple[str, str], simulated_pods.SimPod]] = {}
         self._queue: asyncio.Queue[base.BackendEvent | None] = asyncio.Queue()
         self._fail_after = fail_creates_after
         self.creates = 0
         self.journal = journal
+        self.gpus = faults.GPUFaults(
+            self._inventory,
+            health_settings,
+            pods=self.pods,
+            finish=self._finish,
+            emit=self._queue.put_nowait,
+            duration=simulated_pods.parse_duration,
+        )
 
     # -- the ClusterBackend protocol -------------------------------------------------------
 
@@ -357,10 +269,13 @@ class SimulatedBackend:
             raise errors.PermanentBackendError(f"{request.name}: node {request.node} not found")
         if not node.ready:
             raise errors.PermanentBackendError(f"{request.name}: node {request.node} is NotReady")
-        annotations = {**_template_annotations(request.template), **request.annotations}
+        annotations = {
+            **simulated_pods.template_annotations(request.template),
+            **request.annotations,
+        }
         try:
             duration = (
-                parse_duration(annotations[jobs.SIM_DURATION_ANNOTATION])
+                simulated_pods.parse_duration(annotations[jobs.SIM_DURATION_ANNOTATION])
                 if jobs.SIM_DURATION_ANNOTATION in annotations
                 else None
             )
@@ -369,18 +284,20 @@ class SimulatedBackend:
                 f"{request.name}: annotation {jobs.SIM_DURATION_ANNOTATION}: {exc}"
             ) from exc
         try:
-            outcome = parse_outcome(
+            outcome = simulated_pods.parse_outcome(
                 annotations.get(jobs.SIM_OUTCOME_ANNOTATION, "Succeeded"),
-                attempt=_attempt_of(annotations),
+                attempt=simulated_pods.attempt_of(annotations),
             )
         except ValueError as exc:
             raise errors.PermanentBackendError(
                 f"{request.name}: annotation {jobs.SIM_OUTCOME_ANNOTATION}: {exc}"
             ) from exc
         try:
-            exit_after = parse_duration(annotations.get(SIM_EXIT_AFTER_ANNOTATION, "0"))
+            exit_after = simulated_pods.parse_duration(
+                annotations.get(SIM_EXIT_AFTER_ANNOTATION, "0")
+            )
             every_text = annotations.get(SIM_CHECKPOINT_EVERY_ANNOTATION)
-            every = parse_duration(every_text) if every_text is not None else None
+            every = simulated_pods.parse_duration(every_text) if every_text is not None else None
         except ValueError as exc:
             raise errors.PermanentBackendError(f"{request.name}: {exc}") from exc
         placement = status.PodPlacement(
@@ -393,7 +310,7 @@ class SimulatedBackend:
         except (ValueError, IndexError) as exc:
             raise errors.PermanentBackendError(f"{request.name}: {exc}") from exc
         self.creates += 1
-        pod = SimPod(
+        pod = simulated_pods.SimPod(
             request=request,
             phase=status.PodPhase.PENDING,
             duration=duration,
@@ -438,7 +355,7 @@ class SimulatedBackend:
         if pod is not None:
             pod.annotations.update(annotations)
 
-    def _remove(self, pod: SimPod) -> None:
+    def _remove(self, pod: simulated_pods.SimPod) -> None:
         """The pod is gone: its GPUs free, a DELETED event."""
         namespace, name = pod.request.namespace, pod.request.name
         if self._pods.get((namespace, name)) is not pod:
@@ -468,19 +385,26 @@ class SimulatedBackend:
             if not pods:
                 continue
             requests = [pod.request for pod in pods.values()]
-            metas = [{**_template_annotations(r.template), **r.annotations} for r in requests]
+            metas = [
+                {**simulated_pods.template_annotations(r.template), **r.annotations}
+                for r in requests
+            ]
             out[job_id] = base.held_job(
                 job_id,
                 requests[0].namespace,
-                max(metas, key=_attempt_of),  # the latest attempt's
+                max(metas, key=simulated_pods.attempt_of),  # the latest attempt's
                 (pod.status() for pod in pods.values()),
                 gpus=sum(len(r.gpus) for r in requests),
+                queue=requests[0].queue,
             )
         return out
 
     def gpu_quotas(self, namespace: str) -> list[model.GPUQuota]:
         del namespace
         return []
+
+    def gpu_health(self) -> gpuhealth.HealthBook:
+        return self.gpus.book
 
     # -- fault injection -------------------------------------------------------------------
 
@@ -496,7 +420,7 @@ class SimulatedBackend:
         node.ready = ready
         if not ready:
             for pod in list(self._pods.values()):
-                if pod.request.node == name and not _done(pod):
+                if pod.request.node == name and not simulated_pods.done(pod):
                     self._finish(pod, status.PodPhase.FAILED, "NodeLost")
         self._queue.put_nowait(
             base.InventoryChanged(reason=f"node {name} {'Ready' if ready else 'NotReady'}")
@@ -504,16 +428,17 @@ class SimulatedBackend:
 
     # -- pod lifecycle ---------------------------------------------------------------------
 
-    def pods(self) -> list[SimPod]:
+    def pods(self) -> list[simulated_pods.SimPod]:
         """Every pod the backend holds (also finished ones, until deleted)."""
         return list(self._pods.values())
 
-    def _start(self, pod: SimPod) -> None:
+    def _start(self, pod: simulated_pods.SimPod) -> None:
         pod.timer = None
         pod.phase = status.PodPhase.RUNNING
         pod.started = self._clock()
         self._journal("start", pod, phase=pod.phase.value)
         self._emit(pod)
+        self.gpus.arm(pod)
         if pod.checkpoint_every is not None:
             pod.checkpoint_timer = asyncio.get_running_loop().call_later(
                 pod.checkpoint_every, self._checkpoint, pod
@@ -527,7 +452,7 @@ class SimulatedBackend:
                 duration, self._finish, pod, phase, reason
             )
 
-    def _checkpoint(self, pod: SimPod) -> None:
+    def _checkpoint(self, pod: simulated_pods.SimPod) -> None:
         """The workload checkpointed: its pod says when, and it goes on."""
         pod.checkpoint_timer = None
         if pod.phase != status.PodPhase.RUNNING or pod.checkpoint_every is None:
@@ -538,7 +463,7 @@ class SimulatedBackend:
             pod.checkpoint_every, self._checkpoint, pod
         )
 
-    def _finish(self, pod: SimPod, phase: status.PodPhase, reason: str) -> None:
+    def _finish(self, pod: simulated_pods.SimPod, phase: status.PodPhase, reason: str) -> None:
         pod.stop_timers()
         if pod.phase == status.PodPhase.RUNNING:
             self._journal("stop", pod, phase=phase.value)
@@ -549,11 +474,13 @@ class SimulatedBackend:
         self._inventory.release(pod.request.name)
         self._emit(pod)
 
-    def _journal(self, event: str, pod: SimPod, *, phase: str, **extra: object) -> None:
+    def _journal(
+        self, event: str, pod: simulated_pods.SimPod, *, phase: str, **extra: object
+    ) -> None:
         if self.journal is not None:
             self.journal.write(event, self.cluster, pod, phase=phase, extra=extra)
 
-    def _emit(self, pod: SimPod) -> None:
+    def _emit(self, pod: simulated_pods.SimPod) -> None:
         self._queue.put_nowait(
             base.PodEvent(
                 job_id=pod.request.job_id,
@@ -571,18 +498,3 @@ class SimulatedBackend:
             if event is None:
                 return
             yield event
-
-
-def _done(pod: SimPod) -> bool:
-    return pod.phase in (status.PodPhase.SUCCEEDED, status.PodPhase.FAILED)
-
-
-def _attempt_of(annotations: Mapping[str, str]) -> int:
-    raw = annotations.get(base.ATTEMPT_ANNOTATION, "")
-    return int(raw) if raw.isdigit() else 1
-
-
-def _template_annotations(template: dict[str, Any]) -> dict[str, str]:
-    metadata = template.get("metadata") or {}
-    annotations = metadata.get("annotations") or {}
-    return {str(k): str(v) for k, v in annotations.items()}

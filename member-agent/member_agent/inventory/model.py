@@ -2,7 +2,11 @@
 
 Backends (simulated, kubernetes) build it; placement reads it and `apply`/`release` change it;
 `summary.summarise` turns it into the broker's ClusterSummary. A GPU is 1000 milli; a
-whole-GPU pod takes 1000 on each of its GPUs, a sharing pod part of one GPU. `GPUQuota` is the
+whole-GPU pod takes 1000 on each of its GPUs, a sharing pod part of one GPU. An unhealthy GPU
+(`Node.unhealthy`, set by a backend from what the cluster says of its devices, see
+`cluster.gpuhealth`) has nothing free, whatever holds it: the summary counts it unavailable and
+placement never chooses it; a pod already on it keeps its record, so releasing that pod does not
+make the GPU free. `GPUQuota` is the
 namespace side of the same GPUs: a backend reports it (`ClusterBackend.gpu_quotas`), the limits
 check (`placement.limits`) reads it.
 """
@@ -49,12 +53,14 @@ class Node:
     gpu_free: list[int] = field(default_factory=list)
     cpu_free: int = -1
     memory_free: int = -1
+    # GPU indices out of service (unhealthy): never free, counted unavailable
+    unhealthy: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.model and self.labels.get(jobs.GPU_PRODUCT_LABEL) != self.model:
             self.labels = {**self.labels, jobs.GPU_PRODUCT_LABEL: self.model}
         if not self.gpu_free:
-            self.gpu_free = [GPU_MILLI] * self.gpu_count
+            self.gpu_free = [0 if i in self.unhealthy else GPU_MILLI for i in range(self.gpu_count)]
         if self.cpu_free < 0:
             self.cpu_free = self.cpu_milli
         if self.memory_free < 0:
@@ -77,6 +83,11 @@ class Node:
         size = self.nvlink_island if self.nvlink_island > 1 else 1
         return index // size
 
+    @property
+    def unhealthy_gpus(self) -> int:
+        """GPUs of the node out of service (indices beyond its count do not count)."""
+        return sum(1 for i in self.unhealthy if 0 <= i < self.gpu_count)
+
 
 @dataclass
 class Inventory:
@@ -93,17 +104,28 @@ class Inventory:
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes.values())
 
-    def apply(self, pod: status.PodPlacement, *, cpu_milli: int = 0, memory_mib: int = 0) -> None:
-        """Take the pod's GPUs, CPU and memory on its node."""
+    def apply(
+        self,
+        pod: status.PodPlacement,
+        *,
+        cpu_milli: int = 0,
+        memory_mib: int = 0,
+        held: bool = False,
+    ) -> None:
+        """Take the pod's GPUs, CPU and memory on its node. A new pod is refused an unhealthy
+        GPU; one the cluster already `held` there is recorded (the GPU has nothing to take)."""
         node = self.nodes[pod.node]
         for slot in pod.gpus:
-            if node.gpu_free[slot.index] < slot.milli:
+            if slot.index in node.unhealthy and not held:
+                raise ValueError(f"{pod.name}: GPU {slot.index} of {node.name} is unhealthy")
+            if slot.index not in node.unhealthy and node.gpu_free[slot.index] < slot.milli:
                 raise ValueError(
                     f"{pod.name}: GPU {slot.index} of {node.name} has "
                     f"{node.gpu_free[slot.index]} milli free, needs {slot.milli}"
                 )
         for slot in pod.gpus:
-            node.gpu_free[slot.index] -= slot.milli
+            if slot.index not in node.unhealthy:  # a pod on an unhealthy GPU: recorded only
+                node.gpu_free[slot.index] -= slot.milli
         node.cpu_free -= cpu_milli
         node.memory_free -= memory_mib
         self.pods[pod.name] = (pod, cpu_milli, memory_mib)
@@ -118,9 +140,27 @@ class Inventory:
         if node is None:
             return
         for slot in pod.gpus:
-            node.gpu_free[slot.index] = min(GPU_MILLI, node.gpu_free[slot.index] + slot.milli)
+            if slot.index not in node.unhealthy and slot.index < len(node.gpu_free):
+                node.gpu_free[slot.index] = min(GPU_MILLI, node.gpu_free[slot.index] + slot.milli)
         node.cpu_free += cpu
         node.memory_free += mem
+
+    def set_unhealthy(self, name: str, indices: Iterable[int]) -> frozenset[int]:
+        """Make `indices` the node's unhealthy GPUs (an empty set: all healthy again): those
+        have nothing free, the others what the pods placed there leave. Returns the GPUs that
+        were healthy before and are not now."""
+        node = self.nodes[name]
+        out = frozenset(i for i in indices if 0 <= i < len(node.gpu_free))
+        before = node.unhealthy
+        free = [GPU_MILLI] * len(node.gpu_free)
+        for pod, _, _ in self.pods.values():
+            if pod.node == name:
+                for slot in pod.gpus:
+                    if 0 <= slot.index < len(free):
+                        free[slot.index] -= slot.milli
+        node.unhealthy = out
+        node.gpu_free = [0 if i in out else max(milli, 0) for i, milli in enumerate(free)]
+        return out - before
 
     def apply_all(self, pods: Iterable[tuple[status.PodPlacement, int, int]]) -> None:
         for pod, cpu, mem in pods:

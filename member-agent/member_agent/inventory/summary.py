@@ -2,7 +2,9 @@
 
 Called by the agent's session before it reports up, by `gpufed simulate --clusters K` after
 every placement, and by anything else that needs a cluster's shape without its node list.
-Per GPU model: nodes_by_free[k] = ready, schedulable nodes with exactly k wholly free GPUs,
+Per GPU model: nodes_by_free[k] = ready, schedulable nodes with exactly k wholly free GPUs
+(an unhealthy GPU is never free, and counts among the unavailable GPUs as a NotReady or cordoned
+node's do),
 the free milli on partly used GPUs (for sharing pods), the largest free NVLink block, per-rack
 histograms, and the largest CPU/memory headroom of a node. The cluster's fragmentation uses
 FGD's measure with the given expected workload (`fragmentation`).
@@ -69,6 +71,7 @@ class _Totals:
         if not node.available:
             self.unavailable_gpus += node.gpu_count
             return
+        self.unavailable_gpus += node.unhealthy_gpus
         whole = 0
         for milli in node.gpu_free:
             if milli >= model.GPU_MILLI:

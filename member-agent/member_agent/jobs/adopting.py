@@ -75,6 +75,7 @@ def record_of(held: base.HeldJob, *, now: float) -> table.TrackedJob:
         attempt=attempt,
         binding=False,
         cluster_lost=_cluster_lost(held.cluster_lost),
+        queue=held.queue,
     )
     for pod in pods:
         record.set_phase(record.pods[pod.name], pod.phase, reason=pod.reason)

@@ -102,6 +102,7 @@ def _make_record(
             for r in requests
         },
         cluster_lost=offer.job.spec.cluster_lost,
+        queue=offer.job.spec.queue,
     )
 
 

@@ -58,6 +58,7 @@ class TrackedJob:
     acked_at: float | None = None  # when the broker acknowledged its final report
     # spec.failurePolicy.clusterLost: whether a fence (the cluster lease lapsed) stops it
     cluster_lost: jobs.ClusterLostPolicy = jobs.ClusterLostPolicy.REQUEUE
+    queue: str = ""  # the job's spec.queue: what GPU utilisation is counted per ("": unknown)
     # why its pods are being deleted with a grace (Preempted): Cancelled once they are gone
     stopping: str | None = None
     stop_message: str = ""

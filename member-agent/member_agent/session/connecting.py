@@ -363,6 +363,7 @@ class Connector:
         link.acks = message.v >= messages.ACKS_SINCE
         link.checkpoints = message.v >= messages.CHECKPOINTS_SINCE
         self.reporter.send_labels = message.v >= messages.LABELS_SINCE
+        self.reporter.send_health = message.v >= messages.GPU_HEALTH_SINCE
         link.welcomed = True
         self.lease.set_terms(
             heartbeat=message.heartbeat_seconds, lost_after=message.lost_after_seconds

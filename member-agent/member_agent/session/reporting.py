@@ -8,7 +8,9 @@ with every summary the agent process sends.
 
 The summary itself is `member_agent.inventory.summary.summarise`, the one the simulator uses.
 Every summary carries the cluster's `labels` (`--cluster-label`) once the session's welcome
-said the broker reads them (`send_labels`, protocol 5); an older broker is sent none.
+said the broker reads them (`send_labels`, protocol 5); an older broker is sent none. So
+does its GPU health (`health`: unhealthy GPUs, nodes cordoned for GPU failures; `send_health`,
+protocol 6), which alone changing sends a summary too.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ class SummaryReporter:
         summarise: Summarise | None = None,
         clock: Callable[[], float] = time.monotonic,
         labels: Mapping[str, str] | None = None,
+        health: Callable[[], inventory.GPUHealth] | None = None,
     ) -> None:
         self.source = source
+        self.health = health
+        self.send_health = False  # set per session from the broker's welcome
         self.cluster = cluster
         self.labels = dict(labels or {})
         self.send_labels = False  # set per session from the broker's welcome
@@ -48,6 +53,7 @@ class SummaryReporter:
         self.seq = 0
         self.sent = 0
         self._baseline: dict[str, inventory.ModelSummary] | None = None
+        self._health_sent: inventory.GPUHealth | None = None
         self._send: Callable[[messages.Summary], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last = -math.inf
@@ -57,6 +63,7 @@ class SummaryReporter:
         self.detach()
         first = self._compute()
         self._baseline = {m.model: m for m in first.models}
+        self._health_sent = first.gpu_health
         self._send = send
         self._last = self.clock()
         return messages.Summary(full=True, summary=first)
@@ -91,8 +98,9 @@ class SummaryReporter:
         baseline = self._baseline or {}
         changed = [m for m in latest.models if baseline.get(m.model) != m]
         removed = set(baseline) - set(current)
-        if not changed and not removed:
+        if not changed and not removed and latest.gpu_health == self._health_sent:
             return None
+        self._health_sent = latest.gpu_health
         self.seq += 1
         self._baseline = current
         self.sent += 1
@@ -106,6 +114,7 @@ class SummaryReporter:
         update: dict[str, object] = {
             "cluster": self.cluster,
             "labels": dict(self.labels) if self.send_labels else {},
+            "gpu_health": self.health() if self.health and self.send_health else None,
         }
         if bump:
             self.seq += 1

@@ -70,13 +70,13 @@ async def test_the_pods_carry_gpufeds_labels_and_the_trace(
         pytest.param(
             builders.make_job(gpus=1, replicas=3, min_member=2),
             3,
-            base.HeldJob("j1", "default", 3, 2, 3, 3, ()),
+            base.HeldJob("j1", "default", 3, 2, 3, 3, (), queue="research"),
             id="minMember below the gang size",
         ),
         pytest.param(
             builders.make_job(gpus=2, replicas=2, namespace="team-a"),
             None,
-            base.HeldJob("j1", "team-a", 0, 2, 2, 4, ()),
+            base.HeldJob("j1", "team-a", 0, 2, 2, 4, (), queue="research"),
             id="no epoch given",
         ),
     ],

@@ -9,6 +9,7 @@ import pytest
 
 from member_agent.cluster import kubernetes_claims as claims
 from member_agent.cluster import kubernetes_devices as devices
+from member_agent.inventory import model
 from tests import kubeemulator
 
 KEYS = devices.DeviceKeys()
@@ -47,7 +48,11 @@ def one_device(**fields: Any) -> dict[str, Any]:
             (5, "NVIDIA L4", 22528),
             id="v1beta1's basic wrapper, qualified names",
         ),
-        pytest.param(one_device(taints=[{"key": "k", "effect": "NoExecute"}]), None, id="tainted"),
+        pytest.param(
+            one_device(taints=[{"key": "k", "effect": "NoExecute"}]),
+            (0, "NVIDIA H100 80GB HBM3", 81559),
+            id="tainted: read, as an unhealthy GPU",
+        ),
         pytest.param(
             one_device(taints=[{"key": "k", "effect": "None"}]),
             (0, "NVIDIA H100 80GB HBM3", 81559),
@@ -61,6 +66,31 @@ def test_a_slices_devices_are_read(
     found = devices.read_device(device, KEYS, pool="n1", node="n1")
     got = None if found is None else (found.index, found.product, found.memory_mib)
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("taints", "unhealthy"),
+    [
+        pytest.param([], "", id="no taint"),
+        pytest.param(
+            [{"key": "k", "effect": "NoExecute"}], "device taint k", id="NoExecute, any key"
+        ),
+        pytest.param(
+            [{"key": "gpu.nvidia.com/xid", "value": "48", "effect": "None"}],
+            "device taint gpu.nvidia.com/xid=48",
+            id="NVIDIA's DRA driver's XID taint, effect None",
+        ),
+        pytest.param(
+            [{"key": "example.com/info", "effect": "None"}], "", id="an informational taint"
+        ),
+    ],
+)
+def test_a_tainted_device_is_an_unhealthy_gpu(taints: list[Any], unhealthy: str) -> None:
+    found = devices.read_device(one_device(taints=taints), KEYS, pool="n1", node="n1")
+    assert found is not None and found.unhealthy == unhealthy
+    node = devices.with_devices(model.Node(name="n1", model="", gpu_count=0), {0: found})
+    assert node.unhealthy == (frozenset({0}) if unhealthy else frozenset())
+    assert node.gpu_free == [0 if unhealthy else 1000]
 
 
 def test_slices_that_publish_no_nodes_gpus_are_not_read() -> None:

@@ -61,7 +61,9 @@ export function stateBadge(state) {
 }
 
 export const TERMINAL = new Set(['Succeeded', 'Failed', 'Cancelled']);
-export const STATES = ['Queued', 'Dispatched', 'Running', 'Succeeded', 'Failed', 'Cancelled'];
+export const STATES = ['Waiting', 'Queued', 'Dispatched', 'Running', 'Succeeded', 'Failed', 'Cancelled'];
+// not placed yet: `why` says why (a Waiting job: the dependencies it waits for)
+export const UNPLACED = new Set(['Waiting', 'Queued']);
 
 // A job record as one row of the jobs table (the same columns the CLI shows and more).
 export function rowOf(record, now = Date.now()) {

@@ -1,7 +1,7 @@
 // A job: its facts, why it waits (per cluster), its pods (node, GPU indices), the timeline
 // of its events, its spec as YAML, the link to its trace, and Cancel for one's own jobs.
 import * as api from './api.js';
-import { clear, duration, h, rowOf, stateBadge, TERMINAL, timeEl, when } from './dom.js';
+import { clear, duration, h, rowOf, stateBadge, TERMINAL, timeEl, UNPLACED, when } from './dom.js';
 import { toYaml } from './yaml.js';
 
 function traceLink(ctx, record) {
@@ -82,7 +82,7 @@ export function render(main, ctx, jobId) {
   main.append(h('p', {}, h('a', { href: '#/jobs' }, '← Jobs')), heading, status, body);
 
   async function askWhy() {
-    if (!record || record.status.state !== 'Queued') {
+    if (!record || !UNPLACED.has(record.status.state)) {
       why = null;
       return;
     }
@@ -176,7 +176,7 @@ export function render(main, ctx, jobId) {
   const ticker = setInterval(async () => {
     ticks += 1;
     if (confirming || body.contains(document.activeElement)) return;
-    const queued = record?.status.state === 'Queued';
+    const queued = UNPLACED.has(record?.status.state);
     // every second while a queued job's reasons are not known yet (no cycle planned it)
     if (ticks % 5 && !(queued && !why?.reasons?.length)) return;
     if (queued) await askWhy();
@@ -189,8 +189,9 @@ export function render(main, ctx, jobId) {
         if (name === 'job') record = data;
         if (record && TERMINAL.has(record.status.state)) status.textContent = '';
         else record = await api.get(`/v1/jobs/${encodeURIComponent(jobId)}`).catch(() => record);
-        if (record?.status.state === 'Queued' && Date.now() - whyAsked > 1000) await askWhy();
-        else if (record?.status.state !== 'Queued') why = null;
+        const unplaced = UNPLACED.has(record?.status.state);
+        if (unplaced && Date.now() - whyAsked > 1000) await askWhy();
+        else if (!unplaced) why = null;
         draw();
       }
     },
