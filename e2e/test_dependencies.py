@@ -61,7 +61,8 @@ async def test_a_dependent_job_starts_after_its_dependency_succeeded_and_fails_w
 ) -> None:
     path = tmp_path / "h100.journal"
     await start(fleet, path)
-    prep = make_job("prep", gpus=8).model(H100).duration(1.0)
+    # long enough that the CLI (a process of its own) still finds train Waiting on a loaded CI
+    prep = make_job("prep", gpus=8).model(H100).duration(8.0)
     train = make_job("train", gpus=8).model(H100).duration(0.2).document()
     train["spec"]["dependsOn"] = [{"job": "prep"}]
     broken = make_job("broken", gpus=8).model(H100).duration(0.2).outcome("Failed:Error")
