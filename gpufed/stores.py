@@ -6,7 +6,7 @@ locked, beside the running broker), and they need the access an operator of the 
 (the file, or etcd's endpoints, with the broker's --etcd-* flags for TLS and an etcd user),
 not a token. Failures are one line on stderr, exit code 1.
 
-- `backup OUT`: a consistent copy of an SQLite store (`broker.state.sqlite.backup`, sqlite's
+- `backup OUT`: a consistent copy of an SQLite store (`broker.state.sqlite_backup`, sqlite's
   online backup), also while the broker writes; an etcd store is backed up with
   `etcdctl snapshot save` (etcd's own consistent snapshot) and refused here.
 - `quarantine`: the records set aside because they do not parse (`broker.state.quarantine`):
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from broker.state import errors, etcd_credentials, opening, quarantine, sqlite
+from broker.state import errors, etcd_credentials, opening, quarantine, sqlite_backup
 from gpufed import tables
 
 
@@ -40,7 +40,7 @@ def backup_command(store_url: str, out: str) -> int:
         path = opening.parse_sqlite_path(store_url)
         if path == ":memory:":
             return _fail("backup", "an in-memory store has nothing to back up")
-        copied = sqlite.backup(path, out)
+        copied = sqlite_backup.backup(path, out)
     except (ValueError, errors.StoreError) as exc:
         return _fail("backup", exc)
     print(

@@ -30,7 +30,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from broker import app as broker_app
 from broker.api import status
 from broker.http import keys
-from broker.state import errors, opening, quarantine, records, sqlite, store
+from broker.state import errors, opening, quarantine, records, sqlite, sqlite_backup, store
 from tests import etcdserver
 from tests.builders import make_job
 
@@ -375,7 +375,7 @@ async def test_a_backup_taken_while_writes_go_on_has_every_committed_job(
         while len(committed) < 500:
             await asyncio.sleep(0.01)
         before = list(committed)
-        copied = await asyncio.to_thread(sqlite.backup, kv.path, tmp_path / "copy.db")
+        copied = await asyncio.to_thread(sqlite_backup.backup, kv.path, tmp_path / "copy.db")
         during = len(committed)
         await asyncio.sleep(0.05)  # writes go on after the copy, too
     finally:
