@@ -211,6 +211,16 @@ def label_value_problem(value: object) -> str | None:
     return None
 
 
+def labels_problem(labels: Mapping[Any, Any]) -> tuple[Any, Any, str] | None:
+    """The first entry of `labels` that is not a Kubernetes label, as (key, value, why), or
+    None when every one is."""
+    for key, value in labels.items():
+        problem = label_key_problem(key) or label_value_problem(value)
+        if problem is not None:
+            return key, value, problem
+    return None
+
+
 class _Reader:
     def __init__(self) -> None:
         self.problems: list[Problem] = []

@@ -130,11 +130,8 @@ class LabelSelector(_Strict):
     @field_validator("match_labels")
     @classmethod
     def _labels(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
-        if policies.at_submit(info):
-            for key, item in value.items():
-                problem = affinity.label_key_problem(key) or affinity.label_value_problem(item)
-                if problem is not None:
-                    raise ValueError(problem)
+        if policies.at_submit(info) and (found := affinity.labels_problem(value)) is not None:
+            raise ValueError(found[2])
         return value
 
     def requirements(self) -> tuple[affinity.Requirement, ...]:

@@ -114,10 +114,9 @@ class ClusterSummary(_Model):
     @field_validator("labels")
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
-        for key, item in value.items():
-            problem = affinity.label_key_problem(key) or affinity.label_value_problem(item)
-            if problem is not None:
-                raise ValueError(f"labels: {problem}")
+        found = affinity.labels_problem(value)
+        if found is not None:
+            raise ValueError(f"labels: {found[2]}")
         return value
 
     def model(self, name: str) -> ModelSummary | None:

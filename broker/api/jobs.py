@@ -77,10 +77,9 @@ def _check_dns_label(value: str) -> str:
 
 
 def _check_labels(labels: Mapping[str, str]) -> None:
-    for key, value in labels.items():
-        problem = affinity.label_key_problem(key) or affinity.label_value_problem(value)
-        if problem is not None:
-            raise ValueError(problem)
+    found = affinity.labels_problem(labels)
+    if found is not None:
+        raise ValueError(found[2])
 
 
 def _check_annotations(annotations: Mapping[str, str]) -> None:

@@ -192,10 +192,10 @@ class AgentSettings(BaseModel):
     @field_validator("cluster_labels")
     @classmethod
     def _cluster_labels(cls, value: dict[str, str]) -> dict[str, str]:
-        for key, item in value.items():
-            problem = affinity.label_key_problem(key) or affinity.label_value_problem(item)
-            if problem is not None:
-                raise ValueError(f"cluster label {key}={item}: {problem}")
+        found = affinity.labels_problem(value)
+        if found is not None:
+            key, item, problem = found
+            raise ValueError(f"cluster label {key}={item}: {problem}")
         return value
 
     def health_settings(self) -> gpuhealth.HealthSettings:
