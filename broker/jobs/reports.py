@@ -213,7 +213,8 @@ class AgentReports:
         )
         if newer:
             draft.status.last_checkpoint = checkpoint
-        if pods:
+        moved_pods = bool(pods) and list(pods) != draft.status.pods
+        if moved_pods:
             draft.status.pods = list(pods)
         current = draft.status.state
         if state == JobState.RUNNING and current != JobState.RUNNING:
@@ -226,8 +227,8 @@ class AgentReports:
             self._stopped(draft, reason or "Evicted", text)
         elif state == JobState.QUEUED:
             transitions.requeue(draft, reason or "Requeued", text)
-        elif not pods and not newer:
-            return False
+        elif not moved_pods and not newer:
+            return False  # what the broker knows already (a report sent again, a hello)
         return True
 
     def _stopped(self, draft: status.JobRecord, reason: str, text: str) -> None:
@@ -255,18 +256,27 @@ class AgentReports:
                     if not job.state.terminal:
                         await self._cancel_stale(cluster.name, job.job_id, job.epoch, job.attempt)
                     continue
-                draft = drafts[job.job_id] = book.draft_of(record)
-                draft.status.epoch = cluster.epoch
+                # written only if the agent's account changes it: a reconnect of an agent
+                # holding thousands of jobs in step with the broker writes none of them
+                draft = book.draft_of(record)
+                changed = False
                 if transitions.is_waiting_for_cluster(record):
                     back = f"{cluster.name} is back, still holding the job"
                     transitions.move(draft, record.status.state, transitions.CLUSTER_RETURNED, back)
+                    changed = True
                 if draft.status.cancel_requested and not job.state.terminal:
                     cancels.append((job.job_id, job.attempt))
                 elif job.state in (JobState.QUEUED, JobState.DISPATCHED):
-                    draft.status.pods = list(job.pods) or draft.status.pods
+                    if job.pods and list(job.pods) != draft.status.pods:
+                        draft.status.pods = list(job.pods)
+                        changed = True
                 else:
                     reason = job.reason or "Reconciled"
-                    self._update(draft, job.state, reason, "state reported on reconnect", job.pods)
+                    text = "state reported on reconnect"
+                    changed = self._update(draft, job.state, reason, text, job.pods) or changed
+                if changed:
+                    draft.status.epoch = cluster.epoch  # the session it was last reconciled in
+                    drafts[job.job_id] = draft
             for record in self.book.on_cluster(cluster.name):
                 if record.status.state not in book.HOLDING or record.id in held:
                     continue

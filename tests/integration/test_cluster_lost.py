@@ -208,3 +208,21 @@ def test_the_example_job_that_waits_for_its_cluster_is_valid() -> None:
     path = Path(__file__).resolve().parents[2] / "config/examples/train-waits-for-its-cluster.yaml"
     job = jobs.validate_submitted(yaml.safe_load(path.read_text()))
     assert job.spec.cluster_lost == jobs.ClusterLostPolicy.WAIT
+
+
+async def test_a_hello_in_step_with_the_broker_writes_no_record(broker: Broker) -> None:
+    """A reconnect of an agent holding its jobs as the broker has them rewrites none of them
+    (thousands held: thousands of writes for nothing); a job the hello moves is written."""
+    before = {job_id: broker.jobs.book.revision_of(job_id) for job_id in ("requeued", "waits")}
+    pods = list(broker.get("requeued").status.pods)
+    east = await broker.fleet.attach("east", Link(), epoch=2)
+    held = [
+        messages.AgentJob(job_id="requeued", epoch=1, state=State.RUNNING, pods=pods),
+        messages.AgentJob(job_id="waits", epoch=1, state=State.SUCCEEDED),
+    ]
+    await broker.jobs.reports.hello(east, messages.Hello(cluster="east", jobs=held))
+    assert broker.jobs.book.revision_of("requeued") == before["requeued"]
+    assert broker.get("requeued").status.epoch == 1  # the session it was last written in
+    finished = broker.get("waits")
+    assert broker.jobs.book.revision_of("waits") > before["waits"]
+    assert (finished.status.state, finished.status.epoch) == (State.SUCCEEDED, 2)

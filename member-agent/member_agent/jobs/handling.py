@@ -221,10 +221,11 @@ class JobHandler:
         except jobs.ShapeError as exc:
             return Rejection("invalid", [str(exc)])
         namespace = offer.job.metadata.namespace
+        limited = self.limits.gpu_limit(namespace) is not None  # else nothing to count against
         over = limits.check_gpus(
             self.limits,
             namespace,
-            in_use=self.table.gpus_in_use(namespace),
+            in_use=self.table.gpus_in_use(namespace) if limited else 0,
             asked=request.gpus,
             quotas=self.backend.gpu_quotas(namespace),
         )
