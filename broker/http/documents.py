@@ -50,46 +50,75 @@ def _parse(text: str, *, yaml_body: bool) -> Any:
 
 def check_tree(document: Any, *, path: str = "") -> None:
     """Raise Malformed naming the first place where `document` is out of bounds; `path`:
-    where `document` is in the body (a batch's `items[3].job`), its depth counted from it."""
-    stack: list[tuple[Any, str, int]] = [(document, path, 0)]
+    where `document` is in the body (a batch's `items[3].job`), its depth counted from it.
+    A place's path is spelled only when something is wrong there (a submit's dozens of keys
+    and values cost a path each otherwise)."""
+    # (value, its key or index, the entry of its parent, depth): a path is a chain of these
+    stack: list[tuple[Any, str | int | None, tuple[Any, ...] | None, int]] = [
+        (document, None, None, 0)
+    ]
     while stack:
-        value, path, depth = stack.pop()
+        entry = stack.pop()
+        value, _, _, depth = entry
         if depth > MAX_DEPTH:
+            where = _path_of(entry, path)
             raise errors.Malformed(
-                f"{path or 'body'}: nested more than {MAX_DEPTH} levels deep",
-                field=path or None,
+                f"{where or 'body'}: nested more than {MAX_DEPTH} levels deep",
+                field=where or None,
                 title="Body too deep",
             )
         if isinstance(value, dict):
             for key, item in value.items():
                 name = key if isinstance(key, str) else str(key)
-                _check_text(name, f"{path}.{name}" if path else name)
-                stack.append((item, f"{path}.{name}" if path else name, depth + 1))
+                child = (item, name, entry, depth + 1)
+                if not name.isascii():
+                    _check_text(name, _path_of(child, path))
+                stack.append(child)
         elif isinstance(value, list):
             for index, item in enumerate(value):
-                stack.append((item, f"{path}[{index}]", depth + 1))
+                stack.append((item, index, entry, depth + 1))
         elif isinstance(value, str):
-            _check_text(value, path)
+            if not value.isascii():
+                _check_text(value, _path_of(entry, path))
         elif isinstance(value, bool) or value is None:
             continue
         elif isinstance(value, int):
-            if len(str(abs(value))) > MAX_INT_DIGITS:
+            if value.bit_length() > 60 and len(str(abs(value))) > MAX_INT_DIGITS:
+                where = _path_of(entry, path)
                 raise errors.Malformed(
-                    f"{path}: an integer of more than {MAX_INT_DIGITS} digits",
-                    field=path or None,
+                    f"{where}: an integer of more than {MAX_INT_DIGITS} digits",
+                    field=where or None,
                     title="Number too large",
                 )
         elif isinstance(value, float):
             if not math.isfinite(value):
+                where = _path_of(entry, path)
                 raise errors.Malformed(
-                    f"{path}: not a finite number", field=path or None, title="Bad number"
+                    f"{where}: not a finite number", field=where or None, title="Bad number"
                 )
         else:  # YAML dates, bytes, sets: not JSON, not ours
+            where = _path_of(entry, path)
             raise errors.Malformed(
-                f"{path}: a {type(value).__name__} is not a JSON value",
-                field=path or None,
+                f"{where}: a {type(value).__name__} is not a JSON value",
+                field=where or None,
                 title="Bad value",
             )
+
+
+def _path_of(entry: tuple[Any, ...], root: str) -> str:
+    """The path of a `check_tree` entry: `spec.tasks[0].name`, from `root` on."""
+    steps: list[str | int] = []
+    node: tuple[Any, ...] | None = entry
+    while node is not None and node[1] is not None:
+        steps.append(node[1])
+        node = node[2]
+    out = root
+    for step in reversed(steps):
+        if isinstance(step, int):
+            out = f"{out}[{step}]"
+        else:
+            out = f"{out}.{step}" if out else step
+    return out
 
 
 def _check_text(text: str, path: str) -> None:

@@ -47,7 +47,12 @@ _ITEM_FIELDS = frozenset({"job", "idempotencyKey"})
 def new_job_id(name: str, *, length: int = 59) -> str:
     """A new id from a name: at most `length` characters, 8 random ones at the end."""
     head = name[: length - 9].rstrip("-")
-    return f"{head}-{''.join(secrets.choice(_ID_CHARS) for _ in range(8))}"
+    number = secrets.randbelow(len(_ID_CHARS) ** 8)  # one draw, not one per character
+    tail = []
+    for _ in range(8):
+        number, digit = divmod(number, len(_ID_CHARS))
+        tail.append(_ID_CHARS[digit])
+    return f"{head}-{''.join(tail)}"
 
 
 # ---- what both routes check and make ----------------------------------------------------------

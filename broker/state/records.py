@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from broker.api import errors as api_errors
-from broker.api import jobs, status
+from broker.api import jobs, memo, status
 from broker.state import errors, quarantine, store
 
 logger = logging.getLogger(__name__)
@@ -116,10 +116,22 @@ def decode_idempotency(key: str, value: bytes, revision: int) -> IdempotencyEntr
     )
 
 
+# each live job spec's JSON, written once: a record is written at submit, at dispatch and at
+# every report, its spec (never changed after submit, shared by every draft) the same each time
+_SPECS: memo.PerObject[jobs.GPUJob, str] = memo.PerObject()
+
+
 def encode(record: status.JobRecord) -> bytes:
     """The stored bytes, without the fields at their defaults: a record of a job that uses no
-    newer feature stays readable by the previous release (a rolling upgrade runs both)."""
-    return record.model_dump_json(by_alias=True, exclude_defaults=True).encode()
+    newer feature stays readable by the previous release (a rolling upgrade runs both).
+    The spec's part is written once per spec (`_SPECS`), the rest each time."""
+    rest = record.model_dump_json(by_alias=True, exclude_defaults=True, exclude={"job"})
+    spec = _SPECS.get(record.job, _spec_json)
+    return f'{rest[:-1]},"job":{spec}}}'.encode()
+
+
+def _spec_json(job: jobs.GPUJob) -> str:
+    return job.model_dump_json(by_alias=True, exclude_defaults=True)
 
 
 @dataclass(frozen=True)

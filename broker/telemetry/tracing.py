@@ -35,10 +35,14 @@ PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class PresetIdGenerator(IdGenerator):
-    """Random ids, except inside `preset_ids(...)`, where the next span takes the given ones."""
+    """Random ids, except inside `preset_ids(...)`, where the next span takes the given ones.
+
+    Drawn from a generator seeded once from the OS, as the SDK's own `RandomIdGenerator`
+    draws from `random`: ids must not repeat, not be secret, and a system call per id (five
+    spans and more a job) cost more than the rest of choosing it."""
 
     def __init__(self) -> None:
-        self._random = random.SystemRandom()
+        self._random = random.Random(os.urandom(32))
 
     def generate_span_id(self) -> int:
         preset = _PRESET.get()

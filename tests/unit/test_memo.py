@@ -1,0 +1,60 @@
+"""memo.PerObject and its two users: a job's gang read once, a job's spec written once."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+from broker.api import gangs, memo, status
+from broker.jobs import book
+from broker.state import records
+from tests.builders import make_job
+
+
+class Thing:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_a_value_is_computed_once_per_object_and_goes_with_it() -> None:
+    values: memo.PerObject[Thing, int] = memo.PerObject()
+    computed: list[int] = []
+
+    def compute(thing: Thing) -> int:
+        computed.append(thing.value)
+        return thing.value * 10
+
+    first, twin = Thing(1), Thing(1)
+    assert (values.get(first, compute), values.get(first, compute)) == (10, 10)
+    assert values.get(twin, compute) == 10  # equal, not the same: its own
+    assert computed == [1, 1] and len(values) == 2
+    del first
+    gc.collect()
+    assert len(values) == 1
+
+
+def test_a_gang_is_read_once_per_job_id_and_attempt() -> None:
+    job = make_job("g", gpus=2).build()
+    request = gangs.gang_request("g-1", job)
+    assert gangs.gang_request("g-1", job) is request
+    again = gangs.gang_request("g-1", job, attempt=2)
+    assert again is not request and again.attempt == 2
+    assert [pod for pod, _, _ in again.pod_names()] == ["g-1-worker-0-a2"]
+    assert gangs.gang_request("g-2", job).job_id == "g-2"
+
+
+def test_a_record_written_with_its_spec_known_is_what_it_was_written_as_before() -> None:
+    """The spec's JSON, written once, and the rest written every time: the same document as
+    one dump of the whole record, after the status changed too."""
+    record = status.JobRecord(id="w-1", tenant="t", job=make_job("w", gpus=1).build())
+    record.record(status.JobState.QUEUED, "Submitted", "accepted by the broker")
+    first = records.encode(record)
+    draft = book.draft_of(record)  # shares the spec object
+    draft.record(status.JobState.DISPATCHED, "Dispatched", "to east")
+    draft.status.cluster = "east"
+    for written in (first, records.encode(draft)):
+        assert written.startswith(b"{")
+    whole = draft.model_dump_json(by_alias=True, exclude_defaults=True)
+    assert json.loads(records.encode(draft)) == json.loads(whole)
+    assert records.decode_record(records.job_key("w-1"), records.encode(draft)) == draft
+    assert [e["reason"] for e in json.loads(first)["status"]["events"]] == ["Submitted"]
