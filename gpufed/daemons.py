@@ -212,7 +212,15 @@ def add_agent_parser(sub: Any) -> None:
         type=int,
         default=2,
         metavar="N",
-        help="GPU failures on one node (since the agent started) before --auto-cordon cordons it",
+        help="GPU failures on one node within --cordon-window before --auto-cordon cordons it "
+        "(GPUs already unhealthy when the agent starts are not counted)",
+    )
+    agent.add_argument(
+        "--cordon-window",
+        type=duration,
+        default=3600.0,
+        metavar="SECONDS",
+        help="only GPU failures this recent count toward --cordon-after (3600: 1h; 30m, 2h)",
     )
     agent.add_argument(
         "--gpu-health-taint",
@@ -536,6 +544,7 @@ def agent_settings(args: argparse.Namespace) -> Any:
             "shared_gpu_resource": args.shared_gpu_resource,
             "auto_cordon": args.auto_cordon,
             "cordon_after": args.cordon_after,
+            "cordon_window_seconds": args.cordon_window,
             "gpu_health_taints": args.gpu_health_taints,
             "gpu_health_labels": args.gpu_health_labels,
             "gpu_health_conditions": args.gpu_health_conditions,

@@ -12,7 +12,8 @@ The gaps of kmock 0.8 (see DEPENDENCIES.md) closed here, in a subclass:
 - `break_watches()` ends every open watch stream, as a proxy or an API server restart would;
 - `fail(...)` makes the n-th matching request fail before it changes anything;
 - `v1/resourcequotas` is declared from the start (the backend lists them in every allowed
-  namespace, and a kind nobody declared is 404 on kmock, never on a real API server).
+  namespace, and a kind nobody declared is 404 on kmock, never on a real API server), and so
+  is `events.k8s.io/v1/events` (the agent records Events on Nodes; `events()` reads them).
 
 Dynamic Resource Allocation (`declare_dra`): `resource.k8s.io` is served in the versions asked
 for (v1 as 1.34, v1beta2 as 1.33), its APIGroup also at `/apis/resource.k8s.io/` (the path
@@ -57,6 +58,7 @@ H100 = "NVIDIA-H100-80GB-HBM3"
 _BREAK = object()
 PODS = kmock.resource("v1/pods")
 QUOTAS = "v1/resourcequotas"
+EVENTS = "events.k8s.io/v1/events"
 RESOURCE_GROUP = "resource.k8s.io"
 DRA_DRIVER = "gpu.nvidia.com"
 H100_PRODUCT = "NVIDIA H100 80GB HBM3"
@@ -109,6 +111,7 @@ class Emulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._buses = _Recorders(self)  # type: ignore[assignment]
         self.resources[QUOTAS] = kmock.ResourceInfo(kind="ResourceQuota", namespaced=True)
+        self.resources[EVENTS] = kmock.ResourceInfo(kind="Event", namespaced=True)
 
     # -- the adapted server ------------------------------------------------------------------
 
@@ -378,6 +381,14 @@ class Emulator(kmock.KubernetesEmulator):
             if resource.plural == "pods" and not obj.deleted
         ]
 
+    def events(self) -> list[dict[str, Any]]:
+        """The events.k8s.io Events there are, as stored."""
+        return [
+            obj.raw
+            for (resource, _, _), obj in self.objects.items()
+            if resource.group == "events.k8s.io" and resource.plural == "events" and not obj.deleted
+        ]
+
     def claims(self) -> list[dict[str, Any]]:
         """The ResourceClaims there are (of every version), as stored."""
         return [
@@ -539,11 +550,14 @@ def slice_body(
     mig: int = 0,
     name: str | None = None,
     tainted: tuple[int, ...] = (),
+    mig_profile: str = "1g.10gb",
+    mig_parent: int | None = None,
 ) -> dict[str, Any]:
     """A node's ResourceSlice as NVIDIA's k8s-dra-driver-gpu publishes it: one device per GPU
     named `gpu-<minor>`, its type, UUID, product, versions and PCI bus, its memory a capacity
     (`publish_index`: also the `index` attribute older drivers published; `mig`: MIG devices
-    too, which are not whole GPUs)."""
+    too, which are not whole GPUs, of `mig_profile` on GPU `mig_parent`: by default the one
+    after the whole GPUs, which is then not published whole; their `parentUUID` its UUID)."""
     devices = []
     for i in indices if indices is not None else range(gpus):
         attributes: dict[str, Any] = {
@@ -573,14 +587,18 @@ def slice_body(
                 {"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoSchedule"}
             ]
         devices.append(device)
+    parent = gpus if mig_parent is None else mig_parent
     for m in range(mig):
         devices.append(
             {
-                "name": f"gpu-{gpus}-mig-19-{m}-1",
+                "name": f"gpu-{parent}-mig-19-{m}-1",
                 "attributes": {
                     "type": {"string": "mig"},
                     "uuid": {"string": f"MIG-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node}/mig{m}')}"},
-                    "profile": {"string": "1g.10gb"},
+                    "parentUUID": {
+                        "string": f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node}/{parent}')}"
+                    },
+                    "profile": {"string": mig_profile},
                     "productName": {"string": product},
                 },
                 "capacity": {"memory": {"value": "9984Mi"}},

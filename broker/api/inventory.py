@@ -1,7 +1,8 @@
 """The GPU inventory summary an agent reports: enough for the broker to pick a cluster.
 
 Per GPU model: how many nodes have exactly k whole GPUs free (k = 0..8), the largest free
-NVLink block, per-rack shapes, and CPU/memory headroom. The broker never sees node lists.
+NVLink block, per-rack shapes, and CPU/memory headroom; MIG devices per profile (`mig`,
+protocol 7: how many nodes have exactly k free). The broker never sees node lists.
 
 A summary is checked whole when it is decoded (the broker takes it from an agent it does not
 trust to be bug-free): counts are non-negative and bounded, the histograms agree with the
@@ -22,6 +23,8 @@ MAX_COUNT = 10**9  # nodes, GPUs: far above any fleet
 MAX_GPUS_PER_NODE = 1024
 MAX_MILLI = 10**15
 MAX_LABELS = 64
+MAX_MIG_PER_NODE = 1024  # MIG devices of one profile on one node
+MAX_MIG_PROFILES = 64
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Milli = Annotated[int, Field(ge=0, le=MAX_MILLI)]
 Name = Annotated[str, Field(max_length=MAX_NAME)]
@@ -29,6 +32,23 @@ Name = Annotated[str, Field(max_length=MAX_NAME)]
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class MIGSummary(_Model):
+    """The MIG devices of one profile on a model's nodes: nodes_by_free[k] = ready,
+    schedulable nodes with exactly k of them free (k = 0 .. the most on one node)."""
+
+    total: Count = 0
+    free: Count = 0
+    nodes_by_free: list[Count] = Field(default_factory=list, max_length=MAX_MIG_PER_NODE + 1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MIGSummary:
+        if self.free > self.total:
+            raise ValueError("free: more free MIG devices than total")
+        if sum(k * n for k, n in enumerate(self.nodes_by_free)) > self.free:
+            raise ValueError("nodes_by_free: more free MIG devices than free")
+        return self
 
 
 class ModelSummary(_Model):
@@ -48,6 +68,9 @@ class ModelSummary(_Model):
     racks: dict[Name, list[Count]] = Field(default_factory=dict, max_length=100_000)
     max_free_cpu_milli: Milli = 0
     max_free_memory_mib: Milli = 0
+    # MIG devices by profile (protocol 7, only to a broker that reads it: None is left out of
+    # the frame); absent: none, or an older agent
+    mig: dict[Name, MIGSummary] | None = Field(None, max_length=MAX_MIG_PROFILES)
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSummary:
@@ -78,6 +101,9 @@ class ModelSummary(_Model):
                 raise ValueError(f"racks.{rack}: more nodes than nodes_by_free")
             if len(histogram) < width:
                 histogram.extend([0] * (width - len(histogram)))
+        for profile, slices in (self.mig or {}).items():
+            if sum(slices.nodes_by_free) > self.nodes:
+                raise ValueError(f"mig.{profile}.nodes_by_free: more nodes than the model has")
         return self
 
 

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from broker.api import affinity, arrays, clusterchoice, dependencies, policies
+from broker.api import affinity, arrays, clusterchoice, dependencies, mig, policies
 
 # the policies live in `policies`; their names here too, as `jobs.ClusterLostPolicy` is read
 ClusterLostPolicy = policies.ClusterLostPolicy
@@ -330,7 +330,8 @@ class GPUJob(_Strict):
             _check_sequencing(self)
         gpus = 0
         for index, task in enumerate(self.spec.tasks):
-            gpus += shape_of(task, where=f"spec.tasks[{index}]", strict=strict).gpus
+            shape = shape_of(task, where=f"spec.tasks[{index}]", strict=strict)
+            gpus += shape.gpus + shape.mig_slices
         if gpus == 0:
             raise ValueError(
                 f"spec.tasks[0].template.spec.containers[0].resources.limits[{GPU_RESOURCE}]: "
@@ -360,12 +361,15 @@ class PodShape(BaseModel):
     `models` lists the GPU models (product label values) the pod may use, when its selector
     names them (empty: any); `selector` is the rest of its node selection, when there is more
     to it than `models` (e.g. `NotIn`, or a label other than the GPU model). `admits_model`
-    says whether a node of a model may take the pod as far as the model tells."""
+    says whether a node of a model may take the pod as far as the model tells. A pod of MIG
+    slices (`broker.api.mig`) has no `gpus`: `mig_slices` slices of profile `mig_profile`."""
 
     model_config = ConfigDict(frozen=True)
 
     gpus: int
     gpu_milli: int = 1000
+    mig_profile: str = ""
+    mig_slices: int = 0
     models: tuple[str, ...] = ()
     min_gpu_memory_mib: int = 0
     cpu_milli: int = 0
@@ -375,6 +379,11 @@ class PodShape(BaseModel):
     @property
     def gpu_milli_total(self) -> int:
         return self.gpus * self.gpu_milli
+
+    @property
+    def uses_gpus(self) -> bool:
+        """Whole GPUs, a share of one or MIG slices: not a CPU-only pod."""
+        return bool(self.gpus or self.mig_slices)
 
     def admits_model(self, model: str) -> bool:
         if self.models and model not in self.models:
@@ -557,10 +566,25 @@ def shape_of(task: Task, *, where: str = "task", strict: bool = False) -> PodSha
                 f"{awhere}: a duration such as 12, 1.5, 30s, 5m or 2h, at most "
                 f"{MAX_SIM_SECONDS} seconds, got {raw!r}"
             )
+    try:
+        profile, slices = mig.read_request(
+            [
+                (f"{where}.template.spec.containers[{ci}].resources", c.resources.limits,
+                 c.resources.requests)
+                for ci, c in enumerate(spec.containers)
+            ],
+            annotations, gpus=gpus, where=where, strict=strict,
+        )  # fmt: skip
+    except mig.Problem as exc:
+        raise ShapeError(str(exc)) from None
+    if profile and gpus:  # gpufed.io/mig-profile with nvidia.com/gpu: N slices of the profile
+        gpus, milli = 0, 1000
     models, selector = _selection(spec, where, strict=strict)
     return PodShape(
         gpus=gpus,
         gpu_milli=milli if gpus else 0,
+        mig_profile=profile,
+        mig_slices=slices,
         models=models,
         min_gpu_memory_mib=min_mem,
         cpu_milli=cpu,

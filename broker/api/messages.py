@@ -50,6 +50,12 @@ without the field is a cluster without labels. An offer leaves `spec.clusters` o
 GPU health (protocol 6): the agent's summaries carry `ClusterSummary.gpu_health` (its
 unhealthy GPUs and the nodes it cordoned for GPU failures) only to a broker whose welcome says
 `v` >= `GPU_HEALTH_SINCE`; to an older one the field is left out (None is not encoded).
+
+MIG (protocol 7): each model of a summary may carry `ModelSummary.mig`, its MIG devices per
+profile (total, free, nodes by free), only to a broker whose welcome says `v` >= `MIG_SINCE`;
+to an older one, which forbids unknown fields, the field is left out (None), and that broker
+sends no MIG job anywhere (it cannot tell where the slices are). A summary without the field
+is a model without MIG devices: a newer broker sends an older agent no MIG job.
 """
 
 from __future__ import annotations
@@ -65,12 +71,13 @@ from broker.api import inventory, jobs, policies, status
 # every number on the wire is bounded (int64): a frame with a larger one is refused
 WireInt = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, Field(ge=1, le=2**63 - 1)]
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 ACKS_SINCE = 2  # the protocol version from which brokers acknowledge final reports
 LEASE_SINCE = 3  # the protocol version from which agents read the broker's grace in welcome
 CHECKPOINTS_SINCE = 4  # the protocol version from which brokers read `JobUpdate.checkpoint`
 LABELS_SINCE = 5  # the protocol version from which brokers read `ClusterSummary.labels`
 GPU_HEALTH_SINCE = 6  # the protocol version from which brokers read `ClusterSummary.gpu_health`
+MIG_SINCE = 7  # the protocol version from which brokers read `ModelSummary.mig`
 
 
 class _Msg(BaseModel):

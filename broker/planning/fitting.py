@@ -10,6 +10,12 @@ A GPU pod may use a model its node selection admits (`PodShape.admits_model`: th
 `nodeSelector` and required node affinity on the GPU product label, with Kubernetes operators;
 requirements on other labels are the agent's to judge). A CPU-only pod is judged by its
 `models` alone: the broker does not see the CPU-only nodes such a selector may point at.
+
+A pod of MIG slices (`PodShape.mig_slices` of `mig_profile`) takes a node with that many free
+devices of its profile from the model's MIG histogram (`ModelCapacity.mig`, from the agent's
+summary), the fullest that still has room, as whole-GPU pods do; a cluster whose summary shows
+no such node does not fit. MIG devices are counted per model, not per rack: a gang's MIG pods
+are not held to one rack.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ class Take:
     gpus: int
     shared_milli: int = 0  # milli taken from partly used GPUs
     adds_shared: int = 0  # milli a sharing pod leaves free on the whole GPU it opened
+    mig_profile: str = ""  # a MIG pod: `mig_slices` devices of this profile from a node that
+    mig_slices: int = 0  # had `from_free` of them free
+
+    @property
+    def leftover(self) -> int:
+        """What the pod leaves free on its node: GPUs, or MIG devices of its profile."""
+        return self.from_free - (self.mig_slices or self.gpus)
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,7 @@ def _eligible_models(
 
 def _admits(shape: jobs.PodShape, model: str) -> bool:
     """A GPU pod: what its node selection admits; a CPU-only pod: its `models` alone."""
-    if shape.gpus:
+    if shape.uses_gpus:
         return shape.admits_model(model)
     return not shape.models or model in shape.models
 
@@ -92,7 +105,7 @@ def _take_whole(hist: list[int], gpus: int, *, max_block: int | None = None) -> 
 
 def _pods_by_size(request: gangs.GangRequest) -> list[jobs.PodShape]:
     shapes = [shape for _, replicas, shape in request.tasks for _ in range(replicas)]
-    return sorted(shapes, key=lambda s: (-s.gpus, -s.gpu_milli))
+    return sorted(shapes, key=lambda s: (-s.gpus, -s.gpu_milli, -s.mig_slices))
 
 
 @dataclass
@@ -130,6 +143,7 @@ def _fit_pods(
         if rack is None or rack in m.racks
     }
     shared = {name: m.shared_free_milli for name, m in cluster.models.items()}
+    mig: dict[str, dict[str, list[int]]] = {}  # scratch MIG histograms, made when first used
     nvlink = gang.nvlink
     takes: list[Take] = []
     for shape in gang.pods:
@@ -142,7 +156,7 @@ def _fit_pods(
                     f"queue here ({'/'.join(m.model for m in _eligible_models(cluster, shape))})",
                     ReasonCode.QUOTA,
                 )
-            if shape.selector is not None and shape.gpus:
+            if shape.selector is not None and shape.uses_gpus:
                 wanted = f"matching {shape.selector.describe()}"
             else:
                 wanted = f"of model {'/'.join(shape.models) or 'any'}"
@@ -155,6 +169,20 @@ def _fit_pods(
         placed = False
         for m in models:
             hist = scratch[m.model]
+            if shape.mig_slices:
+                profiles = mig.get(m.model)
+                if profiles is None:
+                    profiles = mig[m.model] = {p: list(h) for p, h in m.mig.items()}
+                slices = profiles.get(shape.mig_profile)
+                free = _take_whole(slices, shape.mig_slices) if slices else None
+                if free is not None:
+                    takes.append(
+                        Take(m.model, None, free, 0, mig_profile=shape.mig_profile,
+                             mig_slices=shape.mig_slices)
+                    )  # fmt: skip
+                    placed = True
+                    break
+                continue
             if shape.gpus == 0:
                 if sum(hist) > 0:
                     takes.append(Take(m.model, rack, 0, 0))
@@ -182,6 +210,10 @@ def _fit_pods(
                 takes.append(Take(m.model, rack, free, shape.gpus))
                 placed = True
                 break
+        if not placed and shape.mig_slices:
+            return takes, NoFit(
+                cluster.name, _mig_miss(gang, shape, models, rack), ReasonCode.CAPACITY
+            )
         if not placed:
             need = sum(1 for s in gang.pods if s.gpus == shape.gpus)
             where = f" in rack {rack}" if rack else ""
@@ -191,6 +223,25 @@ def _fit_pods(
             )
             return takes, NoFit(cluster.name, text, ReasonCode.CAPACITY)
     return takes, None
+
+
+def _mig_miss(
+    gang: _Gang, shape: jobs.PodShape, models: list[snapshot.ModelCapacity], rack: str | None
+) -> str:
+    """Why the cluster's nodes have no room for the gang's MIG pods of this shape."""
+    need = sum(
+        1
+        for s in gang.pods
+        if (s.mig_profile, s.mig_slices) == (shape.mig_profile, shape.mig_slices)
+    )
+    having = [m.model for m in models if shape.mig_profile in m.mig]
+    where = f" (with the gang's other pods in rack {rack})" if rack else ""
+    if not having:
+        return f"no node with MIG devices of profile {shape.mig_profile}"
+    return (
+        f"needs {need} node(s) with {shape.mig_slices} free MIG device(s) of {shape.mig_profile} "
+        f"on {'/'.join(having)}{where}; not enough free"
+    )
 
 
 def fit_gang(
@@ -206,7 +257,7 @@ def fit_gang(
     takes, miss = _fit_pods(cluster, gang, rack=None, allowed=models)
     if miss is not None:
         return miss  # if the whole cluster cannot hold it, no rack of it can
-    anywhere = Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
+    anywhere = Fit(cluster.name, tuple(takes), sum(t.leftover for t in takes))
     rack_mode = request.topology.rack
     if rack_mode == jobs.TopologyMode.NONE or request.pods <= 1:
         return anywhere
@@ -215,7 +266,7 @@ def fit_gang(
     for rack in racks:
         takes, miss = _fit_pods(cluster, gang, rack=rack, allowed=models)
         if miss is None:
-            fit = Fit(cluster.name, tuple(takes), sum(t.from_free - t.gpus for t in takes))
+            fit = Fit(cluster.name, tuple(takes), sum(t.leftover for t in takes))
             if best is None or fit.leftover < best.leftover:
                 best = fit
                 if fit.leftover == 0:
@@ -235,6 +286,12 @@ def assume(cluster: snapshot.ClusterCapacity, fit: Fit) -> None:
     """Deduct a chosen fit from the cluster's capacity (in place, on the cycle's scratch copy)."""
     for take in fit.takes:
         model = cluster.models[take.model]
+        if take.mig_slices:
+            slices = model.mig.get(take.mig_profile)
+            if slices and take.from_free < len(slices) and slices[take.from_free] > 0:
+                slices[take.from_free] -= 1
+                slices[take.from_free - take.mig_slices] += 1
+            continue
         if take.shared_milli:
             model.shared_free_milli = max(0, model.shared_free_milli - take.shared_milli)
             continue

@@ -26,6 +26,8 @@ class ModelCapacity:
     racks: dict[str, list[int]]
     gpus_per_node: int = 8
     total_gpus: int = 0
+    # MIG devices per profile: nodes_by_free[k] = nodes with exactly k of them free
+    mig: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def from_summary(cls, summary: inventory.ModelSummary) -> ModelCapacity:
@@ -38,6 +40,7 @@ class ModelCapacity:
             racks={rack: list(hist) for rack, hist in summary.racks.items()},
             gpus_per_node=summary.gpus_per_node,
             total_gpus=summary.total_gpus or sum(summary.nodes_by_free) * summary.gpus_per_node,
+            mig={p: list(m.nodes_by_free) for p, m in (summary.mig or {}).items()},
         )
 
     def copy(self) -> ModelCapacity:
@@ -45,6 +48,7 @@ class ModelCapacity:
             self,
             nodes_by_free=list(self.nodes_by_free),
             racks={rack: list(hist) for rack, hist in self.racks.items()},
+            mig={profile: list(hist) for profile, hist in self.mig.items()},
         )
 
     @property

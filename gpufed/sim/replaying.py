@@ -21,7 +21,7 @@ from broker.api.inventory import ClusterSummary
 from broker.planning import planning, snapshot
 from gpufed.sim import traces
 from member_agent.inventory import fragmentation, model, summary
-from member_agent.placement import gang, indexing, scoring
+from member_agent.placement import gang, indexing, ranking, scoring
 
 Progress = Callable[[int, int], None]
 _EPOCH = datetime(2023, 1, 1, tzinfo=UTC)
@@ -36,6 +36,11 @@ class Member:
     index: indexing.FreeIndex
     scorer: scoring.Scorer
     summary: ClusterSummary | None = None
+    rankings: ranking.Rankings | None = None  # the index's orders per pod shape (`ranking`)
+
+    def __post_init__(self) -> None:
+        if self.rankings is None:
+            self.rankings = ranking.Rankings(self.index, self.scorer)
 
 
 @dataclass
@@ -126,7 +131,11 @@ class Federation:
                 return None
             member = ranked[0]
             result = gang.place_gang(
-                member.inventory, request, policy=member.scorer, index=member.index
+                member.inventory,
+                request,
+                policy=member.scorer,
+                index=member.index,
+                rankings=member.rankings,
             )
             if isinstance(result, gang.GangPlacement):
                 placed = result.pods[0]
@@ -162,7 +171,10 @@ class Federation:
             node.model, node.gpu_free, node.cpu_free, node.memory_free
         )
         member.inventory.apply(
-            placed.placement, cpu_milli=placed.shape.cpu_milli, memory_mib=placed.shape.memory_mib
+            placed.placement,
+            cpu_milli=placed.shape.cpu_milli,
+            memory_mib=placed.shape.memory_mib,
+            mig=placed.mig,
         )
         self._changed(member, node, before)
 
@@ -176,6 +188,8 @@ class Federation:
 
     def _changed(self, member: Member, node: model.Node, before: float) -> None:
         member.index.refresh(node)
+        if member.rankings is not None:
+            member.rankings.refresh(member.index.entries[node.name])
         self.frag += (
             self.workload.node_fragmentation(
                 node.model, node.gpu_free, node.cpu_free, node.memory_free

@@ -43,7 +43,10 @@ from member_agent.utilisation import scraping
 logger = logging.getLogger(__name__)
 
 # the ResourceSlice attributes (and the memory capacity) whose names DRA mode can be told
-DRA_ATTRIBUTES = ("index", "uuid", "product", "memory", "clique", "type")
+DRA_ATTRIBUTES = (
+    *("index", "uuid", "product", "memory", "clique", "type"),
+    *("profile", "parent_index", "parent_uuid"),  # MIG devices
+)
 
 
 class BackoffSettings(BaseModel):
@@ -131,8 +134,12 @@ class AgentSettings(BaseModel):
     )
     cordon_after: Annotated[int, Field(ge=1)] = Field(
         gpuhealth.DEFAULT_CORDON_AFTER,
-        description="GPU failures on one node (since the agent started) before auto_cordon "
-        "cordons it",
+        description="GPU failures on one node within cordon_window_seconds before auto_cordon "
+        "cordons it (GPUs already unhealthy when the agent starts are not counted)",
+    )
+    cordon_window_seconds: Annotated[float, Field(gt=0)] = Field(
+        gpuhealth.DEFAULT_CORDON_WINDOW,
+        description="only GPU failures this recent count toward cordon_after",
     )
     gpu_health_taints: list[str] | None = Field(
         None,
@@ -200,7 +207,9 @@ class AgentSettings(BaseModel):
 
     def health_settings(self) -> gpuhealth.HealthSettings:
         return gpuhealth.HealthSettings(
-            auto_cordon=self.auto_cordon, cordon_after=self.cordon_after
+            auto_cordon=self.auto_cordon,
+            cordon_after=self.cordon_after,
+            cordon_window=self.cordon_window_seconds,
         )
 
     def health_keys(self) -> health.HealthKeys:

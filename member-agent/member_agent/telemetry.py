@@ -12,7 +12,8 @@ connector, the reporter and the DCGM scraper, so nothing has to remember to upda
 Every family carries the `cluster` label. GPU health, from the backend's `gpuhealth.HealthBook`:
 `gpufed_agent_gpus_unhealthy{node}`, `gpufed_agent_gpu_failures_total`,
 `gpufed_agent_gpu_failed_pods_total`, `gpufed_agent_node_cordons_total`,
-`gpufed_agent_nodes_cordoned`.
+`gpufed_agent_nodes_cordoned`, `gpufed_agent_node_events_total{result}` (the Kubernetes
+backend's Events about them, `written` or `failed`).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class AgentCollector(Collector):
 def _gpu_health(cluster: str, book: gpuhealth.HealthBook) -> Iterator[Metric]:
     """`gpufed_agent_gpus_unhealthy{node}` (nodes with any), `gpufed_agent_gpu_failures_total`,
     `gpufed_agent_gpu_failed_pods_total`, `gpufed_agent_node_cordons_total`,
-    `gpufed_agent_nodes_cordoned`."""
+    `gpufed_agent_nodes_cordoned`, `gpufed_agent_node_events_total{result}`."""
     unhealthy = GaugeMetricFamily(
         "gpufed_agent_gpus_unhealthy",
         "GPUs out of service (unhealthy), by node: out of the inventory, counted unavailable",
@@ -152,7 +153,11 @@ def _gpu_health(cluster: str, book: gpuhealth.HealthBook) -> Iterator[Metric]:
         unhealthy.add_metric([cluster, node], count)
     yield unhealthy
     for name, doc, value in (
-        ("gpufed_agent_gpu_failures", "GPUs seen turning unhealthy", book.gpu_failures),
+        (
+            "gpufed_agent_gpu_failures",
+            "GPUs seen turning unhealthy while the agent ran (not those unhealthy at its start)",
+            book.gpu_failures,
+        ),
         (
             "gpufed_agent_gpu_failed_pods",
             "Pods of gpufed's failed GPUFailed (their gangs with them)",
@@ -174,6 +179,14 @@ def _gpu_health(cluster: str, book: gpuhealth.HealthBook) -> Iterator[Metric]:
     )
     cordoned.add_metric([cluster], len(book.cordoned))
     yield cordoned
+    events = CounterMetricFamily(
+        "gpufed_agent_node_events",
+        "Events about GPU failures and cordons the agent wrote on Nodes, or failed to write",
+        labels=["cluster", "result"],
+    )
+    events.add_metric([cluster, "written"], book.events_written)
+    events.add_metric([cluster, "failed"], book.events_failed)
+    yield events
 
 
 def label_cluster(family: Metric, cluster: str) -> Metric:

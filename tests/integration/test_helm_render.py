@@ -219,6 +219,7 @@ AGENT_VARIANTS = {
             "conditions": ["XidError"],
             "autoCordon": True,
             "cordonAfter": 3,
+            "cordonWindow": "30m",
         }
     },
 }
@@ -550,6 +551,7 @@ def test_the_agent_reports_the_cluster_labels_of_its_values(render: Render) -> N
 
 AGENT = "gpufed-member-agent"
 RESOURCE = "resource.k8s.io"
+EVENTS = "events.k8s.io"
 # the agent's own rules in device-plugin mode, cluster-wide and in each of its namespaces
 AGENT_CLUSTER_RULES = {("", r, v) for r in ("nodes", "pods") for v in ("get", "list", "watch")}
 AGENT_NAMESPACE_RULES = {("", "pods", "create"), ("", "pods", "delete")} | {
@@ -623,14 +625,16 @@ def test_gpu_health_keys_and_auto_cordon_are_values(render: Render) -> None:
     rendered = render("member-agent", AGENT_VARIANTS["GPU health and auto-cordon"])
     settings = agent_settings(rendered)
     assert (settings.auto_cordon, settings.cordon_after) == (True, 3)
+    assert settings.health_settings().cordon_window == 1800.0
     assert settings.health_keys() == kubernetes_health.HealthKeys(
         taints=("example.com/gpu-xid",), labels=("example.com/gpu-bad",), conditions=("XidError",)
     )
-    # cordoning patches nodes: that one verb more, cluster-wide
+    # cordoning patches nodes and records Events on them: those verbs more, cluster-wide
     rules = rules_of(rendered.one("ClusterRole", AGENT))
-    assert rules == AGENT_CLUSTER_RULES | {("", "nodes", "patch")}
+    assert rules == AGENT_CLUSTER_RULES | {("", "nodes", "patch"), (EVENTS, "events", "create")}
     default = agent_settings(render("member-agent"))
     assert not default.auto_cordon and default.health_keys() == kubernetes_health.HealthKeys()
+    assert default.health_settings().cordon_window == 3600.0
     assert rules_of(render("member-agent").one("ClusterRole", AGENT)) == AGENT_CLUSTER_RULES
 
 

@@ -147,7 +147,7 @@ async def test_a_gpu_failing_under_a_running_gang_fails_it_and_the_retry_goes_el
         await until(lambda: emulator.node(victim.node)["spec"].get("unschedulable") is True)
         cordoned = emulator.node(victim.node)
         assert cordoned["metadata"]["annotations"][gpuhealth.CORDON_ANNOTATION] == (
-            "GPUFailed: 1 GPU failures on this node"
+            "GPUFailed: 1 GPU failures on this node within 1h"
         )
         kubernetes_validate.validate(cordoned, "1.34", strict=True)
         await until(lambda: not backend.inventory().nodes[victim.node].available)

@@ -103,6 +103,7 @@ def build_requests(
                 template=template,
                 labels=labels,
                 annotations=annotations,
+                mig=placed.mig,
             )
         )
     return requests

@@ -53,6 +53,8 @@ class PodRequest:
     template: dict[str, Any]  # the task's PodTemplateSpec, as the user wrote it
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    # a MIG pod's devices: profile -> MIG device indices on the node (`model.Node.mig`)
+    mig: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,10 @@ that a health taint or label of its node names, or whose DRA device is tainted l
 inventory within the watch event that says so, and gpufed's pods on it fail `GPUFailed` (the
 gang with them, retried by the broker within its budget). With `--auto-cordon`, a node that has
 had `--cordon-after` GPU failures is cordoned: `spec.unschedulable: true` and the annotation
-`gpufed.io/cordoned` (why) in one merge patch of the Node; a warning is logged.
+`gpufed.io/cordoned` (why) in one merge patch of the Node; a warning is logged and an Event
+recorded on the Node (`kubernetes_events`, as for each pod failed GPUFailed). GPUs unhealthy
+in the first lists are not failures (`HealthBook.seeded`): a restarted agent fails the pods
+on them but does not count them toward cordoning again.
 
 Configuration: in a pod (`KUBERNETES_SERVICE_HOST` set) the service account is used; outside,
 a kubeconfig (`kubeconfig`, default `~/.kube/config`) and its `context`. Namespaces and label
@@ -93,6 +96,7 @@ from member_agent.cluster import kubernetes_claimed as claimed
 from member_agent.cluster import kubernetes_claiming as claiming
 from member_agent.cluster import kubernetes_devices as devices
 from member_agent.cluster import kubernetes_errors as k8s_errors
+from member_agent.cluster import kubernetes_events as node_events
 from member_agent.cluster import kubernetes_health as health
 from member_agent.cluster import kubernetes_objects as objects
 from member_agent.cluster import kubernetes_quotas as quotas
@@ -201,11 +205,19 @@ class KubernetesBackend:
             health_conditions=health_keys.conditions,
         )
         self._book = _book(devices, device_keys)
-        self._health = gpuhealth.HealthBook(cluster, health_settings, cordon=self._cordon_soon)
+        self._health = gpuhealth.HealthBook(
+            cluster, health_settings, cordon=self._cordon_soon, seeding=True
+        )
+        self._events = node_events.NodeEvents(
+            self._health,
+            api=self._connect,
+            request_timeout=request_timeout_seconds,
+            pods=lambda name: self._state.record(name),  # noqa: PLW0108 (built next)
+        )
         self._state = state.ClusterState(
             cluster,
             self._keys,
-            self._queue.put_nowait,
+            self._events.watching(self._queue.put_nowait),
             device_plugin=self._book is None,
             node_view=self._book_view if self._book is not None else None,
             health_keys=health_keys,
@@ -266,7 +278,8 @@ class KubernetesBackend:
 
     def _book_view(self, node: model.Node) -> model.Node:
         assert self._book is not None
-        return devices.with_devices(node, self._book.devices(node.name))
+        book = self._book
+        return devices.with_devices(node, book.devices(node.name), book.mig_devices(node.name))
 
     def _core(self) -> client.CoreV1Api:
         if self._api is None:
@@ -319,6 +332,7 @@ class KubernetesBackend:
         # the slices first: nodes and pods are read onto the GPUs they publish
         for watch in sorted(self._watches, key=lambda w: w.kind != "resourceslices"):
             await watch.relist()
+        self._health.seeded()  # GPUs unhealthy from now on are failures
         self._tasks = [
             asyncio.create_task(watch.run(), name=f"watch-{watch.kind}") for watch in self._watches
         ]
@@ -363,6 +377,7 @@ class KubernetesBackend:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        await self._events.close()
         self._queue.put_nowait(None)
         if self._api is not None and self._owns_api:
             await self._api.close()
@@ -506,11 +521,13 @@ class KubernetesBackend:
                     _request_timeout=self._request_timeout,
                 )
                 async with response:
-                    await k8s_errors.check_response(response, what=what)
+                    patched: dict[str, Any] = await k8s_errors.read_json(response, what=what)
         except errors.BackendError as exc:
             logger.error("cluster %s: %s failed: %s", self.cluster, what, exc)
             return
         logger.warning("cluster %s: node %s cordoned: %s", self.cluster, node, why)
+        if self._events.enabled:
+            self._events.cordoned(patched, why)
 
     async def _delete(self, namespace: str, name: str, *, grace: int) -> None:
         what = f"delete pod {namespace}/{name}"

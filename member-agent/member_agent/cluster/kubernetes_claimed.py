@@ -61,13 +61,17 @@ class ClaimedPods:
 
     async def create(self, request: base.PodRequest, body: dict[str, Any]) -> None:
         """Create the pod (`body`, as the device plugin would have it) and its claim."""
-        if not request.gpus:  # a CPU-only pod of a gang: no claim
+        if not request.gpus and not request.mig:  # a CPU-only pod of a gang: no claim
             record = self._admit(body)
             await self._post(request, body)
             self._state.add_created(record, at=time.monotonic())
             return
         try:
-            plan = claims.plan_claim(request, self._book.devices(request.node))
+            plan = claims.plan_claim(
+                request,
+                self._book.devices(request.node),
+                self._book.mig_devices(request.node),
+            )
         except claims.ClaimProblem as exc:
             raise errors.PermanentBackendError(f"pod {request.name}: {exc}") from exc
         pod = claims.claim_pod(body, plan)

@@ -263,8 +263,12 @@ class ClaimFeed:
         slots = tuple(
             status.GPUSlot.model_construct(index=d.index, milli=model.GPU_MILLI)
             for d in held
-            if d.node == node
+            if d.node == node and not d.profile
         )
+        mig_slots: dict[str, tuple[int, ...]] = {}
+        for device in held:
+            if device.node == node and device.profile:
+                mig_slots[device.profile] = (*mig_slots.get(device.profile, ()), device.index)
         return objects.PodRecord(
             namespace=namespace,
             name=key.partition("/")[2],
@@ -274,6 +278,8 @@ class ClaimFeed:
             memory_mib=0,
             holds=True,
             slots=slots,
+            mig={profile: len(indices) for profile, indices in mig_slots.items()},
+            mig_slots=mig_slots,
         )
 
 

@@ -11,7 +11,11 @@ placement chose, written as the scheduler would write it (`allocation`, `reserva
 - sharing pods (gpu-milli below 1000) on one GPU share one claim in their namespace,
   `gpufed-<node>-gpu<index>-<sharing>`: one request `gpu` of one device, with the driver's
   sharing configuration (`GpuConfig`, `sharing.strategy` `TimeSlicing` or `MPS`) chosen by the
-  job's `gpufed.io/gpu-sharing` annotation (`timeslice`, the default, or `mps`).
+  job's `gpufed.io/gpu-sharing` annotation (`timeslice`, the default, or `mps`);
+- a MIG pod gets a claim of its own, `<pod>-gpus`, as a whole-GPU pod does, its requests
+  asking the driver's MIG DeviceClass (`DeviceKeys.mig_device_class`) for exactly the MIG
+  devices placement chose (by UUID), per container as its `nvidia.com/mig-<profile>` (or
+  `nvidia.com/gpu` under `gpufed.io/mig-profile`) says.
 
 The pod names it in `spec.resourceClaims` (`gpufed-gpus`) and each GPU container in its
 `resources.claims` (its request; init containers the whole claim), and asks no `nvidia.com/gpu`
@@ -32,9 +36,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker.api import jobs
+from broker.api import jobs, mig
 from member_agent.cluster import base
 from member_agent.cluster import kubernetes_devices as devices
+from member_agent.cluster import kubernetes_mig as migs
 from member_agent.cluster import kubernetes_objects as objects
 
 GROUP = "resource.k8s.io"
@@ -73,6 +78,15 @@ class ClaimPlan:
     def devices(self) -> list[devices.Device]:
         return [device for _, found in self.requests for device in found]
 
+    @property
+    def mig(self) -> dict[str, tuple[int, ...]]:
+        """The MIG devices of the claim by profile (their indices), if it holds MIG devices."""
+        out: dict[str, tuple[int, ...]] = {}
+        for device in self.devices:
+            if device.profile:
+                out[device.profile] = (*out.get(device.profile, ()), device.index)
+        return out
+
 
 def choose_version(group: Mapping[str, Any]) -> str:
     """The version of resource.k8s.io to use, from the server's APIGroup."""
@@ -106,11 +120,16 @@ def shared_name(node: str, index: int, sharing: str) -> str:
 
 
 def _gpu_count(container: Mapping[str, Any]) -> int:
+    """The devices a container asks: GPUs, or MIG devices (`nvidia.com/mig-<profile>`)."""
     res = container.get("resources") or {}
     for part in ("limits", "requests"):
-        value = (res.get(part) or {}).get(jobs.GPU_RESOURCE)
+        quantities = res.get(part) or {}
+        value = quantities.get(jobs.GPU_RESOURCE)
         if value is not None:
             return objects.parse_count(value)
+        found = [q for name, q in quantities.items() if mig.profile_of(str(name))]
+        if found:
+            return sum(objects.parse_count(q) for q in found)
     return 0
 
 
@@ -123,14 +142,28 @@ def is_pod_claim(pod: str, claim: str) -> bool:
     return claim == pod_claim_name(pod)
 
 
-def plan_claim(request: base.PodRequest, found: Mapping[int, devices.Device]) -> ClaimPlan:
-    """The claim holding the GPUs placement chose for a pod, from the devices of its node."""
+def plan_claim(
+    request: base.PodRequest,
+    found: Mapping[int, devices.Device],
+    mig_found: Mapping[str, Sequence[devices.Device]] | None = None,
+) -> ClaimPlan:
+    """The claim holding the GPUs (or MIG devices) placement chose for a pod, from the
+    devices of its node."""
     chosen = []
     for slot in request.gpus:
         device = found.get(slot.index)
         if device is None:
             raise ClaimProblem(f"GPU {slot.index} of {request.node} is published by no slice")
         chosen.append(device)
+    for profile, indices in request.mig.items():
+        published = (mig_found or {}).get(profile, ())
+        for index in indices:
+            if not 0 <= index < len(published):
+                raise ClaimProblem(
+                    f"MIG device {index} of profile {profile} of {request.node} is published "
+                    "by no slice"
+                )
+            chosen.append(published[index])
     if objects.is_sharing(request):
         sharing = sharing_of(request)
         return ClaimPlan(
@@ -178,6 +211,8 @@ def claim_pod(body: dict[str, Any], plan: ClaimPlan) -> dict[str, Any]:
                 quantities = res.get(part)
                 if quantities:
                     quantities.pop(jobs.GPU_RESOURCE, None)
+                    for name in [n for n in quantities if mig.profile_of(str(n))]:
+                        del quantities[name]
                 if part in res and not res[part]:
                     del res[part]
             claim: dict[str, str] = {"name": POD_CLAIM}
@@ -218,7 +253,9 @@ def build_claim(plan: ClaimPlan, *, version: str, keys: devices.DeviceKeys) -> d
         {
             "name": name,
             "exactly": {
-                "deviceClassName": keys.device_class,
+                "deviceClassName": keys.mig_device_class
+                if found and found[0].profile
+                else keys.device_class,
                 "allocationMode": "ExactCount",
                 "count": len(found),
                 **({"selectors": sel} if (sel := _selector(found, keys)) else {}),
@@ -229,7 +266,11 @@ def build_claim(plan: ClaimPlan, *, version: str, keys: devices.DeviceKeys) -> d
     labels = {CLAIM_LABEL: "shared" if plan.shared else "pod"}
     if not plan.shared:
         labels[objects.JOB_LABEL] = objects.label_value(plan.job_id)
-    annotations = {objects.GPUS_ANNOTATION: ",".join(str(d.index) for d in plan.devices)}
+    annotations = {
+        objects.GPUS_ANNOTATION: ",".join(str(d.index) for d in plan.devices if not d.profile)
+    }
+    if plan.mig:
+        annotations[migs.MIG_ANNOTATION] = migs.format_slots(plan.mig)
     if plan.shared:
         annotations[objects.SHARING_ANNOTATION] = plan.sharing
     config = _config(plan, keys)

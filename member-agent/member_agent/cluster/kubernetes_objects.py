@@ -14,9 +14,8 @@ Node labels read (keys configurable through `LabelKeys`, defaults below):
 | shared replicas per GPU | `nvidia.com/gpu.replicas` | GFD, with time-slicing or MPS sharing |
 
 GPUs are `status.allocatable["nvidia.com/gpu"]`; MIG devices are every `nvidia.com/mig-<profile>`
-in `allocatable` (names read, not hard-coded), exposed on the inventory Node as labels
-`gpufed.io/mig.<profile>` (allocatable) and `gpufed.io/mig-free.<profile>` (not requested by a
-live pod); `mig_slices(node)` reads them back. Nodes without GPUs are in the inventory too, with
+in `allocatable` (`kubernetes_mig`: names read, not hard-coded), the inventory Node's `mig`;
+`mig_slices(node)` reads them back. Nodes without GPUs are in the inventory too, with
 `gpu_count` 0 and model "" (CPU-only tasks of a gang can go there).
 
 Shared GPUs with the device plugin (`read_node(..., device_plugin=True)`, the default): a node
@@ -52,6 +51,7 @@ from typing import Any
 
 from broker.api import jobs, status
 from member_agent.cluster import base
+from member_agent.cluster import kubernetes_mig as migs
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)
@@ -66,8 +66,6 @@ SHARING_ANNOTATION = "gpufed.io/gpu-sharing"  # timeslice (default) or mps
 SHARED_GPU_RESOURCE = "nvidia.com/gpu.shared"  # the device plugin's renamed shared replicas
 TRACEPARENT_ANNOTATION = "traceparent"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
-MIG_LABEL_PREFIX = "gpufed.io/mig."
-MIG_FREE_LABEL_PREFIX = "gpufed.io/mig-free."
 NODE_LOST = "NodeLost"
 _JOB_META = (
     base.EPOCH_ANNOTATION,
@@ -142,7 +140,9 @@ class PodRecord:
     phase: status.PodPhase = status.PodPhase.PENDING
     reason: str = ""
     slots: tuple[status.GPUSlot, ...] = ()  # the GPUs placement chose (gpufed's pods)
-    mig: dict[str, int] = field(default_factory=dict)
+    mig: dict[str, int] = field(default_factory=dict)  # MIG devices requested, by profile
+    # the MIG devices placement chose (gpufed's pods: `gpufed.io/mig`), by profile
+    mig_slots: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # gpufed's pods: the annotations a restarted agent rebuilds the job from (`base.held_job`)
     job_meta: dict[str, str] = field(default_factory=dict)
     quota_gpus: int = 0  # `nvidia.com/gpu` requested: what a ResourceQuota on it counts
@@ -197,16 +197,10 @@ def read_node(
     labels = dict(meta.get("labels") or {})
     allocatable = state.get("allocatable") or {}
     gpus = parse_count(allocatable.get(jobs.GPU_RESOURCE, 0))
-    mig = {
-        res[len(MIG_RESOURCE_PREFIX) :]: parse_count(qty)
-        for res, qty in allocatable.items()
-        if res.startswith(MIG_RESOURCE_PREFIX) and parse_count(qty) > 0
-    }
     if not name:
         return None
     gpus = _read_sharing(allocatable, labels, keys, whole=gpus) if device_plugin else 0
-    for profile, count in sorted(mig.items()):
-        labels[MIG_LABEL_PREFIX + profile] = str(count)
+    mig = migs.read_allocatable(allocatable) if device_plugin else {}
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in state.get("conditions") or []
@@ -230,6 +224,7 @@ def read_node(
         ready=ready,
         schedulable=not spec.get("unschedulable", False) and not blocking,
         labels=labels,
+        mig=mig,
     )
 
 
@@ -278,16 +273,21 @@ def replica_slots(free: list[int], milli: int, count: int) -> list[status.GPUSlo
 def fresh_copy(node: model.Node) -> model.Node:
     """A copy of a parsed node with everything free (for rebuilding it in the inventory)."""
     return dataclasses.replace(
-        node, labels=dict(node.labels), gpu_free=[], cpu_free=-1, memory_free=-1
+        node,
+        labels=dict(node.labels),
+        gpu_free=[],
+        cpu_free=-1,
+        memory_free=-1,
+        mig=dict(node.mig),
+        mig_free={},
     )
 
 
 def mig_slices(node: model.Node, *, free: bool = True) -> dict[str, int]:
     """MIG devices of a node by profile (e.g. "1g.10gb"): free ones, or all allocatable."""
-    prefix = MIG_FREE_LABEL_PREFIX if free else MIG_LABEL_PREFIX
-    return {
-        k[len(prefix) :]: parse_count(v) for k, v in node.labels.items() if k.startswith(prefix)
-    }
+    if not free:
+        return dict(node.mig)
+    return {profile: len(node.mig_free.get(profile, ())) for profile in node.mig}
 
 
 def _requests_of(spec: Mapping[str, Any], shared_resource: str) -> dict[str, int]:
@@ -374,6 +374,10 @@ def read_pod(raw: Mapping[str, Any], *, shared_resource: str = SHARED_GPU_RESOUR
     claim = str(annotations.get(CLAIM_ANNOTATION, "")) if job_id else ""
     if claim and not gpus:
         gpus = len([p for p in str(annotations.get(GPUS_ANNOTATION, "")).split(",") if p.strip()])
+    mig_slots = migs.parse_slots(str(annotations.get(migs.MIG_ANNOTATION, ""))) if job_id else {}
+    mig = migs.requested(requests)
+    if claim and not mig:  # DRA: the claim holds them, the pod requests none
+        mig = {profile: len(indices) for profile, indices in mig_slots.items()}
     return PodRecord(
         namespace=str(meta.get("namespace") or "default"),
         name=str(meta.get("name", "")),
@@ -387,11 +391,8 @@ def read_pod(raw: Mapping[str, Any], *, shared_resource: str = SHARED_GPU_RESOUR
         phase=phase,
         reason=_reason_of(state, phase_raw),
         slots=_slots_of(annotations, gpus),
-        mig={
-            k[len(MIG_RESOURCE_PREFIX) :]: v
-            for k, v in requests.items()
-            if k.startswith(MIG_RESOURCE_PREFIX) and v > 0
-        },
+        mig=mig,
+        mig_slots=mig_slots,
         job_meta={k: str(annotations[k]) for k in _JOB_META if k in annotations} if job_id else {},
         quota_gpus=quota_gpus,
         shared=shared > 0,
@@ -455,6 +456,8 @@ def build_pod(
     )
     annotations = {**(meta.get("annotations") or {}), **request.annotations}
     annotations[GPUS_ANNOTATION] = ",".join(str(slot.index) for slot in request.gpus)
+    if request.mig:
+        annotations[migs.MIG_ANNOTATION] = migs.format_slots(request.mig)
     for drop in ("generateName", "resourceVersion", "uid", "creationTimestamp"):
         meta.pop(drop, None)
     meta.update(
@@ -463,6 +466,8 @@ def build_pod(
     spec["nodeName"] = request.node
     if shared_resource and is_sharing(request):
         spec = _requesting(spec, shared_resource)
+    if request.mig:  # nvidia.com/gpu under gpufed.io/mig-profile: asked as nvidia.com/mig-<p>
+        spec = migs.requesting(spec, request.mig)
     spec.setdefault("restartPolicy", "Never")  # a batch pod ends; Always would never finish
     tolerations = list(spec.get("tolerations") or [])
     tolerated = {t.get("key") for t in tolerations if t.get("operator") == "Exists"}

@@ -34,6 +34,7 @@ from typing import Any
 from broker.api import status
 from member_agent.cluster import base, gpuhealth
 from member_agent.cluster import kubernetes_health as health
+from member_agent.cluster import kubernetes_mig as migs
 from member_agent.cluster import kubernetes_objects as objects
 from member_agent.inventory import model
 
@@ -47,17 +48,16 @@ _TERMINAL = (status.PodPhase.SUCCEEDED, status.PodPhase.FAILED, status.PodPhase.
 def _holding(rec: objects.PodRecord | None) -> tuple[Any, ...]:
     if rec is None or not rec.holds:
         return ()
-    mig = tuple(sorted(rec.mig.items()))
+    mig = (tuple(sorted(rec.mig.items())), tuple(sorted(rec.mig_slots.items())))
     return (rec.node, rec.gpus, rec.cpu_milli, rec.memory_mib, rec.slots, mig)
 
 
 def _shape(node: model.Node | None) -> model.Node | None:
-    """What the summary reads of a node: labels other than MIG counts do not count (GFD
-    rewrites a timestamp label every minute)."""
+    """What the summary reads of a node: its labels do not count (GFD rewrites a timestamp
+    label every minute)."""
     if node is None:
         return None
-    mig = {k: v for k, v in node.labels.items() if k.startswith(objects.MIG_LABEL_PREFIX)}
-    return dataclasses.replace(node, labels=mig)
+    return dataclasses.replace(node, labels={})
 
 
 class ClusterState:
@@ -168,7 +168,6 @@ class ClusterState:
             self._held[key] = rec
             self._track(rec)
             self._place(rec)
-            self._refresh_mig(rec.node)
         if _holding(old) != _holding(rec):
             self._changed(f"{key} changed")
 
@@ -231,7 +230,6 @@ class ClusterState:
                 self._untrack(old)
             self._track(rec)
             self._place(rec)
-            self._refresh_mig(rec.node, *([old.node] if old else []))
             self._changed(f"pod {key} changed")
         elif old is None:
             self._track(rec)
@@ -246,7 +244,6 @@ class ClusterState:
         self._count(rec)
         self._track(rec)
         self._place(rec)
-        self._refresh_mig(rec.node)
         self._reported.setdefault(rec.key, rec)
 
     def forget(self, namespace: str, name: str) -> None:
@@ -281,6 +278,9 @@ class ClusterState:
             return f"node {rec.node} is NotReady"
         if not node.schedulable:
             return f"node {rec.node} is cordoned or tainted"
+        problem = migs.fit_problem(node, rec.name, rec.mig)
+        if problem:
+            return problem
         sick = sorted({s.index for s in rec.slots} & node.unhealthy)
         if sick:
             return f"GPU {', '.join(map(str, sick))} of node {rec.node} is unhealthy"
@@ -393,7 +393,6 @@ class ClusterState:
     def _drop(self, rec: objects.PodRecord) -> None:
         self._untrack(rec)
         self.inventory.release(rec.key)
-        self._refresh_mig(rec.node)
 
     def _place(self, rec: objects.PodRecord) -> None:
         """Hold what the pod requests on its node (what it held before is released first)."""
@@ -415,7 +414,11 @@ class ClusterState:
             name=rec.key, task=rec.task, node=rec.node, gpus=slots
         )
         self.inventory.apply(
-            placement, cpu_milli=rec.cpu_milli, memory_mib=rec.memory_mib, held=True
+            placement,
+            cpu_milli=rec.cpu_milli,
+            memory_mib=rec.memory_mib,
+            held=True,
+            mig=migs.slots_for(node, rec.mig, rec.mig_slots) if rec.mig else None,
         )
 
     def _slots_for(self, node: model.Node, rec: objects.PodRecord) -> list[status.GPUSlot]:
@@ -446,8 +449,7 @@ class ClusterState:
 
     def _rebuild(self) -> None:
         """The whole inventory again, from the nodes and pods known now."""
-        self.inventory.nodes.clear()
-        self.inventory.pods.clear()
+        self.inventory.clear()
         self._by_node.clear()
         self._by_job.clear()
         for node in self._nodes.values():
@@ -456,7 +458,6 @@ class ClusterState:
         for rec in records:
             self._track(rec)
             self._place(rec)
-        self._refresh_mig(*self._nodes)
         self._apply_health(*self._nodes)
 
     def _rebuild_node(self, name: str) -> None:
@@ -469,7 +470,6 @@ class ClusterState:
         records = [rec for rec in map(self.record, keys) if rec is not None]
         for rec in sorted(records, key=lambda rec: not rec.ours):
             self._place(rec)
-        self._refresh_mig(name)
         self._apply_health(name)
 
     def _apply_health(self, *names: str) -> None:
@@ -505,22 +505,6 @@ class ClusterState:
         """The inventory's node: everything free, with the devices DRA publishes for it."""
         fresh = objects.fresh_copy(node)
         return self._node_view(fresh) if self._node_view is not None else fresh
-
-    def _refresh_mig(self, *names: str) -> None:
-        for name in names:
-            node = self.inventory.nodes.get(name)
-            if node is None:
-                continue
-            allocatable = objects.mig_slices(node, free=False)
-            if not allocatable:
-                continue
-            used: dict[str, int] = defaultdict(int)
-            for rec in map(self.record, self._by_node.get(name, ())):
-                for profile, count in (rec.mig if rec else {}).items():
-                    used[profile] += count
-            for profile, count in allocatable.items():
-                label = objects.MIG_FREE_LABEL_PREFIX + profile
-                node.labels[label] = str(max(count - used[profile], 0))
 
     # -- events ------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """A simulated cluster: nodes from a YAML description, pods that run for a while.
 
-`load_pools(path)` reads node pools (GPU model, GPUs per node, NVLink islands and domains, racks);
+`load_pools(path)` reads node pools (GPU model, GPUs per node, NVLink islands and domains, racks,
+MIG devices per node by profile: `mig: {1g.10gb: 7}`);
 `SimulatedBackend` builds the nodes and runs pods: Pending on create, Running after
 `start_delay`, then Succeeded after the seconds of their `gpufed.io/sim-duration` annotation, or
 Failed if `gpufed.io/sim-outcome` says `Failed:<reason>`. `Failed:<reason>@<attempts>` (a
@@ -47,7 +48,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from broker.api import jobs, status
+from broker.api import jobs, mig, status
 from member_agent.cluster import base, errors, gpuhealth, simulated_pods
 from member_agent.cluster import simulated_faults as faults
 from member_agent.inventory import model
@@ -82,6 +83,17 @@ class PoolSpec(BaseModel):
     racks: Annotated[int | None, Field(ge=1)] = None
     nodes_per_rack: Annotated[int | None, Field(ge=1)] = None
     labels: dict[str, str] = Field(default_factory=dict)
+    # MIG devices of each node by profile ("1g.10gb": 7), besides its whole GPUs
+    mig: dict[str, Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=dict)
+
+    @field_validator("mig")
+    @classmethod
+    def _profiles(cls, value: dict[str, int]) -> dict[str, int]:
+        for profile in value:
+            problem = mig.profile_problem(profile)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:
@@ -193,6 +205,7 @@ def build_nodes(pools: list[PoolSpec]) -> list[model.Node]:
                     nvlink_domain=domain,
                     nvlink_island=pool.nvlink_island,
                     labels=labels,
+                    mig=dict(pool.mig),
                 )
             )
     return nodes
@@ -305,7 +318,10 @@ class SimulatedBackend:
         )
         try:
             self._inventory.apply(
-                placement, cpu_milli=request.cpu_milli, memory_mib=request.memory_mib
+                placement,
+                cpu_milli=request.cpu_milli,
+                memory_mib=request.memory_mib,
+                mig=request.mig,
             )
         except (ValueError, IndexError) as exc:
             raise errors.PermanentBackendError(f"{request.name}: {exc}") from exc

@@ -6,7 +6,9 @@ cluster says (`gpuhealth`).
   counted unavailable in the summary), gpufed's pods running on it fail `GPUFailed` (the agent
   fails the whole gang; the broker retries it within its failure policy), the health book
   counts the failure and, with `auto_cordon`, cordons the node after `cordon_after` of them
-  (the node is then unschedulable: no new pod goes there). `heal_gpu` brings it back.
+  within `cordon_window` seconds (the node is then unschedulable: no new pod goes there).
+  `heal_gpu` brings it back. The simulated cluster starts with the agent, so there is nothing
+  to seed (`gpuhealth`): every GPU failing is a failure.
 - A job's pod template annotation `gpufed.io/sim-gpu-failure: <after>[@<attempts>]` (a
   duration, then optionally a comma-separated list of attempts as `sim-outcome` takes): that
   long after the pod starts running, the first GPU it holds fails, on those attempts only

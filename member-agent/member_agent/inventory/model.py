@@ -6,14 +6,18 @@ whole-GPU pod takes 1000 on each of its GPUs, a sharing pod part of one GPU. An 
 (`Node.unhealthy`, set by a backend from what the cluster says of its devices, see
 `cluster.gpuhealth`) has nothing free, whatever holds it: the summary counts it unavailable and
 placement never chooses it; a pod already on it keeps its record, so releasing that pod does not
-make the GPU free. `GPUQuota` is the
+make the GPU free. MIG devices (`Node.mig`, by profile) are counted apart from the GPUs: a
+node's GPUs are its whole GPUs, its MIG devices the slices of GPUs in MIG mode; slice `i` of
+a profile is the backend's i-th device of that profile (a device name in DRA mode, a count
+only with the device plugin), and a pod of MIG slices holds indices of one profile
+(`Inventory.apply(..., mig=...)`). `GPUQuota` is the
 namespace side of the same GPUs: a backend reports it (`ClusterBackend.gpu_quotas`), the limits
 check (`placement.limits`) reads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from broker.api import jobs, status
@@ -55,12 +59,18 @@ class Node:
     memory_free: int = -1
     # GPU indices out of service (unhealthy): never free, counted unavailable
     unhealthy: frozenset[int] = frozenset()
+    # MIG devices by profile ("1g.10gb": 7), and the indices of the free ones by profile
+    # (set from `mig` when left empty)
+    mig: dict[str, int] = field(default_factory=dict)
+    mig_free: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.model and self.labels.get(jobs.GPU_PRODUCT_LABEL) != self.model:
             self.labels = {**self.labels, jobs.GPU_PRODUCT_LABEL: self.model}
         if not self.gpu_free:
             self.gpu_free = [0 if i in self.unhealthy else GPU_MILLI for i in range(self.gpu_count)]
+        if not self.mig_free and self.mig:
+            self.mig_free = {profile: tuple(range(n)) for profile, n in self.mig.items()}
         if self.cpu_free < 0:
             self.cpu_free = self.cpu_milli
         if self.memory_free < 0:
@@ -97,6 +107,8 @@ class Inventory:
     nodes: dict[str, Node] = field(default_factory=dict)
     # pods placed: pod name -> placement (what release gives back)
     pods: dict[str, tuple[status.PodPlacement, int, int]] = field(default_factory=dict)
+    # MIG slices held: pod name -> (node, profile -> slice indices)
+    mig_pods: dict[str, tuple[str, dict[str, tuple[int, ...]]]] = field(default_factory=dict)
 
     def add(self, node: Node) -> None:
         self.nodes[node.name] = node
@@ -111,10 +123,19 @@ class Inventory:
         cpu_milli: int = 0,
         memory_mib: int = 0,
         held: bool = False,
+        mig: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
-        """Take the pod's GPUs, CPU and memory on its node. A new pod is refused an unhealthy
-        GPU; one the cluster already `held` there is recorded (the GPU has nothing to take)."""
+        """Take the pod's GPUs, MIG slices (`mig`: profile -> indices), CPU and memory on its
+        node. A new pod is refused an unhealthy GPU; one the cluster already `held` there is
+        recorded (the GPU has nothing to take)."""
         node = self.nodes[pod.node]
+        for profile, indices in (mig or {}).items():
+            free = node.mig_free.get(profile, ())
+            taken = [i for i in indices if i not in free]
+            if taken:
+                raise ValueError(
+                    f"{pod.name}: MIG {profile} slice(s) {taken} of {node.name} are not free"
+                )
         for slot in pod.gpus:
             if slot.index in node.unhealthy and not held:
                 raise ValueError(f"{pod.name}: GPU {slot.index} of {node.name} is unhealthy")
@@ -129,9 +150,16 @@ class Inventory:
         node.cpu_free -= cpu_milli
         node.memory_free -= memory_mib
         self.pods[pod.name] = (pod, cpu_milli, memory_mib)
+        if mig:
+            held_mig = {profile: tuple(indices) for profile, indices in mig.items() if indices}
+            for profile, indices in held_mig.items():
+                left = set(node.mig_free.get(profile, ())) - set(indices)
+                node.mig_free[profile] = tuple(sorted(left))
+            self.mig_pods[pod.name] = (node.name, held_mig)
 
     def release(self, pod_name: str) -> None:
         """Give back what a pod held; unknown pods are ignored (release is idempotent)."""
+        self._release_mig(pod_name)
         held = self.pods.pop(pod_name, None)
         if held is None:
             return
@@ -144,6 +172,21 @@ class Inventory:
                 node.gpu_free[slot.index] = min(GPU_MILLI, node.gpu_free[slot.index] + slot.milli)
         node.cpu_free += cpu
         node.memory_free += mem
+
+    def _release_mig(self, pod_name: str) -> None:
+        held = self.mig_pods.pop(pod_name, None)
+        node = self.nodes.get(held[0]) if held else None
+        if held is None or node is None:
+            return
+        for profile, indices in held[1].items():
+            back = {i for i in indices if 0 <= i < node.mig.get(profile, 0)}
+            node.mig_free[profile] = tuple(sorted(set(node.mig_free.get(profile, ())) | back))
+
+    def clear(self) -> None:
+        """No nodes, no pods (a backend rebuilding the inventory)."""
+        self.nodes.clear()
+        self.pods.clear()
+        self.mig_pods.clear()
 
     def set_unhealthy(self, name: str, indices: Iterable[int]) -> frozenset[int]:
         """Make `indices` the node's unhealthy GPUs (an empty set: all healthy again): those

@@ -6,13 +6,15 @@ Per GPU model: nodes_by_free[k] = ready, schedulable nodes with exactly k wholly
 (an unhealthy GPU is never free, and counts among the unavailable GPUs as a NotReady or cordoned
 node's do),
 the free milli on partly used GPUs (for sharing pods), the largest free NVLink block, per-rack
-histograms, and the largest CPU/memory headroom of a node. The cluster's fragmentation uses
+histograms, the largest CPU/memory headroom of a node, and per MIG profile the devices in all
+and the histogram of nodes by free devices (`ModelSummary.mig`; None for a model without
+MIG devices). The cluster's fragmentation uses
 FGD's measure with the given expected workload (`fragmentation`).
 """
 
 from __future__ import annotations
 
-from broker.api.inventory import ClusterSummary, ModelSummary
+from broker.api.inventory import ClusterSummary, MIGSummary, ModelSummary
 from member_agent.inventory import fragmentation, model
 
 CPU_ONLY = ""  # the model name under which CPU-only nodes are summarised
@@ -62,8 +64,23 @@ class _Totals:
         self.domains: dict[str, int] = {}  # multi-node NVLink domain -> whole free GPUs
         self.max_cpu = 0
         self.max_memory = 0
+        self.mig: dict[str, list[int]] = {}  # profile -> [total, free, nodes by free...]
+
+    def _add_mig(self, node: model.Node) -> None:
+        for profile, count in node.mig.items():
+            totals = self.mig.setdefault(profile, [0, 0])
+            totals[0] += count
+            if not node.available:
+                continue
+            free = len(node.mig_free.get(profile, ()))
+            totals[1] += free
+            while len(totals) <= free + 2:
+                totals.append(0)
+            totals[free + 2] += 1
 
     def add(self, node: model.Node) -> None:
+        if node.mig:
+            self._add_mig(node)
         self.nodes += 1
         self.total_gpus += node.gpu_count
         self.gpus_per_node = max(self.gpus_per_node, node.gpu_count)
@@ -112,6 +129,11 @@ class _Totals:
             racks={rack: histogram[:width] for rack, histogram in sorted(self.racks.items())},
             max_free_cpu_milli=self.max_cpu,
             max_free_memory_mib=self.max_memory,
+            mig={
+                profile: MIGSummary(total=t[0], free=t[1], nodes_by_free=t[2:])
+                for profile, t in sorted(self.mig.items())
+            }
+            or None,
         )
 
 

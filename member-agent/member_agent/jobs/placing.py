@@ -4,8 +4,10 @@
 itself is `placement.gang.place_gang` (pure); what this adds is the state that lasts from one
 offer to the next: the `placement.indexing.FreeIndex` of the live inventory, read again only
 for the nodes that changed since the last offer (`mark_stale`: pods created, deleted or moved
-there) and built afresh when nodes came, went or changed (`forget`), and the time each
-placement takes (`duration`, which `telemetry.AgentCollector` exports).
+there) and built afresh when nodes came, went or changed (`forget`); beside it, the
+`placement.ranking.Rankings` of that index (each pod demand's nodes in order, so an offer does
+not score every node again), kept by the same refreshes; and the time each placement takes
+(`duration`, which `telemetry.AgentCollector` exports).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from prometheus_client import Histogram
 
 from broker.api import gangs
 from member_agent.inventory import model
-from member_agent.placement import gang, indexing
+from member_agent.placement import gang, indexing, policies, ranking
 
 # seconds; the agent's placement target is p99 <= 10 ms
 PLACEMENT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
@@ -33,6 +35,7 @@ class Placer:
             registry=None,
         )
         self._index: indexing.FreeIndex | None = None
+        self._rankings: ranking.Rankings | None = None
         self._stale_nodes: set[str] = set()
 
     def place(
@@ -40,8 +43,13 @@ class Placer:
     ) -> gang.GangPlacement | gang.NoPlacement:
         """Nodes and GPUs for every pod of `request` on `inventory`, or why not."""
         with self.duration.time():
+            index = self._fresh_index(inventory)
+            scorer = policies.resolve(self.policy)
+            rankings = self._rankings
+            if rankings is None or rankings.index is not index or rankings.scorer is not scorer:
+                rankings = self._rankings = ranking.Rankings(index, scorer)
             return gang.place_gang(
-                inventory, request, policy=self.policy, index=self._fresh_index(inventory)
+                inventory, request, policy=scorer, index=index, rankings=rankings
             )
 
     def mark_stale(self, nodes: Iterable[str]) -> None:
@@ -58,7 +66,10 @@ class Placer:
         if index is not None and all(name in inventory.nodes for name in self._stale_nodes):
             for name in self._stale_nodes:
                 index.refresh(inventory.nodes[name])
+                if self._rankings is not None and self._rankings.index is index:
+                    self._rankings.refresh(index.entries[name])
         else:
             index = self._index = indexing.FreeIndex.build(inventory)
+            self._rankings = None
         self._stale_nodes.clear()
         return index

@@ -3,7 +3,7 @@
 Called by `gang.place_gang` only after every topology group failed; the reasons go back to
 the broker in a rejection and to the user through `gpufed why`. It walks the filters in the
 order a user thinks of them (ready nodes, GPU model, node affinity, GPU sharing, GPU memory,
-GPUs, CPU, memory) and names the first one that leaves too few nodes.
+GPUs or MIG devices, CPU, memory) and names the first one that leaves too few nodes.
 """
 
 from __future__ import annotations
@@ -97,12 +97,35 @@ def _nodes_built_for(
                 f"gpu memory: no node with {demand.min_gpu_memory_mib} MiB per GPU "
                 f"(largest {largest} MiB)"
             )
+    if demand.mig_slices:
+        return _nodes_with_mig(nodes, demand)
     most = max((entry.gpu_count for entry in nodes), default=0)
     if demand.gpus and most < demand.gpus:
         return [], f"gpus: no node has {demand.gpus} GPUs (largest has {most})"
     if demand.nvlink and max((entry.island for entry in nodes), default=1) < demand.gpus:
         return [], f"nvlink: no node has an NVLink island of {demand.gpus} GPUs"
     return nodes, ""
+
+
+def _nodes_with_mig(
+    nodes: Sequence[indexing.Entry], demand: filtering.Demand
+) -> tuple[list[indexing.Entry], str]:
+    """The nodes with enough MIG devices of the pod's profile (free or not), or why none."""
+    profile = demand.mig_profile
+    having = [entry for entry in nodes if entry.mig.get(profile, 0)]
+    if not having:
+        present = sorted({p for entry in nodes for p, n in entry.mig.items() if n})
+        return [], (
+            f"mig: no ready node has MIG devices of profile {profile} "
+            f"(cluster has {', '.join(present) or 'no MIG devices'})"
+        )
+    most = max(entry.mig[profile] for entry in having)
+    if most < demand.mig_slices:
+        return (
+            [],
+            f"mig: no node has {demand.mig_slices} MIG devices of {profile} (largest has {most})",
+        )
+    return [entry for entry in having if entry.mig[profile] >= demand.mig_slices], ""
 
 
 def _sharing_reason(nodes: Sequence[indexing.Entry], demand: filtering.Demand) -> str:
@@ -123,13 +146,24 @@ def _sharing_reason(nodes: Sequence[indexing.Entry], demand: filtering.Demand) -
 def _explain_room(nodes: Sequence[indexing.Entry], demand: filtering.Demand, *, need: int) -> str:
     """Why the nodes built for the pod have no room for `need` of it ("" when they do)."""
     shape = demand.describe()
-    with_gpus = [entry for entry in nodes if filtering.fits_gpus(entry, demand)]
+    with_gpus = [
+        entry
+        for entry in nodes
+        if filtering.fits_gpus(entry, demand)
+        and filtering.mig_free(entry, demand) >= demand.mig_slices
+    ]
     with_cpu = [entry for entry in with_gpus if entry.cpu_free >= demand.cpu_milli]
     with_mem = [entry for entry in with_cpu if entry.mem_free >= demand.memory_mib]
     room = sum(_pods_fitting(entry, demand) for entry in with_mem)
     if room >= need:
         return ""
     plural = "s" if need > 1 else ""
+    if len(with_gpus) < need and demand.mig_slices:
+        return (
+            f"gang: {need} pod{plural} × {shape} need {need} node{plural} with "
+            f"{demand.mig_slices} {demand.mig_profile} free, {len(with_gpus)} "
+            f"{'has' if len(with_gpus) == 1 else 'have'}"
+        )
     if len(with_gpus) < need and demand.gpus:
         if demand.sharing:
             largest = max((entry.max_free for entry in nodes), default=0)
@@ -161,6 +195,8 @@ def _pods_fitting(entry: indexing.Entry, demand: filtering.Demand) -> int:
         counts.append(entry.cpu_free // demand.cpu_milli)
     if demand.memory_mib:
         counts.append(entry.mem_free // demand.memory_mib)
+    if demand.mig_slices:
+        counts.append(filtering.mig_free(entry, demand) // demand.mig_slices)
     if demand.gpus and not demand.sharing:
         per = filtering.largest_island_block(entry) if demand.nvlink else entry.whole
         counts.append(per // demand.gpus)

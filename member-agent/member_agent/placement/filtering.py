@@ -6,9 +6,9 @@ models (if any), its labels and name match the pod's node selector and required 
 (`broker.api.affinity`, Kubernetes semantics: terms ORed, expressions ANDed, `In`, `NotIn`,
 `Exists`, `DoesNotExist`, `Gt`, `Lt`), its GPUs have enough memory, it has the CPU and memory
 free, and it has `gpus` GPUs wholly free (a whole-GPU pod, all on this node, inside one NVLink
-island when the pod requires NVLink) or one GPU with `gpu_milli` free (a sharing pod), and
-its GPUs can be had that way (`sharing_allowed`: the device plugin's shared replicas take
-sharing pods only).
+island when the pod requires NVLink) or one GPU with `gpu_milli` free (a sharing pod) or
+`mig_slices` free MIG devices of its `mig_profile` (a MIG pod), and its GPUs can be had
+that way (`sharing_allowed`: the device plugin's shared replicas take sharing pods only).
 Preferred node affinity is not weighed (see `broker.api.affinity`).
 """
 
@@ -36,6 +36,8 @@ class Demand:
     nvlink: bool = False  # all GPUs inside one NVLink island
     # node selection beyond `models` (None: every node of those models)
     selector: affinity.NodeSelector | None = None
+    mig_profile: str = ""  # a MIG pod: `mig_slices` MIG devices of this profile
+    mig_slices: int = 0
 
     @property
     def sharing(self) -> bool:
@@ -51,6 +53,9 @@ class Demand:
         return (self.gpus, self.gpu_milli, self.cpu_milli)
 
     def describe(self) -> str:
+        if self.mig_slices:
+            plural = "s" if self.mig_slices > 1 else ""
+            return f"{self.mig_slices} MIG slice{plural} of {self.mig_profile}"
         if self.gpus == 0:
             return "CPU-only"
         if self.sharing:
@@ -70,6 +75,8 @@ def demand_of(shape: jobs.PodShape, *, nvlink: bool = False) -> Demand:
         min_gpu_memory_mib=shape.min_gpu_memory_mib,
         nvlink=nvlink and gpus > 1,
         selector=shape.selector,
+        mig_profile=shape.mig_profile,
+        mig_slices=shape.mig_slices,
     )
 
 
@@ -84,6 +91,8 @@ def fits(entry: indexing.Entry, demand: Demand) -> bool:
     if entry.cpu_free < demand.cpu_milli or entry.mem_free < demand.memory_mib:
         return False
     if not fits_gpus(entry, demand):
+        return False
+    if demand.mig_slices and mig_free(entry, demand) < demand.mig_slices:
         return False
     if demand.gpus and not sharing_allowed(entry, demand):
         return False
@@ -102,6 +111,18 @@ def fits_gpus(entry: indexing.Entry, demand: Demand) -> bool:
     if demand.nvlink:
         return largest_island_block(entry) >= gpus
     return True
+
+
+def mig_free(entry: indexing.Entry, demand: Demand) -> int:
+    """Free MIG devices of the pod's profile on the node."""
+    return len(entry.mig_free.get(demand.mig_profile, ()))
+
+
+def mig_slots(entry: indexing.Entry, demand: Demand) -> dict[str, tuple[int, ...]]:
+    """The MIG devices a MIG pod takes on the node: the lowest free indices of its profile."""
+    if not demand.mig_slices:
+        return {}
+    return {demand.mig_profile: entry.mig_free.get(demand.mig_profile, ())[: demand.mig_slices]}
 
 
 def sharing_allowed(entry: indexing.Entry, demand: Demand) -> bool:

@@ -16,11 +16,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker.api import gangs, jobs, status
 from member_agent.inventory import model
-from member_agent.placement import explaining, filtering, indexing, policies, scoring, topology
+from member_agent.placement import (
+    explaining,
+    filtering,
+    indexing,
+    policies,
+    ranking,
+    scoring,
+    topology,
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class NoPlacement:
 class PlacedPod:
     placement: status.PodPlacement
     shape: jobs.PodShape
+    # a MIG pod's devices: profile -> MIG device indices on the node (`model.Node.mig`)
+    mig: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -55,14 +65,19 @@ def place_gang(
     *,
     policy: str | scoring.Scorer = policies.DEFAULT,
     index: indexing.FreeIndex | None = None,
+    rankings: ranking.Rankings | None = None,
 ) -> GangPlacement | NoPlacement:
     """Choose node and GPUs for every pod of `request`, or say why it cannot be done.
 
     `policy` is a registry name (`policies.names()`) or a plug-in object. `index` is a
     `FreeIndex` of `inventory` kept current by the caller; without it one is built.
+    `rankings`: the orders the caller keeps beside `index` for the same scorer object
+    (`ranking`): the same answer, without scoring every node for every pod.
     """
     scorer = policies.resolve(policy)
     free_index = index if index is not None else indexing.FreeIndex.build(inventory)
+    if rankings is not None and (rankings.index is not free_index or rankings.scorer is not scorer):
+        rankings = None  # kept for another index or scorer: of no use here
     nvlink = request.topology.nvlink == jobs.TopologyMode.REQUIRED
     pods = [
         _Pod(name, task, shape, filtering.demand_of(shape, nvlink=nvlink))
@@ -73,7 +88,13 @@ def place_gang(
     groups = topology.plan_groups(free_index.entries.values(), request, gang_milli=gang_milli)
     for group in groups:
         chosen = _place_in_group(
-            free_index, pods, order=order, scorer=scorer, request=request, names=group.names
+            free_index,
+            pods,
+            order=order,
+            scorer=scorer,
+            request=request,
+            names=group.names,
+            kept=rankings if group.names is None else None,
         )
         if chosen is not None:
             return GangPlacement(pods=tuple(chosen))
@@ -95,6 +116,7 @@ def _place_in_group(
     scorer: scoring.Scorer,
     request: gangs.GangRequest,
     names: frozenset[str] | None,
+    kept: ranking.Rankings | None = None,
 ) -> list[PlacedPod] | None:
     scratch: dict[str, indexing.Entry] = {}
     placed: dict[int, PlacedPod] = {}
@@ -104,7 +126,9 @@ def _place_in_group(
     rankings: dict[filtering.Demand, _Ranking] = {}
     for i in order:
         pod = pods[i]
-        if pod.demand in repeated and not scorer.randomised:
+        if kept is not None and kept.applies(scorer, pod.demand):
+            entry = kept.choose(pod.demand, scratch)
+        elif pod.demand in repeated and not scorer.randomised and not pod.demand.mig_slices:
             ranking = rankings.get(pod.demand)
             if ranking is None:
                 ranking = rankings[pod.demand] = _Ranking(free_index, pod.demand, scorer, names)
@@ -118,10 +142,11 @@ def _place_in_group(
                 return None
             continue
         slots = scorer.slots(entry, pod.demand)
+        mig = filtering.mig_slots(entry, pod.demand)
         if entry.name not in scratch:
             entry = entry.copy()
             scratch[entry.name] = entry
-        entry.take(slots, cpu_milli=pod.demand.cpu_milli, memory_mib=pod.demand.memory_mib)
+        entry.take(slots, cpu_milli=pod.demand.cpu_milli, memory_mib=pod.demand.memory_mib, mig=mig)
         placed[i] = PlacedPod(
             placement=status.PodPlacement(
                 name=pod.name,
@@ -130,6 +155,7 @@ def _place_in_group(
                 gpus=[status.GPUSlot(index=index, milli=milli) for index, milli in slots],
             ),
             shape=pod.shape,
+            mig=mig,
         )
     return [placed[i] for i in sorted(placed)]
 
@@ -151,6 +177,8 @@ def choose_node(
         selector=demand.selector,
     )
     fits = filtering.fits
+    if demand.mig_slices:
+        return _choose_mig(free_index, demand, scorer, scratch=scratch, names=names)
     if scorer.randomised:
         feasible = []
         for indexed in candidates:
@@ -174,6 +202,30 @@ def choose_node(
         value = score(entry, demand)
         if best is None or value > best_score or (value == best_score and entry.rank < best_rank):
             best, best_score, best_rank = entry, value, entry.rank
+    return best
+
+
+def _choose_mig(
+    free_index: indexing.FreeIndex,
+    demand: filtering.Demand,
+    scorer: scoring.Scorer,
+    *,
+    scratch: dict[str, indexing.Entry] | None,
+    names: frozenset[str] | None,
+) -> indexing.Entry | None:
+    """A MIG pod's node: the feasible one with the fewest free devices of its profile (best
+    fit: nodes with many free keep them for larger asks), then the policy's score, then rank."""
+    best: indexing.Entry | None = None
+    best_key: tuple[int, float, int] = (0, 0.0, 0)
+    for indexed in free_index.candidates(models=demand.models, selector=demand.selector):
+        entry = scratch.get(indexed.name, indexed) if scratch else indexed
+        if names is not None and entry.name not in names:
+            continue
+        if not filtering.fits(entry, demand):
+            continue
+        key = (filtering.mig_free(entry, demand), -scorer.score(entry, demand), entry.rank)
+        if best is None or key < best_key:
+            best, best_key = entry, key
     return best
 
 

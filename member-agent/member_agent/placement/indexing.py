@@ -40,6 +40,8 @@ class Entry:
         "labels",
         "max_free",
         "mem_free",
+        "mig",
+        "mig_free",
         "model",
         "name",
         "partial",
@@ -62,6 +64,8 @@ class Entry:
         self.gpu_free: list[int] = list(node.gpu_free)
         self.cpu_free = node.cpu_free
         self.mem_free = node.memory_free
+        self.mig = node.mig  # MIG devices by profile: shared, never changed by placement
+        self.mig_free: dict[str, tuple[int, ...]] = dict(node.mig_free)
         self.whole = 0
         self.partial = 0
         self.max_free = 0
@@ -92,10 +96,23 @@ class Entry:
         for slot in Entry.__slots__:
             setattr(clone, slot, getattr(self, slot))
         clone.gpu_free = list(self.gpu_free)
+        clone.mig_free = dict(self.mig_free)
         return clone
 
-    def take(self, slots: Sequence[tuple[int, int]], *, cpu_milli: int, memory_mib: int) -> None:
-        """Take (GPU index, milli) slots and CPU/memory; only on scratch copies."""
+    def take(
+        self,
+        slots: Sequence[tuple[int, int]],
+        *,
+        cpu_milli: int,
+        memory_mib: int,
+        mig: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
+        """Take (GPU index, milli) slots, MIG devices and CPU/memory; only on scratch copies."""
+        for profile, indices in (mig or {}).items():
+            taken = set(indices)
+            self.mig_free[profile] = tuple(
+                i for i in self.mig_free.get(profile, ()) if i not in taken
+            )
         for index, milli in slots:
             self.gpu_free[index] -= milli
         self.cpu_free -= cpu_milli
@@ -158,6 +175,8 @@ class FreeIndex:
             entry.gpu_free = list(node.gpu_free)
             entry.cpu_free = node.cpu_free
             entry.mem_free = node.memory_free
+            entry.mig = node.mig
+            entry.mig_free = dict(node.mig_free)
             entry.derive()
         self.entries[node.name] = entry
         self._insert(entry)

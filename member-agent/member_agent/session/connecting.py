@@ -364,6 +364,7 @@ class Connector:
         link.checkpoints = message.v >= messages.CHECKPOINTS_SINCE
         self.reporter.send_labels = message.v >= messages.LABELS_SINCE
         self.reporter.send_health = message.v >= messages.GPU_HEALTH_SINCE
+        self.reporter.send_mig = message.v >= messages.MIG_SINCE
         link.welcomed = True
         self.lease.set_terms(
             heartbeat=message.heartbeat_seconds, lost_after=message.lost_after_seconds

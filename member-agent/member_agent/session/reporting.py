@@ -10,7 +10,9 @@ The summary itself is `member_agent.inventory.summary.summarise`, the one the si
 Every summary carries the cluster's `labels` (`--cluster-label`) once the session's welcome
 said the broker reads them (`send_labels`, protocol 5); an older broker is sent none. So
 does its GPU health (`health`: unhealthy GPUs, nodes cordoned for GPU failures; `send_health`,
-protocol 6), which alone changing sends a summary too.
+protocol 6), which alone changing sends a summary too. The models' MIG devices
+(`ModelSummary.mig`) go only to a broker of protocol 7 (`send_mig`); to an older one they are
+left out.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class SummaryReporter:
         self.cluster = cluster
         self.labels = dict(labels or {})
         self.send_labels = False  # set per session from the broker's welcome
+        self.send_mig = False  # set per session from the broker's welcome
         self.interval = interval
         self.summarise: Summarise = summarise or summary.summarise
         self.clock = clock
@@ -111,6 +114,10 @@ class SummaryReporter:
 
     def _compute(self, *, bump: bool = True) -> inventory.ClusterSummary:
         computed = self.summarise(self.source())
+        if not self.send_mig and any(m.mig is not None for m in computed.models):
+            computed = computed.model_copy(
+                update={"models": [m.model_copy(update={"mig": None}) for m in computed.models]}
+            )
         update: dict[str, object] = {
             "cluster": self.cluster,
             "labels": dict(self.labels) if self.send_labels else {},

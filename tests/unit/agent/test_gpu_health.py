@@ -283,7 +283,7 @@ def test_the_book_counts_failures_and_cordons_once_after_the_threshold() -> None
     assert book.observe("n1", {3}) == frozenset()  # the same GPU again is no new failure
     assert cordoned == []
     assert book.observe("n1", {3, 5}) == {5}
-    assert cordoned == [("n1", "GPUFailed: 2 GPU failures on this node")]
+    assert cordoned == [("n1", "GPUFailed: 2 GPU failures on this node within 1h")]
     book.observe("n1", set())
     book.observe("n1", {0})
     assert len(cordoned) == 1 and book.cordons == 1
@@ -296,7 +296,7 @@ def test_without_auto_cordon_nothing_is_cordoned() -> None:
         "c1", gpuhealth.HealthSettings(cordon_after=1), cordon=lambda n, w: cordoned.append(n)
     )
     book.observe("n1", {0, 1})
-    assert (cordoned, book.failures["n1"]) == ([], 2)
+    assert (cordoned, book.recent_failures("n1")) == ([], 2)
     with pytest.raises(ValueError, match="below 1"):
         gpuhealth.HealthSettings(cordon_after=0)
 
@@ -374,7 +374,9 @@ async def test_a_jobs_annotation_fails_its_gpu_and_auto_cordon_cordons_the_node(
     inventory = backend.inventory()
     assert inventory.nodes["h100-000"].unhealthy == {2}  # its first GPU
     assert not inventory.nodes["h100-000"].available  # cordoned after one failure
-    assert backend.gpu_health().cordoned == {"h100-000": "GPUFailed: 1 GPU failures on this node"}
+    assert backend.gpu_health().cordoned == {
+        "h100-000": "GPUFailed: 1 GPU failures on this node within 1h"
+    }
     assert [p.phase for p in backend.pods() if p.request.name == "b"] == [status.PodPhase.RUNNING]
     found = summary.summarise(inventory).model(builders.H100)
     assert found is not None and found.unavailable_gpus == 8  # the cordoned node's
