@@ -1,9 +1,9 @@
 """A value computed once per live object, forgotten with the object. Pure, no I/O.
 
 A job's spec never changes after submit, and one spec object is shared by every draft of its
-record (`jobs.book.draft_of`): what is read off it (its gang's shapes, its stored JSON) can be
-read once, not at every commit and every cycle. Keyed by identity, held through a weak
-reference: a spec that goes out of the book takes its values with it.
+record (`jobs.book.draft_of`): what is read off it (its gang, its stored JSON) can be read
+once, not at every commit and every cycle. Keyed by identity, held through a weak reference:
+a spec that goes out of the book takes its values with it.
 """
 
 from __future__ import annotations
@@ -16,32 +16,49 @@ T = TypeVar("T")
 V = TypeVar("V")
 
 
+class _Ref(weakref.ref[T]):
+    """A weak reference that knows its key (no closure per entry: a few hundred bytes less
+    for each of 100,000 jobs)."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 class PerObject(Generic[T, V]):
     """`get(obj, compute)`: `compute(obj)` the first time, the same value after, while `obj`
-    lives. For objects that are not changed once made (the caller's promise)."""
+    lives; `peek` and `put` for a value the caller checks itself. For objects that are not
+    changed once made (the caller's promise)."""
 
     def __init__(self) -> None:
-        self._values: dict[int, tuple[weakref.ref[T], V]] = {}
+        self._values: dict[int, tuple[_Ref[T], V]] = {}
 
     def get(self, obj: T, compute: Callable[[T], V]) -> V:
-        key = id(obj)
-        known = self._values.get(key)
+        known = self._values.get(id(obj))
         if known is not None and known[0]() is obj:
             return known[1]
         value = compute(obj)
-        self._values[key] = (weakref.ref(obj, self._dropper(key)), value)
+        self.put(obj, value)
         return value
 
-    def _dropper(self, key: int) -> Callable[[weakref.ref[T]], None]:
-        def drop(_: weakref.ref[T]) -> None:
-            self._drop(key)
+    def peek(self, obj: T) -> V | None:
+        known = self._values.get(id(obj))
+        return known[1] if known is not None and known[0]() is obj else None
 
-        return drop
-
-    def _drop(self, key: int) -> None:
+    def put(self, obj: T, value: V) -> None:
+        key = id(obj)
         known = self._values.get(key)
-        if known is not None and known[0]() is None:
-            del self._values[key]
+        if known is not None and known[0]() is obj:
+            self._values[key] = (known[0], value)
+            return
+        ref = _Ref(obj, self._drop)
+        ref.key = key
+        self._values[key] = (ref, value)
+
+    def _drop(self, ref: weakref.ref[T]) -> None:
+        key = ref.key if isinstance(ref, _Ref) else None
+        known = self._values.get(key) if key is not None else None
+        if known is not None and known[0] is ref:
+            del self._values[known[0].key]
 
     def __len__(self) -> int:
         return len(self._values)
