@@ -64,7 +64,12 @@ def requesting(spec: dict[str, Any], slots: Slots) -> dict[str, Any]:
     `nvidia.com/gpu` asked as `nvidia.com/mig-<profile>` (one profile per pod)."""
     if len(slots) != 1:
         return spec
-    resource = mig.resource_of(next(iter(slots)))
+    return ask_as(spec, mig.resource_of(next(iter(slots))))
+
+
+def ask_as(spec: dict[str, Any], resource: str) -> dict[str, Any]:
+    """The spec with every container's `nvidia.com/gpu` asked as `resource` instead (a MIG
+    device, the device plugin's shared replicas), its limits and requests alike."""
     out = dict(spec)
     for kind in ("initContainers", "containers"):
         if kind not in spec:

@@ -408,27 +408,6 @@ def is_sharing(request: base.PodRequest) -> bool:
     return len(request.gpus) == 1 and request.gpus[0].milli < model.GPU_MILLI
 
 
-def _requesting(spec: dict[str, Any], resource: str) -> dict[str, Any]:
-    """The spec with every container's `nvidia.com/gpu` asked as `resource` instead."""
-    out = dict(spec)
-    for kind in ("initContainers", "containers"):
-        containers = []
-        for raw in spec.get(kind) or []:
-            container = dict(raw)
-            res = dict(container.get("resources") or {})
-            for part in ("limits", "requests"):
-                quantities = dict(res.get(part) or {})
-                if jobs.GPU_RESOURCE in quantities:
-                    quantities[resource] = quantities.pop(jobs.GPU_RESOURCE)
-                    res[part] = quantities
-            if res:
-                container["resources"] = res
-            containers.append(container)
-        if kind in spec:
-            out[kind] = containers
-    return out
-
-
 def label_value(value: str) -> str:
     """A string made a valid label value (63 characters, alphanumeric at both ends)."""
     cleaned = _LABEL_VALUE_BAD.sub("-", value)[:63]
@@ -465,7 +444,7 @@ def build_pod(
     )
     spec["nodeName"] = request.node
     if shared_resource and is_sharing(request):
-        spec = _requesting(spec, shared_resource)
+        spec = migs.ask_as(spec, shared_resource)
     if request.mig:  # nvidia.com/gpu under gpufed.io/mig-profile: asked as nvidia.com/mig-<p>
         spec = migs.requesting(spec, request.mig)
     spec.setdefault("restartPolicy", "Never")  # a batch pod ends; Always would never finish
