@@ -114,11 +114,12 @@ def _path_of(entry: tuple[Any, ...], root: str) -> str:
         node = node[2]
     out = root
     for step in reversed(steps):
-        if isinstance(step, int):
-            out = f"{out}[{step}]"
-        else:
-            out = f"{out}.{step}" if out else step
+        out = f"{out}[{step}]" if isinstance(step, int) else _key_path(out, step)
     return out
+
+
+def _key_path(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _check_text(text: str, path: str) -> None:
