@@ -29,6 +29,7 @@ async def clusters(args: argparse.Namespace, api: client.BrokerClient) -> int:
             m["allocated"],
             m["unavailable"],
             c["running_jobs"],
+            _mig_cell(m),
             ",".join(f"{k}={v}" for k, v in sorted((c.get("labels") or {}).items())) or "-",
         ]
         for c in items
@@ -38,11 +39,18 @@ async def clusters(args: argparse.Namespace, api: client.BrokerClient) -> int:
         )
     ]
     header = ["CLUSTER", "HEALTH", "MODEL", "GPUS", "FREE", "ALLOCATED", "UNAVAILABLE", "JOBS"]
-    table = tables.render([*header, "LABELS"], rows)
+    table = tables.render([*header, "MIG FREE/TOTAL", "LABELS"], rows)
     degraded = [f"{c['name']}: {c['reason']}" for c in items if c.get("reason")]
     sick = [_gpu_health(c) for c in items if c.get("unhealthy_gpus") or c.get("cordoned_nodes")]
     jobcommands.print_answer(args, items, "\n".join([table, *degraded, *sick]))
     return 0
+
+
+def _mig_cell(totals: dict[str, Any]) -> str:
+    """`1g.10gb=10/14,3g.40gb=1/2`: a model's free and total MIG devices per profile
+    (`-`: none, or a broker or agent before MIG)."""
+    items = totals.get("mig") or []
+    return ",".join(f"{i['profile']}={i['free']}/{i['total']}" for i in items) or "-"
 
 
 def _gpu_health(cluster: dict[str, Any]) -> str:

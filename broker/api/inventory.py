@@ -152,12 +152,25 @@ class ClusterSummary(_Model):
         return None
 
 
+class MIGTotals(_Model):
+    """The MIG devices of one profile on a model's nodes, as `GET /v1/clusters` shows them."""
+
+    profile: str = Field(description="the MIG profile, such as 1g.10gb")
+    total: int = Field(description="MIG devices of this profile on the model's nodes")
+    free: int = Field(description="of them, free on ready, schedulable nodes")
+
+
 class ModelTotals(_Model):
     model: str
     total: int
     free: int
     allocated: int
     unavailable: int
+    mig: list[MIGTotals] = Field(
+        default_factory=list,
+        description="MIG devices per profile, by profile name (empty: none, or an agent "
+        "before protocol 7)",
+    )
 
 
 class ClusterView(_Model):

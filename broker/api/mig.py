@@ -12,6 +12,16 @@ A pod of MIG slices asks for no whole GPU and no share of one (`gpufed.io/gpu-mi
 one profile only. A profile is NVIDIA's name, `<compute>g.<memory>gb` with an optional suffix
 (`1g.10gb`, `3g.40gb`, `1g.10gb+me`, `1g.10gb.me`); `profile_problem` says what is wrong with one.
 `jobs.shape_of` applies these rules; the shape carries `mig_profile` and `mig_slices`.
+
+What a pod of MIG slices counts toward its queue's quota (`quota_gpus`): whole GPUs, the
+fewest its slices fill: NVIDIA's GPUs with MIG (A100, H100, H200, B200) have 7 compute
+slices, so a GPU holds `7 // c` instances of a `<c>g.<m>gb` profile (seven 1g, three 2g, two
+3g, one 4g or 7g), and `n` slices fill `ceil(n / (7 // c))` GPUs; one slice is one GPU. Not
+`c/7` of a GPU: quotas, fair share, `GET /v1/queues` and the parking thresholds count whole
+GPUs (integers, as the queues file declares them), and a GPU partitioned for MIG is not there
+for whole-GPU work while one instance on it runs. Rounding up per pod means a tenant never
+holds more GPUs than its quota allows, at the price of charging a small pod a whole GPU, as a
+sharing pod (`gpufed.io/gpu-milli`) is charged one.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ MAX_SLICES_PER_POD = 64  # 8 GPUs of 7 slices each, with room
 # (`+me`, `.me`: media extensions; `+gfx`)
 _DIGITS = re.compile(r"^[0-9]{1,10}$")
 _PROFILE = re.compile(r"^([1-9]c\.)?[1-9][0-9]?g\.[0-9]{1,4}gb([.+][a-z]{1,8}){0,2}$")
+_COMPUTE = re.compile(r"^(?:[1-9]c\.)?([1-9][0-9]?)g\.")
+COMPUTE_SLICES_PER_GPU = 7  # A100, H100, H200, B200
 
 
 def profile_problem(profile: str) -> str | None:
@@ -33,6 +45,20 @@ def profile_problem(profile: str) -> str | None:
     if _PROFILE.match(profile):
         return None
     return f"{profile!r} is not a MIG profile (such as 1g.10gb, 3g.40gb or 1g.10gb+me)"
+
+
+def quota_gpus(profile: str, slices: int) -> int:
+    """The whole GPUs `slices` MIG devices of `profile` count toward a quota: the fewest GPUs
+    they fill (`7 // c` instances of a `<c>g` profile on one GPU), at least one; 0 slices, 0.
+    A profile whose compute slices cannot be read counts one GPU per slice."""
+    if slices <= 0:
+        return 0
+    found = _COMPUTE.match(profile)
+    compute = int(found.group(1)) if found else COMPUTE_SLICES_PER_GPU
+    per_gpu = COMPUTE_SLICES_PER_GPU // compute
+    if per_gpu == 0:  # an instance larger than a GPU of 7 slices: whole GPUs each
+        return slices * -(-compute // COMPUTE_SLICES_PER_GPU)
+    return -(-slices // per_gpu)
 
 
 def resource_of(profile: str) -> str:

@@ -323,7 +323,12 @@ class WhyAnswer(_Model):
 
 class ModelUsage(_Model):
     model: str
-    in_use: int = Field(alias="inUse")
+    in_use: int = Field(
+        alias="inUse",
+        description="GPUs its Dispatched and Running jobs hold, as quotas count them: a "
+        "sharing pod one GPU, a pod of MIG slices the whole GPUs they fill, at least one "
+        "(seven 1g slices one, two 3g slices one)",
+    )
     guaranteed: int
     limit: int | None = None
     fair_share: float = Field(alias="fairShare")

@@ -447,8 +447,27 @@ def _document() -> dict[str, Any]:
                 },
                 "/v1/clusters": {
                     "get": {
-                        "summary": "Member clusters: health and GPUs by model",
-                        "responses": {"200": {"description": "clusters"}, **auth_errors},
+                        "summary": "Member clusters: health, GPUs and MIG devices by model",
+                        "responses": {
+                            "200": {
+                                "description": "clusters",
+                                "content": {
+                                    "application/json": {
+                                        "schema": {
+                                            "type": "object",
+                                            "required": ["items"],
+                                            "properties": {
+                                                "items": {
+                                                    "type": "array",
+                                                    "items": ref("ClusterView"),
+                                                }
+                                            },
+                                        }
+                                    }
+                                },
+                            },
+                            **auth_errors,
+                        },
                     }
                 },
                 "/v1/agents/connect": {

@@ -228,6 +228,7 @@ class Fleet:
                             free=m.free_gpus,
                             allocated=m.total_gpus - m.free_gpus - m.unavailable_gpus,
                             unavailable=m.unavailable_gpus,
+                            mig=_mig_view(m),
                         )
                     )
             seen = round(now - cluster.last_seen, 3) if cluster.last_seen else None
@@ -269,6 +270,14 @@ class Fleet:
                 continue
             capacities.append(capacity)
         return snapshot.FleetSnapshot.build(capacities)
+
+
+def _mig_view(summary: inventory.ModelSummary) -> list[inventory.MIGTotals]:
+    """A model's MIG devices per profile, by name (none from an agent before protocol 7)."""
+    return [
+        inventory.MIGTotals(profile=profile, total=slices.total, free=slices.free)
+        for profile, slices in sorted((summary.mig or {}).items())
+    ]
 
 
 def _health_view(summary: inventory.ClusterSummary | None) -> dict[str, Any]:

@@ -145,7 +145,7 @@ def _queued(
         queue=job.queue,
         priority=tenancy.priority_of(job.queue, job.priority, job.priority_class),
         created=job.created,
-        gpus=job.request.gpus,
+        gpus=quotas.gpus_of(job.request),
         models=models,
         seconds=seconds,
     )

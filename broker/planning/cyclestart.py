@@ -86,7 +86,7 @@ class Start:
         """Could the job be in tier 0 (within its guarantee) in this cycle's order?"""
         try:
             models = quotas.allowed_models(job.request, self.fleet_models)
-            gpus = job.request.gpus
+            gpus = quotas.gpus_of(job.request)
             return any(self.ledger.check(job.queue, m, gpus) is True for m in models)
         except Exception:  # the planner orders it last (`_queue_key`): never ahead
             return False

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker.api import gangs, jobs
+from broker.api import gangs, jobs, mig
 from broker.api.queues import ReasonCode
 from broker.planning import snapshot
 
@@ -56,10 +56,14 @@ class Fit:
 
     @property
     def gpus_by_model(self) -> dict[str, int]:
-        """GPUs the fit takes per model (a sharing pod counts one GPU)."""
+        """GPUs the fit takes per model as quotas count them (a sharing pod: one GPU; a MIG
+        pod: the GPUs its slices fill, `mig.quota_gpus`)."""
         out: dict[str, int] = {}
         for take in self.takes:
-            count = take.gpus or (1 if take.shared_milli else 0)
+            if take.mig_slices:
+                count = mig.quota_gpus(take.mig_profile, take.mig_slices)
+            else:
+                count = take.gpus or (1 if take.shared_milli else 0)
             if count:
                 out[take.model] = out.get(take.model, 0) + count
         return out

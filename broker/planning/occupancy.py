@@ -5,7 +5,8 @@ Called by `jobs.accounting.Accounting.running_jobs` for every Dispatched or Runn
 dispatch when it still knows it (`Fit.gpus_by_model`), else inferred after a restart — the
 job's only allowed model, else the first model of its cluster the job allows. Pods carry
 their node and whole GPUs (what preemption gives back); a sharing pod holds no whole GPU
-but counts one toward quotas.
+but counts one toward quotas; a pod of MIG slices holds no whole GPU either (preemption gives
+back nothing of it) and counts the GPUs its slices fill (`quotas.gpus_of`).
 """
 
 from __future__ import annotations
@@ -13,17 +14,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from broker.api import gangs, status
-from broker.planning import snapshot
+from broker.planning import quotas, snapshot
 
 WHOLE_GPU_MILLI = 1000
 
 
 def infer_models(request: gangs.GangRequest, cluster_models: Sequence[str]) -> dict[str, int]:
-    shapes = [shape for _, _, shape in request.tasks if shape.gpus]
+    shapes = [shape for _, _, shape in request.tasks if shape.uses_gpus]
     allowed = sorted({m for shape in shapes for m in shape.models})
     usable = [m for m in cluster_models if any(shape.admits_model(m) for shape in shapes)]
     model = usable[0] if usable else (allowed[0] if allowed else "unknown")
-    return {model: request.gpus}
+    return {model: quotas.gpus_of(request)}
 
 
 def running_view(

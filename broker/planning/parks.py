@@ -135,7 +135,7 @@ def _wake_of(
     wake if it may act as things are."""
     tenancy, ledger = start.tenancy, start.ledger
     request = job.request
-    gpus = request.gpus
+    gpus = quotas.gpus_of(request)
     thresholds: set[backlog.Threshold] = set()
     models: set[str] = set()
     misses: Counter[ReasonCode] = Counter()

@@ -238,7 +238,7 @@ class _Cycle:
 
     def _queue_key(self, head: snapshot.PendingJob) -> tuple[int, float]:
         try:
-            gpus = head.request.gpus
+            gpus = quotas.gpus_of(head.request)
             within = any(
                 self.ledger.check(head.queue, model, gpus) is True
                 for model in quotas.allowed_models(head.request, self.fleet_models)
@@ -424,7 +424,7 @@ class _Cycle:
             # the room being made is its: count it, so its queue's next jobs do not reclaim it
             models = sorted(admission.within or admission.admissible)
             if models:
-                self.ledger.charge(job.queue, {models[0]: job.request.gpus})
+                self.ledger.charge(job.queue, {models[0]: quotas.gpus_of(job.request)})
             for cluster in sorted(self.waiting[job.job_id]):
                 out.append(
                     Reason(
@@ -504,7 +504,7 @@ class _Cycle:
             return False
         self.search.record(outcome)
         model = next(iter(outcome.victims[0].job.gpus))
-        self.ledger.charge(job.queue, {model: job.request.gpus})
+        self.ledger.charge(job.queue, {model: quotas.gpus_of(job.request)})
         names = []
         for victim in outcome.victims:
             why = (

@@ -14,9 +14,15 @@ A job of `n` GPUs of model `m` in queue `q` is admitted when
   free, which the fit on the clusters' summaries decides.
 
 Usage counts Dispatched and Running jobs, a sharing pod as one whole GPU (quotas are whole
-GPUs). A cohort's capacity (also the denominator of fair share) is what it declares, else
-every GPU of that model in the fleet's ready clusters. Without a queues file every queue is
-open (no guarantee, no limit) and nothing is preempted or reserved.
+GPUs), a pod of MIG slices as the whole GPUs its slices fill, at least one (`mig.quota_gpus`:
+a `1g.10gb` pod counts 1, a pod of three `3g.40gb` slices 2; why whole GPUs and not c/7 of
+one: `broker.api.mig`). `gpus_of` is that count for a job: what admission checks, the ledger
+charges and fair share sees; `fitting.Fit.gpus_by_model` counts the same per model for what
+a dispatch holds. Preemption gives a MIG victim's quota back but no capacity (its pods hold
+no whole GPU), so it never makes room for a MIG job: such a job waits for slices to free.
+A cohort's capacity (also the denominator of fair share) is what it declares, else every GPU
+of that model in the fleet's ready clusters. Without a queues file every queue is open (no
+guarantee, no limit) and nothing is preempted or reserved.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from broker.api import gangs, queues
+from broker.api import gangs, mig, queues
 from broker.api.queues import ReasonCode
 from broker.planning import snapshot
 
@@ -127,13 +133,24 @@ class Admission:
         return 0 if self.within else 1
 
 
+def gpus_of(request: gangs.GangRequest) -> int:
+    """The whole GPUs a job counts toward its queue's quota: `request.gpus` (a sharing pod
+    one), and for its MIG pods, which `request.gpus` leaves out, `mig.quota_gpus`."""
+    mig_gpus = sum(
+        replicas * mig.quota_gpus(shape.mig_profile, shape.mig_slices)
+        for _, replicas, shape in request.tasks
+        if shape.mig_slices
+    )
+    return request.gpus + mig_gpus
+
+
 def allowed_models(request: gangs.GangRequest, fleet_models: Iterable[str]) -> frozenset[str]:
     """The models of the fleet any GPU pod of the job may use: those its node selection
     admits (`PodShape.admits_model`: `In`, `NotIn`, `Exists`, `DoesNotExist`, `Gt`, `Lt` on
     the GPU product label decide; a requirement on a label the broker does not see excludes
     nothing, the agent decides it)."""
     present = frozenset(fleet_models)
-    shapes = [shape for _, _, shape in request.tasks if shape.gpus]
+    shapes = [shape for _, _, shape in request.tasks if shape.uses_gpus]
     if any(shape.selector is not None for shape in shapes):
         return frozenset(m for m in present if any(s.admits_model(m) for s in shapes))
     wanted: set[str] = set()
@@ -277,12 +294,13 @@ class Ledger:
     def admit(
         self, queue: str, request: gangs.GangRequest, fleet_models: Iterable[str]
     ) -> Admission:
-        """Which of the models the job allows its queue may take `request.gpus` of."""
+        """Which of the models the job allows its queue may take `gpus_of(request)` of."""
         within: set[str] = set()
         admissible: set[str] = set()
         misses = []
+        gpus = gpus_of(request)
         for model in sorted(allowed_models(request, fleet_models)):
-            verdict = self.check(queue, model, request.gpus)
+            verdict = self.check(queue, model, gpus)
             if isinstance(verdict, Miss):
                 misses.append(verdict)
                 continue

@@ -47,3 +47,14 @@ def test_gpu_trouble_and_labels_are_written_when_there_are_some() -> None:
     assert (data["unhealthy_gpus"], data["cordoned_nodes"]) == (2, ["h100-000"])
     assert data["labels"] == {"region": "eu"}
     assert views.decode_view(views.encode_view(troubled, seen_at=None)).view == troubled
+
+
+def test_mig_devices_are_written_only_for_a_model_that_has_some() -> None:
+    data = json.loads(views.encode_view(view(), seen_at=None))
+    assert set(data["models"][0]) == {"model", "total", "free", "allocated", "unavailable"}
+    slices = [inventory.MIGTotals(profile="1g.10gb", total=14, free=9)]
+    [totals] = view().models
+    with_mig = view(models=[totals.model_copy(update={"mig": slices})])
+    data = json.loads(views.encode_view(with_mig, seen_at=None))
+    assert data["models"][0]["mig"] == [{"profile": "1g.10gb", "total": 14, "free": 9}]
+    assert views.decode_view(views.encode_view(with_mig, seen_at=None)).view == with_mig
