@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import random
 import statistics
 import tempfile
@@ -26,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from broker.state import records
 from e2e import bench_throughput
 from gpufed import client
 from gpufed.daemons import duration
@@ -102,18 +104,28 @@ async def submit_all(api: client.BrokerClient, items: list[dict[str, Any]], *, b
     return refused
 
 
-async def etcd_size(url: str) -> tuple[int, int]:
-    """(database bytes, keys) of the etcd server at `url` (etcd://host:port)."""
+async def etcd_size(url: str) -> tuple[int, dict[str, int]]:
+    """(database bytes, keys per prefix: job records, idempotency entries, all) of the etcd
+    server at `url` (etcd://host:port)."""
     endpoint = url.removeprefix("etcd://")
     async with aiohttp.ClientSession() as session:
         async with session.post(f"http://{endpoint}/v3/maintenance/status", json={}) as r:
             status = await r.json()
-        async with session.post(
-            f"http://{endpoint}/v3/kv/range",
-            json={"key": "AA==", "range_end": "AA==", "count_only": True},
-        ) as r:
-            count = await r.json()
-    return int(status.get("dbSize", 0)), int(count.get("count", 0))
+        counts = {}
+        for name, prefix in (("jobs", records.JOBS), ("idempotency", records.IDEMPOTENCY)):
+            start = prefix.encode()
+            end = start[:-1] + bytes([start[-1] + 1])
+            body = {"key": _b64(start), "range_end": _b64(end), "count_only": True}
+            async with session.post(f"http://{endpoint}/v3/kv/range", json=body) as r:
+                counts[name] = int((await r.json()).get("count", 0))
+        every = {"key": "AA==", "range_end": "AA==", "count_only": True}
+        async with session.post(f"http://{endpoint}/v3/kv/range", json=every) as r:
+            counts["all"] = int((await r.json()).get("count", 0))
+    return int(status.get("dbSize", 0)), counts
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -178,7 +190,8 @@ async def run(args: argparse.Namespace) -> None:
             f"{percentile(waits, 0.99) * 1000:.0f} ms\n"
             f"broker RSS start {sampler.start:.0f} MiB, peak {sampler.peak:.0f} MiB, end "
             f"{rss_mib(broker.process.pid):.0f} MiB (after retention)\n"
-            f"etcd: {db_bytes / 2**20:.1f} MiB, {keys} keys; history: "
+            f"etcd: {db_bytes / 2**20:.1f} MiB, {keys['all']} keys ({keys['jobs']} job records, "
+            f"{keys['idempotency']} idempotency entries, kept for their window); history: "
             f"{history.stat().st_size / 2**20:.1f} MiB, {len(jobs)} jobs listed"
         )
     finally:
