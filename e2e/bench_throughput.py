@@ -10,7 +10,8 @@ Two runs, figures printed (no assertions; these machines are shared and noisy):
    `POST /v1/jobs:batch` in batches of N (8 clients), and both figures are printed side by
    side: submits/s and pods/s of the single route and of the batch route.
 2. paced: submit at `--rate` jobs/s for `--seconds`, and report submit→dispatched latency
-   percentiles from the broker's own event times.
+   percentiles from the broker's own event times, and the CPU time per job of the broker,
+   each agent and the client over the paced run (Linux `/proc`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from datetime import datetime
@@ -176,8 +178,28 @@ async def burst(
     return jobs / submitted, jobs * pods / elapsed
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far (Linux `/proc`; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def processes_of(fleet: processes.LocalFleet) -> dict[str, int]:
+    """Name -> pid of the fleet's broker and agents, and of this process (the client)."""
+    out = {"client": os.getpid()}
+    if fleet.broker is not None:
+        out["broker"] = fleet.broker.process.pid
+    out.update({name: agent.process.pid for name, agent in fleet.agents.items()})
+    return out
+
+
 async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> None:
     total = int(rate * seconds)
+    pids = processes_of(fleet)
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     async with fleet.client("bench") as api:
         started = time.perf_counter()
         tasks = []
@@ -188,7 +210,9 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
             tasks.append(asyncio.create_task(api.submit(job_doc(100_000 + n, 1))))
         ids = {r["id"] for r in await asyncio.gather(*tasks)}
         achieved = total / (time.perf_counter() - started)
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.0)  # the last offers placed
+        per_job = {n: (cpu_seconds(pid) - cpu_before[n]) * 1000 / total for n, pid in pids.items()}
+        await asyncio.sleep(1.0)
         items = [j for j in await api.jobs(limit=1_000_000) if j["id"] in ids]
     lat = []
     for job in items:
@@ -199,6 +223,10 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
         f"paced: {total} jobs at {achieved:.0f}/s (asked {rate:.0f}/s); "
         f"submit->dispatched ms p50 {pct(lat, 50):.1f} p90 {pct(lat, 90):.1f} "
         f"p99 {pct(lat, 99):.1f} max {max(lat, default=0):.1f} ({len(lat)} dispatched)"
+    )
+    print(
+        "paced: CPU ms per job, "
+        + ", ".join(f"{name} {value:.2f}" for name, value in sorted(per_job.items()))
     )
 
 
