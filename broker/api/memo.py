@@ -54,11 +54,10 @@ class PerObject(Generic[T, V]):
         ref.key = key
         self._values[key] = (ref, value)
 
-    def _drop(self, ref: weakref.ref[T]) -> None:
-        key = ref.key if isinstance(ref, _Ref) else None
-        known = self._values.get(key) if key is not None else None
-        if known is not None and known[0] is ref:
-            del self._values[known[0].key]
+    def _drop(self, ref: _Ref[T]) -> None:
+        known = self._values.get(ref.key)
+        if known is not None and known[0] is ref:  # not a newer object's entry
+            del self._values[ref.key]
 
     def __len__(self) -> int:
         return len(self._values)

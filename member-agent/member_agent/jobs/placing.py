@@ -27,6 +27,7 @@ PLACEMENT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 class Placer:
     def __init__(self, *, policy: str = "default") -> None:
         self.policy = policy
+        self.scorer = policies.resolve(policy)
         # time to choose nodes and GPUs for an offer's gang
         self.duration = Histogram(
             "gpufed_agent_placement_duration_seconds",
@@ -44,12 +45,10 @@ class Placer:
         """Nodes and GPUs for every pod of `request` on `inventory`, or why not."""
         with self.duration.time():
             index = self._fresh_index(inventory)
-            scorer = policies.resolve(self.policy)
-            rankings = self._rankings
-            if rankings is None or rankings.index is not index or rankings.scorer is not scorer:
-                rankings = self._rankings = ranking.Rankings(index, scorer)
+            if self._rankings is None:  # dropped whenever the index is built anew
+                self._rankings = ranking.Rankings(index, self.scorer)
             return gang.place_gang(
-                inventory, request, policy=scorer, index=index, rankings=rankings
+                inventory, request, policy=self.scorer, index=index, rankings=self._rankings
             )
 
     def mark_stale(self, nodes: Iterable[str]) -> None:
@@ -66,7 +65,7 @@ class Placer:
         if index is not None and all(name in inventory.nodes for name in self._stale_nodes):
             for name in self._stale_nodes:
                 index.refresh(inventory.nodes[name])
-                if self._rankings is not None and self._rankings.index is index:
+                if self._rankings is not None:
                     self._rankings.refresh(index.entries[name])
         else:
             index = self._index = indexing.FreeIndex.build(inventory)
