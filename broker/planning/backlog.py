@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TypeVar
@@ -23,6 +23,8 @@ from typing import TypeVar
 from broker.planning import bounds, reservation, snapshot
 
 Order = tuple[int, datetime, str]  # (-priority, created, id): the place in its queue
+Band = tuple[int, str | None]  # (priority, class) of a job's spec: its queue's jobs alike in order
+Entry = tuple[datetime, str]  # (created, id) of a live job, in its band's heap
 UsageKey = tuple[str, str, str]  # (QUEUE | COHORT, name, model)
 QUEUE = "queue"
 COHORT = "cohort"
@@ -127,6 +129,10 @@ class _Line:
 class Backlog:
     def __init__(self) -> None:
         self._live: dict[str, snapshot.PendingJob] = {}
+        # queue -> band -> heap of the live jobs' entries (stale ones skipped, then dropped):
+        # a queue's live jobs in its order, whatever the configuration (`heads`)
+        self._bands: dict[str, dict[Band, list[Entry]]] = {}
+        self._banded: Counter[tuple[str, Band]] = Counter()  # live jobs per band
         self._parked: dict[str, Park] = {}
         self._counts: Counter[str] = Counter()  # queue -> pending jobs, live and parked
         self._classes: dict[Wake, set[str]] = {}
@@ -143,7 +149,7 @@ class Backlog:
 
     def put(self, job: snapshot.PendingJob) -> None:
         """A queued job as the planner sees it now; a parked job that changed is live again."""
-        old = self._live.get(job.job_id)
+        live = old = self._live.get(job.job_id)
         parked = self._parked.get(job.job_id)
         if parked is not None:
             if parked.job == job:
@@ -153,11 +159,11 @@ class Backlog:
         if old is not None:
             self._counts[old.queue] -= 1
         self._counts[job.queue] += 1
-        self._live[job.job_id] = job
+        self._enter(job, live)
 
     def drop(self, job_id: str) -> None:
         """The job is no longer pending (dispatched, cancelled, gone)."""
-        job = self._live.pop(job_id, None)
+        job = self._leave(job_id)
         if job is None and job_id in self._parked:
             job = self._unpark(job_id).job
         if job is not None:
@@ -169,11 +175,11 @@ class Backlog:
         """Apply a cycle's outcome: woken jobs are live again, the parks are parked."""
         for job_id in woken:
             if job_id in self._parked:
-                self._live[job_id] = self._unpark(job_id).job
+                self._enter(self._unpark(job_id).job, None)
         for park in parks:  # the job as it was planned (a newer version stays live)
             live = self._live.get(park.job.job_id)
             if live is not None and (live is park.job or live == park.job):
-                del self._live[park.job.job_id]
+                self._leave(park.job.job_id)
                 self._park(park)
         for lines in self._lines.values():
             for line in lines.values():
@@ -200,6 +206,30 @@ class Backlog:
 
     def live(self) -> list[snapshot.PendingJob]:
         return list(self._live.values())
+
+    def live_count(self) -> int:
+        return len(self._live)
+
+    def get_live(self, job_id: str) -> snapshot.PendingJob | None:
+        return self._live.get(job_id)
+
+    def heads(
+        self, order_of: Callable[[snapshot.PendingJob], Order]
+    ) -> Mapping[str, Iterator[tuple[Order, snapshot.PendingJob]]]:
+        """Per queue, its live jobs in its order (`order_of`: (-priority, created, id)),
+        lazily: taking the first k of a queue costs O(k log k), whatever the backlog's size
+        (each band's heap is walked from its root, not popped). A job whose priority cannot
+        be read (`order_of` raises) goes by its own field, as `budget.select` orders it."""
+        out: dict[str, Iterator[tuple[Order, snapshot.PendingJob]]] = {}
+        for queue, bands in self._bands.items():
+            walks = []
+            for band, heap in bands.items():
+                self._trim(queue, band, heap)
+                if heap:
+                    walks.append(self._walk(queue, band, heap, order_of))
+            if walks:
+                out[queue] = heapq.merge(*walks, key=_first)
+        return out
 
     def parked(self) -> Collection[str]:
         return self._parked.keys()
@@ -314,6 +344,86 @@ class Backlog:
             if reservation.is_due(self._parked[job_id].job, now=now, after=after)
         }
 
+    # ---- the live jobs in their queues' order ---------------------------------------------
+
+    def _enter(self, job: snapshot.PendingJob, old: snapshot.PendingJob | None) -> None:
+        """`job` is live (`old`: its live version before, if it was live)."""
+        self._live[job.job_id] = job
+        band = (job.priority, job.priority_class)
+        if old is not None:
+            if (old.queue, old.priority, old.priority_class, old.created) == (
+                job.queue,
+                *band,
+                job.created,
+            ):
+                return  # its entry stands
+            self._unband(old)
+        self._banded[(job.queue, band)] += 1
+        heap = self._bands.setdefault(job.queue, {}).setdefault(band, [])
+        heapq.heappush(heap, (job.created, job.job_id))
+        if len(heap) > 2 * self._banded[(job.queue, band)] + 64:  # mostly stale: once
+            current = {entry for entry in heap if self._stands(job.queue, band, entry)}
+            heap[:] = list(current)
+            heapq.heapify(heap)
+
+    def _leave(self, job_id: str) -> snapshot.PendingJob | None:
+        job = self._live.pop(job_id, None)
+        if job is not None:
+            self._unband(job)
+        return job
+
+    def _unband(self, job: snapshot.PendingJob) -> None:
+        key = (job.queue, (job.priority, job.priority_class))
+        self._banded[key] -= 1
+        if self._banded[key] <= 0:  # the band's heap holds stale entries only
+            del self._banded[key]
+            bands = self._bands[job.queue]
+            del bands[key[1]]
+            if not bands:
+                del self._bands[job.queue]
+
+    def _stands(self, queue: str, band: Band, entry: Entry) -> bool:
+        """Is the entry a live job, as it is?"""
+        job = self._live.get(entry[1])
+        return (
+            job is not None
+            and job.created == entry[0]
+            and job.queue == queue
+            and (job.priority, job.priority_class) == band
+        )
+
+    def _trim(self, queue: str, band: Band, heap: list[Entry]) -> None:
+        """Drop the stale entries at the root (the jobs dispatched first were its heads)."""
+        while heap and not self._stands(queue, band, heap[0]):
+            heapq.heappop(heap)
+
+    def _walk(
+        self,
+        queue: str,
+        band: Band,
+        heap: list[Entry],
+        order_of: Callable[[snapshot.PendingJob], Order],
+    ) -> Iterator[tuple[Order, snapshot.PendingJob]]:
+        """The band's live jobs in (created, id) order, the heap left as it is."""
+        rank: int | None = None
+        seen: set[str] = set()  # a job put again after it left has two entries
+        frontier = [(heap[0], 0)]
+        while frontier:
+            entry, at = heapq.heappop(frontier)
+            for child in (2 * at + 1, 2 * at + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
+            if entry[1] in seen or not self._stands(queue, band, entry):
+                continue
+            seen.add(entry[1])
+            job = self._live[entry[1]]
+            if rank is None:  # every job of the band has the same priority
+                try:
+                    rank = order_of(job)[0]
+                except Exception:  # the planner sets it aside: its own field orders it
+                    rank = -job.priority
+            yield (rank, job.created, job.job_id), job
+
     # ---- the indices ----------------------------------------------------------------------
 
     def _park(self, park: Park) -> None:
@@ -400,6 +510,10 @@ class Backlog:
     def _current(self, entry: tuple[datetime, str], members: set[str]) -> bool:
         since, job_id = entry
         return job_id in members and self._parked[job_id].job.waiting_since == since
+
+
+def _first(item: tuple[Order, snapshot.PendingJob]) -> Order:
+    return item[0]
 
 
 def _unfile(index: dict[K, dict[int, set[Wake]]], key: K, at: int, wake: Wake) -> None:

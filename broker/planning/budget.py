@@ -25,7 +25,7 @@ and how loaded the machine is; the lease and the agents' heartbeats do not wait 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from broker.planning import backlog, snapshot
 
@@ -44,32 +44,72 @@ def select(
     whose priority cannot be read goes by its own field: the planner sets it aside)."""
     if limit is None or len(pending) <= limit:
         return list(pending), []
-    chosen = {job.job_id for job in pending if job.job_id in always}
-    lines: dict[str, list[backlog.Order]] = {}
+    chosen = {job.job_id for job in choose(lines(pending, order_of), limit=limit, always=[
+        job for job in pending if job.job_id in always
+    ])}  # fmt: skip
+    planned = [job for job in pending if job.job_id in chosen]
+    deferred = [job for job in pending if job.job_id not in chosen]
+    return planned, deferred
+
+
+Line = Iterable[tuple[backlog.Order, snapshot.PendingJob]]  # a queue's jobs, in its order
+
+
+def lines(
+    pending: Iterable[snapshot.PendingJob],
+    order_of: Callable[[snapshot.PendingJob], backlog.Order],
+) -> dict[str, Line]:
+    """`pending` by queue, each in its queue's order (`order_of`; a job whose priority
+    cannot be read goes by its own field)."""
+    out: dict[str, list[tuple[backlog.Order, snapshot.PendingJob]]] = {}
     for job in pending:
-        if job.job_id in chosen:
-            continue
         try:
             order = order_of(job)
         except Exception:  # the planner raises for it too, and sets it aside
             order = (-job.priority, job.created, job.job_id)
-        lines.setdefault(job.queue, []).append(order)
-    for line in lines.values():
-        heapq.heapify(line)
-    turn = sorted(lines)  # queue by queue, one head at a time
+        out.setdefault(job.queue, []).append((order, job))
+    for line in out.values():
+        line.sort(key=_order)
+    return dict(out)
+
+
+def choose(
+    queues: Mapping[str, Line], *, limit: int, always: Sequence[snapshot.PendingJob] = ()
+) -> list[snapshot.PendingJob]:
+    """`always`, then the heads of every queue (`queues`: each queue's jobs in its order,
+    read lazily) one at a time in turn, queue by queue by name, until `limit` are chosen:
+    reading a queue costs what it gives, so a deep backlog costs the slice, not its size."""
+    chosen = {job.job_id: job for job in always}
+    heads = {queue: iter(line) for queue, line in queues.items()}
+    turn = sorted(heads)
     while turn and len(chosen) < limit:
         still = []
         for queue in turn:
             if len(chosen) >= limit:
                 break
-            line = lines[queue]
-            chosen.add(heapq.heappop(line)[-1])
-            if line:
-                still.append(queue)
+            for _, job in heads[queue]:
+                if job.job_id not in chosen:
+                    chosen[job.job_id] = job
+                    still.append(queue)
+                    break
         turn = still
-    planned = [job for job in pending if job.job_id in chosen]
-    deferred = [job for job in pending if job.job_id not in chosen]
-    return planned, deferred
+    return list(chosen.values())
+
+
+def merged(*queues: Mapping[str, Line]) -> dict[str, Line]:
+    """The queues' lines, merged queue by queue (each line in its queue's order)."""
+    out: dict[str, list[Line]] = {}
+    for each in queues:
+        for queue, line in each.items():
+            out.setdefault(queue, []).append(line)
+    return {
+        queue: parts[0] if len(parts) == 1 else heapq.merge(*parts, key=_order)
+        for queue, parts in out.items()
+    }
+
+
+def _order(item: tuple[backlog.Order, snapshot.PendingJob]) -> backlog.Order:
+    return item[0]
 
 
 # the slice a cycle aims at: the leader's lease is renewed every 1.7 s and steps down 4 s

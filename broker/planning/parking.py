@@ -257,15 +257,11 @@ def plan_backlog(
         woken |= {r.preemptor for r in releasing if parked.is_parked(r.preemptor)}
     else:
         woken = set(parked.parked())
-    live = parked.live()
     held = reservations or {}
     always = {r.job_id for r in held.values()} | {r.preemptor for r in releasing}
     rounds = 0
     while True:
-        pending = live + [_job(parked, job_id) for job_id in sorted(woken)]
-        planned, deferred = budget.select(
-            pending, limit=limit, order_of=start.order_of, always=always
-        )
+        planned, deferred = _slice(parked, woken, limit=limit, start=start, always=always)
         stand_ins = decide_stand_ins(parked, planned, start, woken=woken) if park else []
         scratch = fleet.copy()
         plan = planning.plan_cycle(
@@ -297,7 +293,30 @@ def plan_backlog(
     reserved = tuple(sorted({(c, m) for _, c, m in made ^ had}, key=lambda x: (x[0], sorted(x[1]))))
     reference = Reference(queues, start.shape, left, start.usage, start.lowest, reserved)
     stood = [job.job_id for job in stand_ins]
-    return BacklogPlan(plan, planned, woken, stood, parks, reference, rounds, len(deferred))
+    return BacklogPlan(plan, planned, woken, stood, parks, reference, rounds, deferred)
+
+
+def _slice(
+    parked: backlog.Backlog,
+    woken: Collection[str],
+    *,
+    limit: int | None,
+    start: Start,
+    always: Collection[str],
+) -> tuple[list[snapshot.PendingJob], int]:
+    """(the jobs this cycle plans, how many pending ones it leaves for the next): the live
+    jobs and the woken ones, at most `limit` of them (`budget`): read from the backlog's
+    per-queue order, so a slice costs O(limit), not O(backlog)."""
+    awake = [_job(parked, job_id) for job_id in sorted(woken)]
+    total = parked.live_count() + len(awake)
+    if limit is None or total <= limit:
+        return parked.live() + awake, 0
+    found = (parked.get_live(job_id) for job_id in always)
+    first = [job for job in found if job is not None]
+    first += [job for job in awake if job.job_id in always]
+    lines = budget.merged(parked.heads(start.order_of), budget.lines(awake, start.order_of))
+    planned = budget.choose(lines, limit=limit, always=first)
+    return planned, total - len(planned)
 
 
 def _job(parked: backlog.Backlog, job_id: str) -> snapshot.PendingJob:
