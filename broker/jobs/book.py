@@ -34,9 +34,10 @@ from typing import TypeVar
 
 from broker.api import status
 from broker.api.status import JobState
-from broker.jobs import creating
+from broker.jobs import aging, creating
 from broker.planning import planning
 from broker.state import electing, errors, records
+from broker.state.history import held
 from broker.state.history import protocol as history_store
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class JobBook(creating.Creating):
         self._queued: set[str] = set()
         self._holding: set[str] = set()
         self._finished: set[str] = set()  # final, not yet retired to history
+        self.aging = aging.Aging(self.get, lambda: len(self._finished))  # in retiring order
+        self.held = held.Held(self.get)  # every job held, in the order lists show them
         self._by_cluster: dict[str, set[str]] = {}
         self._array_holding: dict[str, set[str]] = {}  # array id -> its jobs holding GPUs
         self._soon: dict[str, status.JobRecord] = {}  # drafts waiting for the group commit
@@ -427,6 +430,7 @@ class JobBook(creating.Creating):
             return False
         self._drop([job_id])
         del self._entries[job_id]
+        self.held.drop(job_id)
         self._queued.discard(job_id)
         self._holding.discard(job_id)
         self._finished.discard(job_id)
@@ -447,6 +451,7 @@ class JobBook(creating.Creating):
         entry = self._entries.get(record.id)
         before = entry.record if entry is not None else None
         self._entries[record.id] = records.Stored(record, revision)
+        self.held.put(record)
         self._index(before, record)
         change = Change(before, record, remote)
         for observer in self._observers:
@@ -478,6 +483,7 @@ class JobBook(creating.Creating):
         self._index_array(after, holding=state in HOLDING)
         if state.terminal:
             self._finished.add(job_id)
+            self.aging.note(before, after)
         else:
             self._finished.discard(job_id)
 

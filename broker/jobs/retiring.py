@@ -46,7 +46,6 @@ from broker.api import status
 from broker.jobs import book
 from broker.state import errors
 from broker.state.history import protocol as history_store
-from broker.state.history import query as queries
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -63,63 +62,32 @@ def retire_interval(retain: float) -> float:
     return min(60.0, max(0.5, retain / 10))
 
 
-def kept_for(record: status.JobRecord, *, retain: float | None) -> float | None:
-    """Seconds a finished job stays in the hot store: `retain`, or its own
-    `ttlSecondsAfterFinished` when shorter (None: it stays, no history and no TTL)."""
-    ttl = record.job.spec.ttl_seconds_after_finished
-    if ttl is None:
-        return retain
-    return float(ttl) if retain is None else min(retain, float(ttl))
-
-
 def due(
     jobs: book.JobBook, *, now: datetime, retain: float | None, batch: int
 ) -> list[status.JobRecord]:
     """The finished jobs to retire now, oldest finished first, at most `batch` (`retain`
-    None: only the jobs whose TTL has passed)."""
-    aged = []
-    for record in jobs.finished():
-        keep = kept_for(record, retain=retain)
-        if keep is None:
-            continue
-        finished = queries.finished_at(record)
-        if finished < now - timedelta(seconds=keep):
-            aged.append((finished, record.id, record))
-    aged.sort(key=lambda item: (item[0], item[1]))
-    return [record for _, _, record in aged[:batch]]
+    None: only the jobs whose TTL has passed), read from the book's `aging` order: a pass
+    costs what it retires, not the finished jobs the book holds."""
+    return jobs.aging.due(now=now, retain=retain, batch=batch)
 
 
 class TTLs:
-    """A book observer: the finished jobs that have a `ttlSecondsAfterFinished`, with when it
-    passes, so the retirer wakes for them (`added` is set when one is noted) without reading
-    every finished job. Jobs retired meanwhile are dropped at the next look."""
+    """A book observer: `added` is set when a job with a `ttlSecondsAfterFinished` finishes,
+    so the retirer wakes for it (its time is in the book's `aging`)."""
 
     def __init__(self) -> None:
-        self.due: dict[str, datetime] = {}
         self.added = asyncio.Event()
 
     def __call__(self, change: book.Change) -> None:
         record = change.after
-        ttl = record.job.spec.ttl_seconds_after_finished
-        if ttl is None or not record.status.state.terminal:
-            self.due.pop(record.id, None)
-            return
-        self.due[record.id] = queries.finished_at(record) + timedelta(seconds=ttl)
-        self.added.set()
+        if record.job.spec.ttl_seconds_after_finished is not None and (
+            record.status.state.terminal
+        ):
+            self.added.set()
 
-    def next_due(self, jobs: book.JobBook, *, retain: float | None) -> datetime | None:
-        """When the next of them should leave the hot store (`retain` None: no history)."""
-        soonest = None
-        for job_id, expires in list(self.due.items()):
-            record = jobs.get(job_id)
-            if record is None or not record.status.state.terminal:
-                del self.due[job_id]
-                continue
-            at = expires
-            if retain is not None:
-                at = min(at, queries.finished_at(record) + timedelta(seconds=retain))
-            soonest = at if soonest is None else min(soonest, at)
-        return soonest
+    def next_due(self, jobs: book.JobBook) -> datetime | None:
+        """When the next finished job's own TTL passes (None: no finished job has one)."""
+        return jobs.aging.next_due()
 
 
 async def retire_once(
@@ -173,7 +141,7 @@ async def run_retirer(
                 pause = 0.0  # a backlog (after a long outage, an upgrade): keep going
             if ttls is not None:
                 ttls.added.clear()
-                ttl_due = ttls.next_due(jobs, retain=retain if history is not None else None)
+                ttl_due = ttls.next_due(jobs)
                 if ttl_due is not None:  # a job's own TTL, due before the next pass
                     wait = (ttl_due - status.utcnow()).total_seconds()
                     pause = min(pause, max(MIN_TTL_PAUSE_SECONDS, wait))

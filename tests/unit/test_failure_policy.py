@@ -268,10 +268,10 @@ async def test_a_jobs_ttl_shortens_its_stay_in_the_hot_store(broker: Broker) -> 
     assert [r.id for r in retiring.due(book, now=later, retain=3600, batch=10)] == ["short"]
     assert retiring.due(book, now=later, retain=5, batch=10) != []  # both, by the retention
     ttls = broker.jobs.ttls
-    due = ttls.next_due(book, retain=3600)
+    due = ttls.next_due(book)
     assert due is not None and finished - timedelta(seconds=1) < due - timedelta(seconds=10)
     # no history: only the job with a TTL goes, deleted
     moved, more = await retiring.retire_once(book, None, retain=3600, now=later)
     assert (moved, more) == (1, False)
     assert broker.jobs.get("short") is None and broker.jobs.get("long") is not None
-    assert ttls.next_due(book, retain=None) is None
+    assert ttls.next_due(book) is None
