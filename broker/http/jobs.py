@@ -77,7 +77,7 @@ async def list_jobs(request: web.Request) -> web.Response:
     """One page of jobs, live and finished (`http.listing`)."""
     job_query, limit, cont = listing.parse(request, tenant=auth.caller(request).tenant)
     book = request.app[keys.JOBS]
-    found = await listing.page(list(book), book.history, job_query, limit=limit, cont=cont)
+    found = await listing.page(book.book.held, book.history, job_query, limit=limit, cont=cont)
     return web.json_response(_dump(found))
 
 

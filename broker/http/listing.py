@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from broker.api import errors, selectors, status
+from broker.state.history import held as held_jobs
 from broker.state.history import listing, protocol
 from broker.state.history import query as queries
 
@@ -92,7 +93,7 @@ def parse(request: web.Request, *, tenant: str | None) -> tuple[queries.JobQuery
 
 
 async def page(
-    held: list[status.JobRecord],
+    held: held_jobs.Held,
     history: protocol.HistoryStore | None,
     job_query: queries.JobQuery,
     *,

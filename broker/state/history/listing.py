@@ -7,20 +7,24 @@ first) across both, and its filters, the text search included, apply to both ali
 both (retired into history, not yet dropped from the book) is listed once, the book's copy.
 
 Read the book before the history, as `page_jobs` does: a job retired between the two reads
-is then found twice (and listed once), never missed. The book part costs one pass over the
-records handed in (filter, then the `limit + 1` greatest keys); the history part one page
-query.
+is then found twice (and listed once), never missed. The book part reads the book's jobs in
+the list's order from the page's place (`held.Held`), up to the `limit + 1` that match: a
+page costs what it reads, not every job held (a filter few jobs match reads further); the
+history part is one page query.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable
 from operator import itemgetter
 
 from broker.api import status
+from broker.state.history import held as held_jobs
 from broker.state.history import protocol
 from broker.state.history import query as queries
+
+FIRST_LIVE = queries.Cursor(True, -(2**63), "")  # before every live job
+LAST_FINISHED = queries.Cursor(False, 2**63, "")  # after every finished job
 
 
 def needs_history(query: queries.JobQuery) -> bool:
@@ -29,7 +33,7 @@ def needs_history(query: queries.JobQuery) -> bool:
 
 
 async def page_jobs(
-    held: Iterable[status.JobRecord],
+    held: held_jobs.Held | Iterable[status.JobRecord],
     history: protocol.HistoryStore | None,
     query: queries.JobQuery,
     *,
@@ -37,7 +41,8 @@ async def page_jobs(
     cont: str | None = None,
 ) -> protocol.Page:
     """Up to `limit` jobs `query` selects after the position `cont` names, from `held` (the
-    records in memory) and `history` (None: none configured)."""
+    records in memory, in their list order: the book's `Held`; other records are put in
+    order first) and `history` (None: none configured)."""
     protocol.check_limit(limit)
     after = queries.decode(cont, query) if cont else None
     newest = query.newest_first
@@ -46,14 +51,21 @@ async def page_jobs(
         """Whether `key` comes after `mark` in the list's order."""
         return key < mark if newest else key > mark
 
-    candidates = []
-    for record in held:
+    ordered = held if isinstance(held, held_jobs.Held) else held_jobs.Held.of(held)
+    live_only = query.state is not None and not query.state.terminal
+    start = after  # where the book's part starts: past the section no job of it is in
+    if query.finished_only and newest and (after is None or after.live):
+        start = FIRST_LIVE
+    elif live_only and not newest and (after is None or not after.live):
+        start = LAST_FINISHED
+    merged = []
+    for key, record in ordered.walk(newest=newest, after=start):
+        if (query.finished_only and key.live) or (live_only and not key.live):
+            break  # the rest is the other section
         if query.matches(record):
-            key = queries.Cursor.of(record)
-            if after is None or behind(key, after):
-                candidates.append((key, record))
-    first = heapq.nlargest if newest else heapq.nsmallest
-    merged = first(limit + 1, candidates, key=itemgetter(0))
+            merged.append((key, record))
+            if len(merged) > limit:
+                break
     history_next: str | None = None
     if newest:  # live jobs come first: history only once they leave room on the page
         wanted = sum(1 for key, _ in merged if key.live) <= limit
