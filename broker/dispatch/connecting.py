@@ -157,8 +157,13 @@ class Sessions:
                 hello, epoch=epoch, heartbeat_seconds=self.heartbeat, lost_after_seconds=grace
             )
             await link.send(welcome)
-            await self.reports.hello(cluster, hello)
-            await self._receive(ws, cluster, epoch=epoch)
+            cluster.behind = link  # the agent's next frames wait while its hello is applied
+            try:
+                await self.reports.hello(cluster, hello)
+            finally:
+                self._caught_up(cluster, link)
+            del first, hello  # a hello of thousands of jobs is not kept for the session
+            await self._receive(ws, link, cluster, epoch=epoch)
         finally:
             for task in (beating, guarding):
                 if task is not None:
@@ -172,11 +177,24 @@ class Sessions:
             logger.info("agent of %s disconnected", cluster_name)
         return ws
 
+    @staticmethod
+    def _caught_up(cluster: fleet.Cluster, link: SocketLink) -> None:
+        """The broker reads the session's frames again: the agent's silence counts anew."""
+        if cluster.behind is link:
+            cluster.behind = None
+        cluster.last_seen = time.monotonic()
+
     async def _receive(
-        self, ws: web.WebSocketResponse, cluster: fleet.Cluster, *, epoch: int
+        self,
+        ws: web.WebSocketResponse,
+        link: SocketLink,
+        cluster: fleet.Cluster,
+        *,
+        epoch: int,
     ) -> None:
         """Read the session's frames into a queue while `_work` applies what has arrived,
-        a batch at a time, until the socket closes and the queue is empty."""
+        a batch at a time, until the socket closes and the queue is empty. While the queue
+        is full the broker is behind (`Cluster.behind`): the agent is not taken for silent."""
         inbox: asyncio.Queue[messages.Message | None] = asyncio.Queue(maxsize=INBOX_MESSAGES)
         working = asyncio.create_task(self._work(inbox, cluster, epoch=epoch))
         try:
@@ -189,7 +207,14 @@ class Sessions:
                 except (pydantic.ValidationError, ValueError, RecursionError) as exc:
                     await self._refuse(ws, cluster, frame.data, exc)
                     break
-                await inbox.put(message)
+                if inbox.full():
+                    cluster.behind = link
+                    try:
+                        await inbox.put(message)
+                    finally:
+                        self._caught_up(cluster, link)
+                else:
+                    inbox.put_nowait(message)
         finally:
             with contextlib.suppress(asyncio.QueueFull):
                 inbox.put_nowait(None)
@@ -309,11 +334,11 @@ class Sessions:
 
     async def _check(self, cluster: fleet.Cluster, *, now: float) -> None:
         link = cluster.link
-        if link is not None and now - cluster.last_seen > 3 * self.heartbeat:
+        if link is not None and cluster.silent_for(now) > 3 * self.heartbeat:
             logger.warning(
                 "agent of %s silent for %.1fs: closing its session",
                 cluster.name,
-                now - cluster.last_seen,
+                cluster.silent_for(now),
             )
             self.fleet.detach(cluster.name, link)
             await link.close(reason="heartbeat timeout")

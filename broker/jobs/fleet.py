@@ -53,6 +53,15 @@ class Cluster:
     degraded: str | None = None
     # why the latest cycle set the cluster aside (planning it raised); tried again each cycle
     planning_error: str | None = None
+    # the session whose messages the broker is behind on (applying its hello, its inbox
+    # full): what it sent waits unread, so its silence is the broker's, not the agent's
+    behind: AgentLink | None = None
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since the agent was last heard (0 while the broker is behind on it)."""
+        if self.behind is not None and self.behind is self.link:
+            return 0.0
+        return now - self.last_seen
 
     @property
     def connected(self) -> bool:
@@ -63,7 +72,7 @@ class Cluster:
             return "Lost"
         if self.degraded is not None:
             return "Degraded"
-        if self.link is None or now - self.last_seen > stale_after:
+        if self.link is None or self.silent_for(now) > stale_after:
             return "Unreachable"
         if self.summary is None:
             return "Connecting"
@@ -81,7 +90,7 @@ class Cluster:
             and not self.lost
             and self.degraded is None
             and self.summary is not None
-            and now - self.last_seen <= stale_after
+            and self.silent_for(now) <= stale_after
         )
 
     def unanswered(self, *, now: float, timeout: float) -> list[str]:

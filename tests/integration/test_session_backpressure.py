@@ -1,0 +1,133 @@
+"""An agent whose messages wait on the broker is not silent: while the broker applies its
+hello, or its session's inbox is full, the frames it sent are unread, and the watchdog must
+not close the session for it (it did: in the soak, agents holding 6,000 jobs were closed
+every few seconds and said hello again with all of them, which took longer still).
+
+The broker app on loopback (aiohttp server, a WebSocket session), heartbeats every 0.2 s (a
+session silent for 0.6 s is closed); the broker made slow on purpose where it applies what
+the agent sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import WSMsgType
+from aiohttp.test_utils import TestClient, TestServer
+
+from broker import app as broker_app
+from broker.api import messages, status
+from broker.dispatch import connecting
+from broker.jobs import reports
+from tests.builders import make_model_summary, make_summary
+
+H100 = "NVIDIA-H100-80GB-HBM3"
+REPO = Path(__file__).resolve().parents[2]
+SLOW = 1.5  # seconds the broker takes over what it applies: 2.5 heartbeat timeouts
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
+    settings = broker_app.BrokerSettings(
+        store=f"sqlite:///{tmp_path / 'broker.db'}",
+        tokens_file=REPO / "config" / "tokens.yaml",
+        heartbeat_seconds=0.2,
+    )
+    made = TestClient(TestServer(broker_app.create_app(settings)))
+    await made.start_server()
+    yield made
+    await made.close()
+
+
+async def session(client: TestClient[Any, Any], *, jobs: int = 0) -> Any:
+    ws = await client.ws_connect(
+        "/v1/agents/connect", headers={"Authorization": "Bearer dev-agent-h100"}
+    )
+    held = [
+        messages.AgentJob(job_id=f"gone-{n}", epoch=1, state=status.JobState.RUNNING)
+        for n in range(jobs)
+    ]
+    await ws.send_str(messages.encode(messages.Hello(cluster="h100", jobs=held)))
+    summary = make_summary("h100", make_model_summary(H100, nodes_by_free=[0] * 8 + [2]))
+    await ws.send_str(messages.encode(messages.Summary(summary=summary)))
+    return ws
+
+
+async def beat_and_watch(ws: Any, *, seconds: float) -> list[str]:
+    """Send heartbeats every 50 ms for `seconds`; what closed the session, if anything."""
+    closed: list[str] = []
+
+    async def read() -> None:
+        async for frame in ws:
+            if frame.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                break
+        closed.append(f"closed: {ws.close_code} {frame.extra if ws.closed else ''}")
+
+    reading = asyncio.create_task(read())
+    try:
+        deadline = asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < deadline and not ws.closed:
+            await ws.send_str(messages.encode(messages.Heartbeat()))
+            await asyncio.sleep(0.05)
+    finally:
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+    return closed if ws.closed else []
+
+
+async def test_an_agent_is_not_silent_while_the_broker_applies_its_hello(
+    client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hello = reports.AgentReports.hello
+
+    async def slow_hello(self: reports.AgentReports, *args: Any, **kwargs: Any) -> None:
+        await asyncio.sleep(SLOW)
+        await hello(self, *args, **kwargs)
+
+    monkeypatch.setattr(reports.AgentReports, "hello", slow_hello)
+    ws = await session(client, jobs=3)
+    assert await beat_and_watch(ws, seconds=SLOW + 1.0) == []
+    listed = await (await client.get("/v1/clusters", headers=ADMIN)).json()
+    (h100,) = [c for c in listed["items"] if c["name"] == "h100"]
+    assert h100["health"] != "Unreachable"
+    await ws.close()
+
+
+async def test_an_agent_is_not_silent_while_its_messages_wait_in_a_full_inbox(
+    client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(connecting, "INBOX_MESSAGES", 4)
+    apply = reports.AgentReports.apply
+    applied: list[int] = []
+
+    async def slow_apply(self: reports.AgentReports, cluster: Any, run: Any, **kw: Any) -> None:
+        await asyncio.sleep(SLOW)
+        await apply(self, cluster, run, **kw)
+        applied.append(len(run))
+
+    monkeypatch.setattr(reports.AgentReports, "apply", slow_apply)
+    ws = await session(client)
+    for n in range(12):  # reports of jobs the broker does not know: applied, slowly
+        update = messages.JobUpdate(job_id=f"x{n}", epoch=1, state=status.JobState.RUNNING)
+        await ws.send_str(messages.encode(update))
+    assert await beat_and_watch(ws, seconds=SLOW + 1.0) == []
+    assert applied  # the broker was behind, and working through them
+    await ws.close()
+
+
+async def test_an_agent_that_stops_sending_is_still_taken_for_silent(
+    client: TestClient[Any, Any],
+) -> None:
+    ws = await session(client)
+    assert await beat_and_watch(ws, seconds=0.5) == []
+    async with asyncio.timeout(5):
+        frame = await ws.receive()
+        while frame.type not in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+            frame = await ws.receive()
+    assert ws.close_code == 4000  # heartbeat timeout
+
+
+ADMIN = {"Authorization": "Bearer dev-admin"}
