@@ -46,6 +46,13 @@ def add_broker_parser(sub: Any) -> None:
         help="seconds an agent may take to answer an offer before it is withdrawn",
     )
     broker.add_argument(
+        "--max-offers-in-flight",
+        type=int,
+        default=1000,
+        help="offers out unanswered to one agent at most; more jobs for its cluster wait "
+        "(ClusterBusy) or go elsewhere (0: no limit)",
+    )
+    broker.add_argument(
         "--queues", help="queues, quotas and priority classes YAML (none: every queue is open)"
     )
     broker.add_argument(
@@ -464,6 +471,7 @@ def broker_settings(args: argparse.Namespace) -> Any:
         heartbeat_seconds=args.heartbeat,
         lost_after_seconds=args.lost_after,
         offer_timeout_seconds=args.offer_timeout,
+        max_offers_in_flight=args.max_offers_in_flight,
         freeze_gc=True,
         queues_file=Path(args.queues) if args.queues else None,
         queue_mode=args.queue_mode,

@@ -254,6 +254,7 @@ class ReasonCode(StrEnum):
     CLUSTER_SELECTOR = "ClusterSelector"  # excluded by the job's spec.clusters.selector
     DEPENDENCY = "Dependency"  # Waiting: a job of its spec.dependsOn is not done yet
     ARRAY_PARALLELISM = "ArrayParallelism"  # spec.array.parallelism of its array hold GPUs
+    CLUSTER_BUSY = "ClusterBusy"  # its agent has --max-offers-in-flight offers unanswered
 
 
 class WhyReason(_Model):

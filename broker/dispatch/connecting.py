@@ -322,19 +322,24 @@ class Sessions:
         jobs of clusters gone past their grace; export each session's state. Runs until
         cancelled: an error with one cluster is logged and counted, and the others (and the
         next pass) go on."""
+        every = min(self.heartbeat, 1.0)
         while True:
-            await asyncio.sleep(min(self.heartbeat, 1.0))
+            slept = time.monotonic()
+            await asyncio.sleep(every)
             now = time.monotonic()
+            # woken late, the loop was held (a big batch, a collector pass): the agents'
+            # frames of that time are still unread, and their silence is the broker's
+            stalled = now - slept > 1.5 * every
             for cluster in list(self.fleet.clusters.values()):
                 try:
-                    await self._check(cluster, now=now)
+                    await self._check(cluster, now=now, stalled=stalled)
                 except Exception:
                     self.meters.background_errors.labels(task="sessions-watchdog").inc()
                     logger.exception("watching the session of %s failed", cluster.name)
 
-    async def _check(self, cluster: fleet.Cluster, *, now: float) -> None:
+    async def _check(self, cluster: fleet.Cluster, *, now: float, stalled: bool = False) -> None:
         link = cluster.link
-        if link is not None and cluster.silent_for(now) > 3 * self.heartbeat:
+        if link is not None and not stalled and cluster.silent_for(now) > 3 * self.heartbeat:
             logger.warning(
                 "agent of %s silent for %.1fs: closing its session",
                 cluster.name,

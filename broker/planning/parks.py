@@ -33,6 +33,7 @@ ACTING = frozenset(
         ReasonCode.PREEMPTION_BUDGET,
         ReasonCode.MIN_RUN_TIME,
         ReasonCode.ARRAY_PARALLELISM,  # its array's jobs end without a summary's change
+        ReasonCode.CLUSTER_BUSY,  # offers are answered without a summary's change
     }
 )
 

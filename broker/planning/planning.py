@@ -304,6 +304,16 @@ class _Cycle:
                     )
                 )
                 continue
+            if cluster.offer_slots is not None and cluster.offer_slots <= 0:
+                reasons.append(
+                    Reason(
+                        name,
+                        ReasonCode.CLUSTER_BUSY,
+                        "its agent has as many offers unanswered as the broker sends at once "
+                        "(--max-offers-in-flight); more go once it answers",
+                    )
+                )
+                continue
             blocked, holder = self._blocked(name, job.job_id)
             models = admission.admissible - blocked
             if blocked and not models and admission.admissible & cluster.models.keys():
@@ -356,6 +366,8 @@ class _Cycle:
         # deducted on a copy, swapped in once whole: a deduction that raises changes nothing
         cluster = self.fleet.clusters[fit.cluster].copy()
         fitting.assume(cluster, fit)
+        if cluster.offer_slots is not None:
+            cluster.offer_slots -= 1
         self.fleet.clusters[fit.cluster] = cluster
         gpus = fit.gpus_by_model
         borrowing = any(model not in admission.within for model in gpus)

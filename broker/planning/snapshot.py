@@ -63,6 +63,8 @@ class ClusterCapacity:
     models: dict[str, ModelCapacity] = field(default_factory=dict)
     summary_seq: int = 0
     labels: Mapping[str, str] = field(default_factory=dict)  # what spec.clusters selects on
+    # offers it may still be sent before its agent answers the ones out (None: any number)
+    offer_slots: int | None = None
 
     @classmethod
     def from_summary(cls, summary: inventory.ClusterSummary, *, healthy: bool) -> ClusterCapacity:
@@ -85,6 +87,7 @@ class ClusterCapacity:
             models={name: m.copy() for name, m in self.models.items()},
             summary_seq=self.summary_seq,
             labels=self.labels,  # never changed in a cycle: shared
+            offer_slots=self.offer_slots,
         )
 
 

@@ -217,6 +217,7 @@ def test_the_broker_is_started_with_flags_the_cli_accepts() -> None:
         EXAMPLE["lostAfterSeconds"],
         EXAMPLE["offerTimeoutSeconds"],
     )
+    assert args.max_offers_in_flight == EXAMPLE["maxOffersInFlight"]
     assert args.log_level == EXAMPLE["logLevel"].upper()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": args.port}

@@ -22,7 +22,7 @@ from broker import app as broker_app
 from broker.api import messages, status
 from broker.dispatch import connecting
 from broker.jobs import reports
-from tests.builders import make_model_summary, make_summary
+from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 REPO = Path(__file__).resolve().parents[2]
@@ -131,3 +131,67 @@ async def test_an_agent_that_stops_sending_is_still_taken_for_silent(
 
 
 ADMIN = {"Authorization": "Bearer dev-admin"}
+
+
+async def test_an_agent_is_sent_at_most_its_window_of_offers_unanswered(tmp_path: Path) -> None:
+    """--max-offers-in-flight 3, an agent that answers nothing: 3 offers of 8 jobs go out; the
+    others wait, told ClusterBusy; one answer lets one more go."""
+    settings = broker_app.BrokerSettings(
+        store=f"sqlite:///{tmp_path / 'broker.db'}",
+        tokens_file=REPO / "config" / "tokens.yaml",
+        heartbeat_seconds=0.2,
+        max_offers_in_flight=3,
+    )
+    made = TestClient(TestServer(broker_app.create_app(settings)))
+    await made.start_server()
+    try:
+        ws = await session(made)
+        received: list[messages.Message] = []
+
+        async def read() -> None:
+            async for frame in ws:
+                if frame.type == WSMsgType.TEXT:
+                    received.append(messages.decode(frame.data))
+
+        async def beat() -> None:
+            while True:
+                await ws.send_str(messages.encode(messages.Heartbeat()))
+                await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(read()), asyncio.create_task(beat())]
+        ids = []
+        for n in range(8):
+            body = make_job(f"j{n}", gpus=1).document()
+            answer = await made.post("/v1/jobs", json=body, headers=TEAM_A)
+            ids.append((await answer.json())["id"])
+
+        def offers() -> list[messages.Offer]:
+            return [m for m in received if isinstance(m, messages.Offer)]
+
+        async with asyncio.timeout(10):
+            while len(offers()) < 3:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(1.0)  # cycles come and go: no more offers
+        assert len(offers()) == 3
+        waiting = [i for i in ids if i not in {o.job_id for o in offers()}]
+        why = await (await made.get(f"/v1/jobs/{waiting[0]}/why", headers=TEAM_A)).json()
+        assert "ClusterBusy" in str(why), why
+        first = offers()[0]
+        reject = messages.Rejected(
+            job_id=first.job_id, epoch=first.epoch, reasons=["no"], attempt=first.attempt
+        )
+        await ws.send_str(messages.encode(reject))
+        async with asyncio.timeout(10):
+            while len(offers()) < 4:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)
+        assert len(offers()) == 4
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await ws.close()
+    finally:
+        await made.close()
+
+
+TEAM_A = {"Authorization": "Bearer dev-team-a"}
