@@ -37,6 +37,7 @@ REFUSED_HELLO = web.RequestKey("refused_hello", str)
 
 GUARD_SECONDS = 1.0  # how often a session's credentials are checked again
 CLOSE_ALL_SECONDS = 1.0  # a handover closes the agent sessions for at most this long
+Inbox = asyncio.Queue[tuple[float, messages.Message] | None]  # (read at, message); None: the end
 INBOX_MESSAGES = 4096  # read ahead of what is applied; past it the socket waits (TCP)
 BATCH_MESSAGES = 512  # reports applied under one hold of the book's lock, at most
 
@@ -157,7 +158,8 @@ class Sessions:
                 hello, epoch=epoch, heartbeat_seconds=self.heartbeat, lost_after_seconds=grace
             )
             await link.send(welcome)
-            cluster.behind = link  # the agent's next frames wait while its hello is applied
+            cluster.unapplied, cluster.applied_read_at = 0, time.monotonic()
+            self._fall_behind(cluster, link)  # its next frames wait while its hello is applied
             try:
                 await self.reports.hello(cluster, hello)
             finally:
@@ -178,6 +180,11 @@ class Sessions:
         return ws
 
     @staticmethod
+    def _fall_behind(cluster: fleet.Cluster, link: SocketLink) -> None:
+        cluster.behind = link
+        cluster.behind_since = time.monotonic()
+
+    @staticmethod
     def _caught_up(cluster: fleet.Cluster, link: SocketLink) -> None:
         """The broker reads the session's frames again: the agent's silence counts anew."""
         if cluster.behind is link:
@@ -195,26 +202,28 @@ class Sessions:
         """Read the session's frames into a queue while `_work` applies what has arrived,
         a batch at a time, until the socket closes and the queue is empty. While the queue
         is full the broker is behind (`Cluster.behind`): the agent is not taken for silent."""
-        inbox: asyncio.Queue[messages.Message | None] = asyncio.Queue(maxsize=INBOX_MESSAGES)
-        working = asyncio.create_task(self._work(inbox, cluster, epoch=epoch))
+        inbox: Inbox = asyncio.Queue(maxsize=INBOX_MESSAGES)
+        working = asyncio.create_task(self._work(inbox, link, cluster, epoch=epoch))
         try:
             async for frame in ws:
                 if frame.type != WSMsgType.TEXT:
                     continue
-                cluster.last_seen = time.monotonic()
+                read_at = cluster.last_seen = time.monotonic()
                 try:
                     message = messages.decode(frame.data)
                 except (pydantic.ValidationError, ValueError, RecursionError) as exc:
                     await self._refuse(ws, cluster, frame.data, exc)
                     break
+                if cluster.link is link:
+                    cluster.unapplied += 1
                 if inbox.full():
-                    cluster.behind = link
+                    self._fall_behind(cluster, link)
                     try:
-                        await inbox.put(message)
+                        await inbox.put((read_at, message))
                     finally:
                         self._caught_up(cluster, link)
                 else:
-                    inbox.put_nowait(message)
+                    inbox.put_nowait((read_at, message))
         finally:
             with contextlib.suppress(asyncio.QueueFull):
                 inbox.put_nowait(None)
@@ -224,33 +233,40 @@ class Sessions:
                 await working
 
     async def _work(
-        self,
-        inbox: asyncio.Queue[messages.Message | None],
-        cluster: fleet.Cluster,
-        *,
-        epoch: int,
+        self, inbox: Inbox, link: SocketLink, cluster: fleet.Cluster, *, epoch: int
     ) -> None:
         """Apply the messages in the order they came: a run of reports under one hold of the
-        book's lock (`reports.apply`), a summary as it comes."""
+        book's lock (`reports.apply`), a summary as it comes; then note how far the broker
+        is (`Cluster.heard_until`: offers are not overdue for answers it has not applied)."""
         while True:
             batch = [await inbox.get()]
             while not inbox.empty() and len(batch) < BATCH_MESSAGES and batch[-1] is not None:
                 batch.append(inbox.get_nowait())
             done = batch[-1] is None
-            run: list[messages.Message] = []
-            for message in batch:
-                if isinstance(message, messages.Accepted | messages.Rejected | messages.JobUpdate):
-                    run.append(message)
-                    continue
-                if run:
-                    await self.reports.apply(cluster, run, session=epoch)
-                    run = []
-                if message is not None:
-                    self._handle(cluster, message)
-            if run:
-                await self.reports.apply(cluster, run, session=epoch)
+            read = [item for item in batch if item is not None]
+            try:
+                await self._apply(cluster, [message for _, message in read], epoch=epoch)
+            finally:
+                if read and cluster.link is link:
+                    cluster.unapplied -= len(read)
+                    cluster.applied_read_at = read[-1][0]
             if done:
                 return
+
+    async def _apply(
+        self, cluster: fleet.Cluster, batch: list[messages.Message], *, epoch: int
+    ) -> None:
+        run: list[messages.Message] = []
+        for message in batch:
+            if isinstance(message, messages.Accepted | messages.Rejected | messages.JobUpdate):
+                run.append(message)
+                continue
+            if run:
+                await self.reports.apply(cluster, run, session=epoch)
+                run = []
+            self._handle(cluster, message)
+        if run:
+            await self.reports.apply(cluster, run, session=epoch)
 
     async def _refuse(
         self, ws: web.WebSocketResponse, cluster: fleet.Cluster, data: str, exc: Exception
@@ -347,7 +363,7 @@ class Sessions:
             )
             self.fleet.detach(cluster.name, link)
             await link.close(reason="heartbeat timeout")
-        await self.reports.withdraw_unanswered(cluster, now=now)
+        await self.reports.withdraw_unanswered(cluster, now=cluster.heard_until(now))
         if (
             cluster.link is None
             and not cluster.lost

@@ -62,12 +62,26 @@ class Cluster:
     # the session whose messages the broker is behind on (applying its hello, its inbox
     # full): what it sent waits unread, so its silence is the broker's, not the agent's
     behind: AgentLink | None = None
+    behind_since: float = 0.0  # monotonic: since when (`behind`)
+    unapplied: int = 0  # the current session's messages read, not yet applied
+    applied_read_at: float = 0.0  # monotonic: when the last one applied was read
 
     def silent_for(self, now: float) -> float:
         """Seconds since the agent was last heard (0 while the broker is behind on it)."""
         if self.behind is not None and self.behind is self.link:
             return 0.0
         return now - self.last_seen
+
+    def heard_until(self, now: float) -> float:
+        """How far the broker has applied what the agent sent: `now` once caught up; else
+        the time it read the last message it applied (or fell behind): an answer sent since
+        may be waiting unread or unapplied, and an offer is not overdue for it."""
+        until = now
+        if self.behind is not None and self.behind is self.link:
+            until = min(until, self.behind_since)
+        if self.unapplied > 0:
+            until = min(until, self.applied_read_at)
+        return until
 
     @property
     def connected(self) -> bool:

@@ -195,3 +195,66 @@ async def test_an_agent_is_sent_at_most_its_window_of_offers_unanswered(tmp_path
 
 
 TEAM_A = {"Authorization": "Bearer dev-team-a"}
+
+
+async def test_an_offer_answered_is_not_overdue_while_its_answer_waits_on_the_broker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--offer-timeout 0.5 s; the agent accepts at once, and the broker takes 1.5 s to apply
+    the answer: the offer is not withdrawn (it was, and the job ran again)."""
+    apply = reports.AgentReports.apply
+
+    async def slow_apply(self: reports.AgentReports, cluster: Any, run: Any, **kw: Any) -> None:
+        if any(isinstance(m, messages.Accepted) for m in run):
+            await asyncio.sleep(SLOW)
+        await apply(self, cluster, run, **kw)
+
+    monkeypatch.setattr(reports.AgentReports, "apply", slow_apply)
+    settings = broker_app.BrokerSettings(
+        store=f"sqlite:///{tmp_path / 'broker.db'}",
+        tokens_file=REPO / "config" / "tokens.yaml",
+        heartbeat_seconds=0.2,
+        offer_timeout_seconds=0.5,
+    )
+    made = TestClient(TestServer(broker_app.create_app(settings)))
+    await made.start_server()
+    try:
+        ws = await session(made)
+        received: list[messages.Message] = []
+
+        async def read() -> None:
+            async for frame in ws:
+                if frame.type != WSMsgType.TEXT:
+                    continue
+                message = messages.decode(frame.data)
+                received.append(message)
+                if isinstance(message, messages.Offer):
+                    pod = status.PodPlacement(name="p0", task="main", node="n0")
+                    accepted = messages.Accepted(
+                        job_id=message.job_id,
+                        epoch=message.epoch,
+                        pods=[pod],
+                        attempt=message.attempt,
+                    )
+                    await ws.send_str(messages.encode(accepted))
+
+        async def beat() -> None:
+            while True:
+                await ws.send_str(messages.encode(messages.Heartbeat()))
+                await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(read()), asyncio.create_task(beat())]
+        body = make_job("j", gpus=1).document()
+        job_id = (await (await made.post("/v1/jobs", json=body, headers=TEAM_A)).json())["id"]
+        await asyncio.sleep(SLOW + 1.5)
+        got = await (await made.get(f"/v1/jobs/{job_id}", headers=TEAM_A)).json()
+        reasons = [event["reason"] for event in got["status"]["events"]]
+        assert "OfferTimeout" not in reasons, reasons
+        assert not [m for m in received if isinstance(m, messages.Cancel)]
+        assert len([m for m in received if isinstance(m, messages.Offer)]) == 1
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await ws.close()
+    finally:
+        await made.close()
