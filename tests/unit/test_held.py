@@ -65,6 +65,9 @@ def test_a_walk_gives_the_jobs_held_in_order_from_any_place(
         assert [(k, r.id) for k, r in index.walk(newest=newest, after=mark)] == [
             item for item in everything if (item[0] < mark if newest else item[0] > mark)
         ]
+    for state in (State.QUEUED, State.SUCCEEDED, State.RUNNING):  # each state apart
+        mine = [item for item in everything if jobs[item[1]].status.state == state]
+        assert [(k, r.id) for k, r in index.walk(newest=newest, after=None, state=state)] == mine
     between = queries.Cursor(start % 2 == 0, start * 10**6 + 1, "")
     assert [(k, r.id) for k, r in index.walk(newest=newest, after=between)] == [
         item for item in everything if (item[0] < between if newest else item[0] > between)

@@ -59,7 +59,7 @@ async def page_jobs(
     elif live_only and not newest and (after is None or not after.live):
         start = LAST_FINISHED
     merged = []
-    for key, record in ordered.walk(newest=newest, after=start):
+    for key, record in ordered.walk(newest=newest, after=start, state=query.state):
         if (query.finished_only and key.live) or (live_only and not key.live):
             break  # the rest is the other section
         if query.matches(record):
