@@ -312,6 +312,10 @@ class Backlog:
         """Classes that could be reserved somewhere once due."""
         return [wake for wake in self._timed if wake.reserve is not None]
 
+    def classes(self) -> list[Wake]:
+        """Every class of parked jobs (a reservation's change is rare: read them all)."""
+        return list(self._classes)
+
     def timed(self) -> list[Wake]:
         """Classes whose reasons depend on being due for a reservation."""
         return list(self._timed)

@@ -134,7 +134,9 @@ def decide_wakes(
     if now.lowest is not None and now.lowest != before.lowest:
         classes |= parked.by_priority(now.lowest)
     for _, models in before.reserved:  # models blocked somewhere, or not any more
-        classes |= {wake for wake in parked.timed() if wake.admitted & models}
+        # every class whose models they are, timed or not: a job told WaitingForReservation
+        # after reservations were turned off still hears when the last one ends
+        classes |= {wake for wake in parked.classes() if wake.admitted & models}
     woken = parked.members(classes)
     if at is not None and after is not None:
         woken |= parked.becoming_due(now=at, after=after)  # told of reservations from now on

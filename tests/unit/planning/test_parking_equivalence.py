@@ -150,3 +150,45 @@ def test_the_random_histories_do_park_jobs() -> None:
         assert not differences(twins.cycle())
     assert twins.most_parked >= 2
     assert twins.cycles_parked >= 3
+
+
+# found by the test above: a job parked while told WaitingForReservation, in the cycle that
+# turned reservations off (the reservation still held), was never woken when it ended
+RESERVATION_ENDS_AFTER_THEY_WERE_TURNED_OFF = [
+    [("submit", JobSpec(gpus=1, queue="a"))] * 5 + [("toggle", "c1", "present")],
+    [("submit", JobSpec(gpus=1, queue="a")), ("finish", 25)],
+    [
+        ("finish", 31),
+        ("submit", JobSpec(gpus=8, pods=2, rack="required", queue="open")),
+        ("refresh",),
+        ("finish", 0),
+    ],
+    [
+        ("finish", 0),
+        ("finish", 17),
+        ("finish", 0),
+        ("submit", JobSpec(gpus=1, queue="a")),
+        ("reject", 0, "c2"),
+    ],
+    [
+        ("finish", 20),
+        ("advance", 130),
+        ("finish", 0),
+        ("submit", JobSpec(gpus=1, queue="a")),
+        ("submit", JobSpec(gpus=1, queue="a")),
+        ("submit", JobSpec(gpus=1, models=(A100,), queue="a")),
+    ],
+    [
+        ("submit", JobSpec(gpus=1, queue="a")),
+        ("requeue", 0),
+        ("reject", 0, "c1"),
+        ("submit", JobSpec(gpus=8, pods=4, queue="a")),
+        ("configure", 1),
+    ],
+    [("finish", 0), ("configure", 0)],
+    [("submit", JobSpec(gpus=1, queue="a")), ("finish", 0)],
+]
+
+
+def test_a_job_told_of_a_reservation_hears_when_it_ends_after_reservations_were_off() -> None:
+    replay(RESERVATION_ENDS_AFTER_THEY_WERE_TURNED_OFF, first=0, max_assignments=2)
