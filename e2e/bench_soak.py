@@ -4,11 +4,13 @@ retired to history as they age.
 
     .venv/bin/python -m e2e.bench_soak [--jobs 100000] [--nodes 1000] [--batch 1000]
                                        [--retain 30s] [--clients 4]
+                                       [--max-offers-in-flight 1000]
 
 Printed (no assertions; these machines are shared and noisy): sustained pods/s (first
 Running to last Succeeded), submits/s, submit → Running p50/p99 (the broker's own event times,
 read back through the paged list, history included), broker RSS at start, peak and at the end
-once `--retain` has passed, etcd's database size and key count, the history's size and rows.
+once `--retain` has passed (and at least a minute: the collector's trim), etcd's database
+size and key count, the history's size and rows.
 The job durations are 0.5–5 s (uniform).
 """
 
@@ -28,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from broker.state import records
+from broker.telemetry import garbage
 from e2e import bench_throughput
 from gpufed import client
 from gpufed.daemons import duration
@@ -136,7 +139,8 @@ async def run(args: argparse.Namespace) -> None:
     fleet.store = server.url
     history = work / "history.db"
     fleet.broker_args = ["--history", f"sqlite:///{history}", "--retain-finished",
-                               args.retain]  # fmt: skip
+                               args.retain, "--max-offers-in-flight",
+                               str(args.max_offers_in_flight)]  # fmt: skip
     try:
         fleet.write_tokens(tenants=["team-a"], clusters=CLUSTERS)
         broker = await fleet.start_broker()
@@ -172,7 +176,9 @@ async def run(args: argparse.Namespace) -> None:
             finished = time.perf_counter() - started
             jobs = await api.jobs(limit=None)
             print(f"all finished after {finished:.1f} s; waiting {retain:g} s of retention")
-            await asyncio.sleep(retain + 2 * min(60.0, max(0.5, retain / 10)) + 5)
+            # the retention, two retirement passes, and one of the collector's trims
+            passes = 2 * min(60.0, max(0.5, retain / 10))
+            await asyncio.sleep(max(retain + passes, garbage.TRIM_EVERY_SECONDS) + 5)
         sampling.cancel()
         runs = [event_time(j, "Running") for j in jobs]
         ends = [event_time(j, "Succeeded") for j in jobs]
@@ -206,6 +212,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--retain", default="30s", help="--retain-finished of the broker")
+    parser.add_argument(
+        "--max-offers-in-flight", type=int, default=1000, help="the broker's (0: no limit)"
+    )
     asyncio.run(run(parser.parse_args()))
 
 

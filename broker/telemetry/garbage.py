@@ -22,6 +22,15 @@ down 4 s after the last one) and the watchdog take healthy agents for silent one
   collected once and frozen again. On the leader that pass waits for the moment just after
   a lease renewal (`just_renewed`), when the lease has the most time left.
 
+Memory given back. Every `trim_every` seconds (a minute) the C allocator is asked to return
+its free pages to the system (glibc's `malloc_trim`). That does something only when the
+broker runs with `PYTHONMALLOC=malloc` (the chart and `gpufed local` set it): Python's own
+allocator keeps objects in 1 MiB arenas and frees an arena only when every object in it is
+gone, so after a 50,000-job soak 662 arenas held 35 MB of objects and 606 MB of empty pools
+(`sys._debugmallocstats`), and the broker's RSS stayed at its peak. With the C allocator
+and the trim, a 10,000-job soak ended at 189 MiB instead of 342 (started at 88), at the same
+pods/s.
+
 `broker.app` starts it when `freeze_gc` is set (the service's default; tests of the app
 leave the collector alone).
 """
@@ -29,6 +38,8 @@ leave the collector alone).
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import logging
 import time
@@ -39,8 +50,22 @@ from prometheus_client import Histogram
 
 logger = logging.getLogger(__name__)
 
+
+def _libc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None (another C library, another system)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim: Callable[[int], int] = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_malloc_trim = _libc_trim()
+
 FREEZE_EVERY_SECONDS = 2.0
 FULL_EVERY_SECONDS = 600.0
+TRIM_EVERY_SECONDS = 60.0
 WARN_SECONDS = 0.25
 LATEST_RENEWAL_SECONDS = 0.5  # a full pass on the leader only this soon after a renewal
 DUE_CHECK_SECONDS = 0.05
@@ -53,12 +78,15 @@ class Collector:
         *,
         freeze_every: float = FREEZE_EVERY_SECONDS,
         full_every: float = FULL_EVERY_SECONDS,
+        trim_every: float = TRIM_EVERY_SECONDS,
         warn_seconds: float = WARN_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pauses = pauses
         self.freeze_every = freeze_every
         self.full_every = full_every
+        self.trim_every = trim_every
+        self.trims = 0
         self.warn_seconds = warn_seconds
         self.clock = clock
         self.freezes = 0
@@ -100,6 +128,15 @@ class Collector:
         gc.freeze()
         self.freezes += 1
 
+    def trim(self) -> None:
+        """Free pages of the C allocator back to the system (glibc only; else nothing)."""
+        if _malloc_trim is None:
+            return
+        started = time.perf_counter()
+        _malloc_trim(0)
+        self.trims += 1
+        logger.debug("malloc_trim took %.3f s", time.perf_counter() - started)
+
     def full_pass(self) -> None:
         """Everything collected once (cycles that died frozen too), then frozen again."""
         gc.unfreeze()
@@ -112,9 +149,13 @@ class Collector:
         `just_renewed(seconds)` (the leader's lease renewed that recently, or no lease held)
         says when a full pass may start. Never ends on an error."""
         full_due = self.clock() + self.full_every
+        trim_due = self.clock() + self.trim_every
         while True:
             await asyncio.sleep(self.freeze_every)
             try:
+                if self.clock() >= trim_due:
+                    self.trim()
+                    trim_due = self.clock() + self.trim_every
                 if self.clock() < full_due:
                     self.freeze()
                     continue

@@ -183,7 +183,9 @@ class LocalFleet:
         return started
 
     async def _spawn_broker(self, name: str, port: int) -> Service:
-        service = await spawn(name, self._broker_args(port), workdir=self.workdir, env=self.env)
+        # the C allocator, whose free pages the broker's collector gives back (`garbage`)
+        env = {"PYTHONMALLOC": os.environ.get("PYTHONMALLOC", "malloc"), **(self.env or {})}
+        service = await spawn(name, self._broker_args(port), workdir=self.workdir, env=env)
         service.url = f"{self.scheme}://127.0.0.1:{port}"
         return service
 

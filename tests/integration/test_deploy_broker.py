@@ -292,6 +292,11 @@ def test_traces_go_where_the_otel_values_say() -> None:
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == EXAMPLE["otel"]["protocol"]
 
 
+def test_the_broker_runs_on_the_c_allocator_whose_free_pages_it_gives_back() -> None:
+    env = {e["name"]: e.get("value") for e in broker_container()["env"]}
+    assert env["PYTHONMALLOC"] == "malloc"  # broker.telemetry.garbage trims it
+
+
 # -- Service, Ingress and scraping reach the container's port ------------------------------
 
 
