@@ -10,7 +10,8 @@ the agent sent."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +27,65 @@ from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 REPO = Path(__file__).resolve().parents[2]
+ADMIN = {"Authorization": "Bearer dev-admin"}
+TEAM_A = {"Authorization": "Bearer dev-team-a"}
 SLOW = 1.5  # seconds the broker takes over what it applies: 2.5 heartbeat timeouts
 
 
-@pytest.fixture
-async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
+@contextlib.asynccontextmanager
+async def started(tmp_path: Path, **options: Any) -> AsyncIterator[TestClient[Any, Any]]:
+    """The broker app on loopback, heartbeats every 0.2 s, with `options` set."""
     settings = broker_app.BrokerSettings(
         store=f"sqlite:///{tmp_path / 'broker.db'}",
         tokens_file=REPO / "config" / "tokens.yaml",
         heartbeat_seconds=0.2,
+        **options,
     )
     made = TestClient(TestServer(broker_app.create_app(settings)))
     await made.start_server()
-    yield made
-    await made.close()
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
+    async with started(tmp_path) as made:
+        yield made
+
+
+@contextlib.asynccontextmanager
+async def following(
+    ws: Any, *, answer: Callable[[messages.Message], messages._Msg | None] | None = None
+) -> AsyncIterator[list[messages.Message]]:
+    """An agent's loops on the session: what the broker sends (answered with `answer`'s
+    reply, if any), and heartbeats every 50 ms."""
+    received: list[messages.Message] = []
+
+    async def read() -> None:
+        async for frame in ws:
+            if frame.type != WSMsgType.TEXT:
+                continue
+            message = messages.decode(frame.data)
+            received.append(message)
+            reply = answer(message) if answer is not None else None
+            if reply is not None:
+                await ws.send_str(messages.encode(reply))
+
+    async def beat() -> None:
+        while True:
+            await ws.send_str(messages.encode(messages.Heartbeat()))
+            await asyncio.sleep(0.05)
+
+    tasks = [asyncio.create_task(read()), asyncio.create_task(beat())]
+    try:
+        yield received
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await ws.close()
 
 
 async def session(client: TestClient[Any, Any], *, jobs: int = 0) -> Any:
@@ -130,71 +176,39 @@ async def test_an_agent_that_stops_sending_is_still_taken_for_silent(
     assert ws.close_code == 4000  # heartbeat timeout
 
 
-ADMIN = {"Authorization": "Bearer dev-admin"}
-
-
 async def test_an_agent_is_sent_at_most_its_window_of_offers_unanswered(tmp_path: Path) -> None:
     """--max-offers-in-flight 3, an agent that answers nothing: 3 offers of 8 jobs go out; the
     others wait, told ClusterBusy; one answer lets one more go."""
-    settings = broker_app.BrokerSettings(
-        store=f"sqlite:///{tmp_path / 'broker.db'}",
-        tokens_file=REPO / "config" / "tokens.yaml",
-        heartbeat_seconds=0.2,
-        max_offers_in_flight=3,
-    )
-    made = TestClient(TestServer(broker_app.create_app(settings)))
-    await made.start_server()
-    try:
+    async with started(tmp_path, max_offers_in_flight=3) as made:
         ws = await session(made)
-        received: list[messages.Message] = []
+        async with following(ws) as received:
+            ids = []
+            for n in range(8):
+                body = make_job(f"j{n}", gpus=1).document()
+                answer = await made.post("/v1/jobs", json=body, headers=TEAM_A)
+                ids.append((await answer.json())["id"])
 
-        async def read() -> None:
-            async for frame in ws:
-                if frame.type == WSMsgType.TEXT:
-                    received.append(messages.decode(frame.data))
+            def offers() -> list[messages.Offer]:
+                return [m for m in received if isinstance(m, messages.Offer)]
 
-        async def beat() -> None:
-            while True:
-                await ws.send_str(messages.encode(messages.Heartbeat()))
-                await asyncio.sleep(0.05)
-
-        tasks = [asyncio.create_task(read()), asyncio.create_task(beat())]
-        ids = []
-        for n in range(8):
-            body = make_job(f"j{n}", gpus=1).document()
-            answer = await made.post("/v1/jobs", json=body, headers=TEAM_A)
-            ids.append((await answer.json())["id"])
-
-        def offers() -> list[messages.Offer]:
-            return [m for m in received if isinstance(m, messages.Offer)]
-
-        async with asyncio.timeout(10):
-            while len(offers()) < 3:
-                await asyncio.sleep(0.02)
-        await asyncio.sleep(1.0)  # cycles come and go: no more offers
-        assert len(offers()) == 3
-        waiting = [i for i in ids if i not in {o.job_id for o in offers()}]
-        why = await (await made.get(f"/v1/jobs/{waiting[0]}/why", headers=TEAM_A)).json()
-        assert "ClusterBusy" in str(why), why
-        first = offers()[0]
-        reject = messages.Rejected(
-            job_id=first.job_id, epoch=first.epoch, reasons=["no"], attempt=first.attempt
-        )
-        await ws.send_str(messages.encode(reject))
-        async with asyncio.timeout(10):
-            while len(offers()) < 4:
-                await asyncio.sleep(0.02)
-        await asyncio.sleep(0.5)
-        assert len(offers()) == 4
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await ws.close()
-    finally:
-        await made.close()
-
-
-TEAM_A = {"Authorization": "Bearer dev-team-a"}
+            async with asyncio.timeout(10):
+                while len(offers()) < 3:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(1.0)  # cycles come and go: no more offers
+            assert len(offers()) == 3
+            waiting = [i for i in ids if i not in {o.job_id for o in offers()}]
+            why = await (await made.get(f"/v1/jobs/{waiting[0]}/why", headers=TEAM_A)).json()
+            assert "ClusterBusy" in str(why), why
+            first = offers()[0]
+            reject = messages.Rejected(
+                job_id=first.job_id, epoch=first.epoch, reasons=["no"], attempt=first.attempt
+            )
+            await ws.send_str(messages.encode(reject))
+            async with asyncio.timeout(10):
+                while len(offers()) < 4:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.5)
+            assert len(offers()) == 4
 
 
 async def test_an_offer_answered_is_not_overdue_while_its_answer_waits_on_the_broker(
@@ -209,52 +223,24 @@ async def test_an_offer_answered_is_not_overdue_while_its_answer_waits_on_the_br
             await asyncio.sleep(SLOW)
         await apply(self, cluster, run, **kw)
 
+    def accept(message: messages.Message) -> messages._Msg | None:
+        if not isinstance(message, messages.Offer):
+            return None
+        pod = status.PodPlacement(name="p0", task="main", node="n0")
+        return messages.Accepted(
+            job_id=message.job_id, epoch=message.epoch, pods=[pod], attempt=message.attempt
+        )
+
     monkeypatch.setattr(reports.AgentReports, "apply", slow_apply)
-    settings = broker_app.BrokerSettings(
-        store=f"sqlite:///{tmp_path / 'broker.db'}",
-        tokens_file=REPO / "config" / "tokens.yaml",
-        heartbeat_seconds=0.2,
-        offer_timeout_seconds=0.5,
-    )
-    made = TestClient(TestServer(broker_app.create_app(settings)))
-    await made.start_server()
-    try:
+    async with started(tmp_path, offer_timeout_seconds=0.5) as made:
         ws = await session(made)
-        received: list[messages.Message] = []
-
-        async def read() -> None:
-            async for frame in ws:
-                if frame.type != WSMsgType.TEXT:
-                    continue
-                message = messages.decode(frame.data)
-                received.append(message)
-                if isinstance(message, messages.Offer):
-                    pod = status.PodPlacement(name="p0", task="main", node="n0")
-                    accepted = messages.Accepted(
-                        job_id=message.job_id,
-                        epoch=message.epoch,
-                        pods=[pod],
-                        attempt=message.attempt,
-                    )
-                    await ws.send_str(messages.encode(accepted))
-
-        async def beat() -> None:
-            while True:
-                await ws.send_str(messages.encode(messages.Heartbeat()))
-                await asyncio.sleep(0.05)
-
-        tasks = [asyncio.create_task(read()), asyncio.create_task(beat())]
-        body = make_job("j", gpus=1).document()
-        job_id = (await (await made.post("/v1/jobs", json=body, headers=TEAM_A)).json())["id"]
-        await asyncio.sleep(SLOW + 1.5)
-        got = await (await made.get(f"/v1/jobs/{job_id}", headers=TEAM_A)).json()
-        reasons = [event["reason"] for event in got["status"]["events"]]
-        assert "OfferTimeout" not in reasons, reasons
-        assert not [m for m in received if isinstance(m, messages.Cancel)]
-        assert len([m for m in received if isinstance(m, messages.Offer)]) == 1
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await ws.close()
-    finally:
-        await made.close()
+        async with following(ws, answer=accept) as received:
+            body = make_job("j", gpus=1).document()
+            answer = await made.post("/v1/jobs", json=body, headers=TEAM_A)
+            job_id = (await answer.json())["id"]
+            await asyncio.sleep(SLOW + 1.5)
+            got = await (await made.get(f"/v1/jobs/{job_id}", headers=TEAM_A)).json()
+            reasons = [event["reason"] for event in got["status"]["events"]]
+            assert "OfferTimeout" not in reasons, reasons
+            assert not [m for m in received if isinstance(m, messages.Cancel)]
+            assert len([m for m in received if isinstance(m, messages.Offer)]) == 1
