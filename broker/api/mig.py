@@ -40,6 +40,13 @@ _COMPUTE = re.compile(r"^(?:[1-9]c\.)?([1-9][0-9]?)g\.")
 COMPUTE_SLICES_PER_GPU = 7  # A100, H100, H200, B200
 
 
+def _check_profile(profile: str, field: str) -> None:
+    """Problem naming `field` unless `profile` is a MIG profile gpufed knows."""
+    problem = profile_problem(profile)
+    if problem is not None:
+        raise Problem(f"{field}: {problem}")
+
+
 def profile_problem(profile: str) -> str | None:
     """Why `profile` is not a MIG profile name (None when it is one)."""
     if _PROFILE.match(profile):
@@ -116,9 +123,7 @@ def _read(
                 if profile is None or (part == "requests" and name in limits):
                     continue
                 field = f"{cwhere}.{part}[{name}]"
-                problem = profile_problem(profile)
-                if problem is not None:
-                    raise Problem(f"{field}: {problem}")
+                _check_profile(profile, field)
                 if asked and profile not in asked:
                     raise Problem(f"{field}: a pod asks for MIG slices of one profile only")
                 if gpus:
@@ -134,9 +139,7 @@ def _read(
         return "", 0
     if named is not None:
         field = f"{awhere}[{MIG_PROFILE_ANNOTATION}]"
-        problem = profile_problem(named)
-        if problem is not None:
-            raise Problem(f"{field}: {problem}")
+        _check_profile(named, field)
         if asked and named not in asked:
             raise Problem(f"{field}: names {named}, the limits ask for {next(iter(asked))}")
         if not asked and not gpus:

@@ -113,10 +113,6 @@ class Cluster:
             and self.silent_for(now) <= stale_after
         )
 
-    def unanswered_count(self) -> int:
-        """Offers out, neither accepted nor rejected yet."""
-        return sum(1 for flight in self.inflight.values() if not flight.accepted)
-
     def unanswered(self, *, now: float, timeout: float) -> list[str]:
         """The jobs whose offers are neither accepted nor rejected `timeout` seconds on."""
         return [
@@ -297,11 +293,12 @@ class Fleet:
                 continue
             try:
                 capacity = snapshot.ClusterCapacity.from_summary(cluster.summary, healthy=True)
+                unanswered = 0
                 for flight in cluster.inflight.values():
                     fitting.assume(capacity, flight.fit)
+                    unanswered += not flight.accepted
                 if self.max_offers_in_flight is not None:
-                    out = cluster.unanswered_count()
-                    capacity.offer_slots = max(0, self.max_offers_in_flight - out)
+                    capacity.offer_slots = max(0, self.max_offers_in_flight - unanswered)
             except Exception as exc:
                 cluster.planning_error = f"its capacity cannot be computed: {exc!r}"[:300]
                 logger.exception("cluster %s left out of planning", cluster.name)

@@ -14,6 +14,7 @@ from broker.api import selectors, status
 from broker.state import opening
 from broker.state.history import listing, protocol
 from broker.state.history import query as queries
+from broker.state.history.held import Held
 from tests.builders import make_job
 from tests.histories import BASE, finished
 
@@ -63,7 +64,7 @@ async def list_all(
     listed: list[str] = []
     token = None
     while True:
-        page = await listing.page_jobs(held, history, query, limit=limit, cont=token)
+        page = await listing.page_jobs(Held.of(held), history, query, limit=limit, cont=token)
         listed += [record.id for record in page.items]
         if page.next is None:
             return listed
@@ -130,7 +131,7 @@ async def test_a_job_retired_between_two_pages_is_listed_once(
     held = book()
     await history.put_many(retired())
     query = queries.JobQuery()
-    first = await listing.page_jobs(held, history, query, limit=9)
+    first = await listing.page_jobs(Held.of(held), history, query, limit=9)
     assert [record.id for record in first.items][-2:] == ["recent-3", "recent-2"]
 
     moving = [record for record in held if record.id in ("recent-2", "recent-0")]
@@ -139,7 +140,7 @@ async def test_a_job_retired_between_two_pages_is_listed_once(
     rest = []
     token = first.next
     while token is not None:
-        page = await listing.page_jobs(held, history, query, limit=9, cont=token)
+        page = await listing.page_jobs(Held.of(held), history, query, limit=9, cont=token)
         rest += [record.id for record in page.items]
         token = page.next
 
@@ -155,10 +156,10 @@ async def test_without_a_history_the_book_alone_is_listed() -> None:
 
 
 async def test_a_token_of_another_query_is_refused(history: protocol.HistoryStore) -> None:
-    page = await listing.page_jobs(book(), history, queries.JobQuery(), limit=2)
+    page = await listing.page_jobs(Held.of(book()), history, queries.JobQuery(), limit=2)
     assert page.next is not None
 
     with pytest.raises(api_errors.Malformed, match="another query"):
         await listing.page_jobs(
-            book(), history, queries.JobQuery(queue="q1"), limit=2, cont=page.next
+            Held.of(book()), history, queries.JobQuery(queue="q1"), limit=2, cont=page.next
         )

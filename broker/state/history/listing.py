@@ -15,10 +15,8 @@ history part is one page query.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from operator import itemgetter
 
-from broker.api import status
 from broker.state.history import held as held_jobs
 from broker.state.history import protocol
 from broker.state.history import query as queries
@@ -33,7 +31,7 @@ def needs_history(query: queries.JobQuery) -> bool:
 
 
 async def page_jobs(
-    held: held_jobs.Held | Iterable[status.JobRecord],
+    held: held_jobs.Held,
     history: protocol.HistoryStore | None,
     query: queries.JobQuery,
     *,
@@ -41,8 +39,8 @@ async def page_jobs(
     cont: str | None = None,
 ) -> protocol.Page:
     """Up to `limit` jobs `query` selects after the position `cont` names, from `held` (the
-    records in memory, in their list order: the book's `Held`; other records are put in
-    order first) and `history` (None: none configured)."""
+    records in memory in their list order: the book's; `Held.of` puts others in order) and
+    `history` (None: none configured)."""
     protocol.check_limit(limit)
     after = queries.decode(cont, query) if cont else None
     newest = query.newest_first
@@ -51,7 +49,6 @@ async def page_jobs(
         """Whether `key` comes after `mark` in the list's order."""
         return key < mark if newest else key > mark
 
-    ordered = held if isinstance(held, held_jobs.Held) else held_jobs.Held.of(held)
     live_only = query.state is not None and not query.state.terminal
     start = after  # where the book's part starts: past the section no job of it is in
     if query.finished_only and newest and (after is None or after.live):
@@ -59,7 +56,7 @@ async def page_jobs(
     elif live_only and not newest and (after is None or not after.live):
         start = LAST_FINISHED
     merged = []
-    for key, record in ordered.walk(newest=newest, after=start, state=query.state):
+    for key, record in held.walk(newest=newest, after=start, state=query.state):
         if (query.finished_only and key.live) or (live_only and not key.live):
             break  # the rest is the other section
         if query.matches(record):
