@@ -41,6 +41,7 @@ from broker.jobs import fleet, scheduling, service, watching
 from broker.planning import budget
 from broker.state import (
     electing,
+    etcd,
     etcd_credentials,
     opening,
     probing,
@@ -362,10 +363,10 @@ def create_app(settings: BrokerSettings) -> web.Application:
         if settings.freeze_gc:
             collector = garbage.Collector(meters.gc_pauses)
             collector.install()
-            renewed = (
-                leadership.renewed_within if isinstance(leadership, electing.Election) else None
-            )
-            tasks.append(asyncio.create_task(collector.run(renewed), name="collector"))
+            election = leadership if isinstance(leadership, electing.Election) else None
+            renewed = election.renewed_within if election is not None else None
+            budget = election.pause_budget if election is not None else None
+            tasks.append(asyncio.create_task(collector.run(renewed, budget), name="collector"))
         if watch is not None:
             tasks += [
                 asyncio.create_task(watch.run(loaded_at + 1), name=watching.TASK),
@@ -432,6 +433,7 @@ def _leadership(
             url=settings.advertised,
             ttl=settings.leader_lease_seconds,
             on_error=meters.background_errors.labels(task="election").inc,
+            connect=backing.connector() if isinstance(backing, etcd.EtcdStore) else None,
         )
     else:
         leadership = electing.Sole(settings.replica, settings.advertised)

@@ -6,13 +6,14 @@ one-replica mode: `Sole` always leads.
 
 The leader holds one key, `/gpufed/leader` (JSON: replica id, advertise URL, term), attached
 to a lease of `ttl` seconds that it keeps alive every ttl/3 (Kubernetes' Lease object with
-etcd's lease for the expiry). A candidate takes it in one transaction that compares the key
-absent and the term counter `/gpufed/term` unchanged since read, and puts both: the counter
-+1 (not leased: it outlives every leader) and the leader key (leased). Exactly one candidate
-wins each vacancy, and the term grows by one with each new leader (Kubernetes'
-`leaseTransitions`). Followers watch the key and campaign the moment it is deleted: a leader
-that resigns (SIGTERM: the lease revoked) is replaced within a round trip, one killed with -9
-within its lease's TTL.
+etcd's lease for the expiry), from a thread and store connection of its own
+(`state.renewing`) so that a busy event loop does not cost the lease. A candidate takes it
+in one transaction that compares the key absent and the term counter `/gpufed/term`
+unchanged since read, and puts both: the counter +1 (not leased: it outlives every leader)
+and the leader key (leased). Exactly one candidate wins each vacancy, and the term grows by
+one with each new leader (Kubernetes' `leaseTransitions`). Followers watch the key and
+campaign the moment it is deleted: a leader that resigns (SIGTERM: the lease revoked) is
+replaced within a round trip, one killed with -9 within its lease's TTL.
 
 Fencing (etcd's `Mutex.IsOwner`): the leader key is written once per term, so its mod
 revision names the term. Every leader write carries `fence()` — a compare on that revision —
@@ -38,11 +39,11 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from broker.state import errors, store
+from broker.state import errors, renewing, store
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,7 @@ class Election:
         url: str | None,
         ttl: int = DEFAULT_TTL,
         on_error: Callable[[], None] | None = None,
+        connect: Callable[[], Awaitable[store.DurableStore]] | None = None,
     ) -> None:
         if ttl < 1:
             raise ValueError(f"the leader lease needs at least 1 s, not {ttl}")
@@ -203,8 +205,9 @@ class Election:
         self.reason = ""  # why the latest term of this replica ended
         self._on_error = on_error
         self._callbacks: list[Callable[[], None]] = []
+        self.connect = connect  # a store connection of the lease keeper's own (its thread)
         self._lease: int | None = None
-        self._renewed_at = 0.0  # monotonic: when the latest successful keep-alive was sent
+        self._renewal: renewing.Renewal | None = None  # the current term's lease, renewed
         self._stop = asyncio.Event()  # ends the current term
         self._resigned = False
 
@@ -222,10 +225,23 @@ class Election:
     def leader_url(self) -> str | None:
         return self.leader.url if self.leader is not None else None
 
+    @property
+    def _renewed_at(self) -> float:
+        """When the latest renewal of this term's lease that got an answer was sent."""
+        return self._renewal.renewed_at if self._renewal is not None else 0.0
+
     def renewed_within(self, seconds: float) -> bool:
         """True unless this replica leads on a lease last renewed more than `seconds` ago
         (when a pause of the whole process costs it the least: `telemetry.garbage`)."""
         return not self.is_leader or time.monotonic() - self._renewed_at <= seconds
+
+    def pause_budget(self) -> float:
+        """How long the whole process may stop now (a pause that holds the interpreter
+        lock: no thread renews) and the leader still keep its term: until it would step
+        down for a lease not renewed. Infinite while it does not lead."""
+        if not self.is_leader:
+            return float("inf")
+        return self._renewed_at + self.ttl - self.safety - time.monotonic()
 
     def fence(self) -> store.Compare | None:
         leader = self.leader
@@ -363,7 +379,7 @@ class Election:
             await self._revoke(lease)
             return False
         self._lease = lease
-        self._renewed_at = started
+        self._renewal = renewing.Renewal(lease, renewed_at=started)
         self.leader = Leader(self.replica, self.url, term, revision)
         self.reason = ""
         self._stop.clear()
@@ -377,46 +393,69 @@ class Election:
         return self._resigned
 
     async def _lead(self) -> None:
-        """Keep the lease alive every ttl/3 until the term ends."""
+        """Keep the lease alive (`renewing`: every ttl/3, from a thread of its own when the
+        store can connect again) and look at the leader key, until the term ends."""
+        renewal = self._renewal
+        if renewal is None:
+            return
+        keeper = self._keeper(renewal)
+        keeper.start()
         try:
             while self.is_leader:
                 check_cancelled()
-                deadline = self._renewed_at + self.ttl - self.safety
+                deadline = renewal.renewed_at + self.ttl - self.safety
                 pause = min(self.ttl / 3, max(0.0, deadline - time.monotonic()))
                 await wait_event(self._stop, pause)
                 if not self.leading.is_set():  # stepped down while waiting
                     break
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if renewal.expired:
+                    self.step_down("its lease expired")
+                    break
+                if renewal.renewed_at + self.ttl - self.safety <= time.monotonic():
                     self.step_down(f"its lease was not renewed for {self.ttl - self.safety:g} s")
                     break
-                # half the time left, at least a third of the TTL: a slow answer (a busy
-                # store) still renews in time, and a lost one leaves room for another try
-                await self._renew(timeout=max(0.05, min(left, max(self.ttl / 3, left / 2))))
+                self._stop.clear()  # still leading: the keeper's wake-up, not a step-down
+                await self._check_key()
         finally:
+            await keeper.stop()
             lease, self._lease = self._lease, None
             self.step_down(self.reason or "the term ended")
             if lease is not None:
                 await self._revoke(lease)
 
-    async def _renew(self, *, timeout: float) -> None:
-        lease, leader = self._lease, self.leader
-        if lease is None or leader is None:
+    def _keeper(self, renewal: renewing.Renewal) -> renewing.Keeper:
+        if self.connect is not None:
+            return renewing.ThreadKeeper(
+                self.connect,
+                renewal,
+                ttl=self.ttl,
+                safety=self.safety,
+                notify=self._stop.set,
+                on_error=self._on_error,
+            )
+        return renewing.LoopKeeper(
+            self.backing,
+            renewal,
+            ttl=self.ttl,
+            safety=self.safety,
+            notify=self._stop.set,
+            on_error=self._on_error,
+        )
+
+    async def _check_key(self) -> None:
+        """Step down if the leader key is gone or another term's (a store error: looked at
+        again next time; the lease's deadline is what bounds a term without answers)."""
+        leader = self.leader
+        if leader is None:
             return
-        sent = time.monotonic()
         try:
-            await asyncio.wait_for(self.backing.keep_alive(lease), timeout)
-            self._renewed_at = sent
-            entry = await asyncio.wait_for(self.backing.get(LEADER_KEY), timeout)
-        except errors.LeaseExpiredError:
-            self.step_down("its lease expired")
-            return
+            entry = await asyncio.wait_for(self.backing.get(LEADER_KEY), self.ttl / 3)
         except (errors.StoreError, TimeoutError) as exc:
             if self._on_error is not None:
                 self._on_error()
-            logger.warning("keeping the leader lease alive failed: %s", str(exc) or "timed out")
+            logger.warning("reading the leader key failed: %s", str(exc) or "timed out")
             return
-        if entry is None or entry.mod_revision != leader.revision:
+        if self.is_leader and (entry is None or entry.mod_revision != leader.revision):
             self.step_down("the leader key was deleted or taken")
 
     async def _revoke(self, lease: int) -> None:

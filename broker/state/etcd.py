@@ -223,6 +223,24 @@ class EtcdStore(store.Shortcuts):
         error = errors.TemporaryStoreError if temporary else errors.StoreError
         raise error(f"no etcd endpoint answers: {'; '.join(failures)}")
 
+    def connector(self) -> Callable[[], Awaitable[EtcdStore]]:
+        """Opens another store on the same members (the one this store talks to first), with
+        the same credentials: a connection of its own for a task that must not queue behind
+        this one's calls (`state.renewing`: the leader's lease keeper, on its own thread)."""
+        current = self.endpoint.rsplit(":", 1)
+        first = [(host, port) for host, port in self._endpoints if [host, str(port)] == current]
+        endpoints = first + [e for e in self._endpoints if e not in first]
+        timeout, credentials = self._timeout, self._credentials
+
+        async def connect() -> EtcdStore:
+            return await EtcdStore.connect(
+                endpoints or [(current[0], int(current[1]))],
+                rpc_timeout=timeout,
+                credentials=credentials,
+            )
+
+        return connect
+
     async def _fail_over(self, failed: aetcd.Client) -> bool:
         """Move to the next member that answers, after `failed` could not be reached; True
         if the store now talks to another member."""

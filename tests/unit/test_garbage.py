@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import subprocess
 import sys
@@ -85,6 +86,51 @@ async def test_the_full_pass_waits_for_a_fresh_lease(collector: garbage.Collecto
     assert len(asked) >= 3
     assert asked[0] == garbage.LATEST_RENEWAL_SECONDS
     assert collector.freezes >= 1
+
+
+async def test_a_full_pass_that_would_not_fit_the_budget_waits_until_it_does(
+    collector: garbage.Collector, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=garbage.__name__)
+    kept = [Node() for _ in range(50_000)]  # objects the full pass will look at
+    collector.freeze()
+    budgets = [0.0, 0.0]  # the leader's lease slack, twice too short; then ample
+
+    def budget() -> float:
+        return budgets.pop(0) if budgets else 60.0
+
+    task = asyncio.create_task(collector.run(None, budget))
+    try:
+        async with asyncio.timeout(5):
+            while collector.full_passes == 0:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert budgets == []  # it looked at the budget three times, ran at the third
+    told = [r.getMessage() for r in caplog.records if "put off" in r.getMessage()]
+    assert len(told) == 2  # told once when put off, once when it ran: "put off 2 times"
+    assert "put off 2 times" in told[1]
+    assert collector.postponed == 0  # and the count of passes put off starts over
+    assert collector.freezes >= 2  # survivors still frozen while it waited
+    # the rate it measured foresees the next pass over as many objects
+    assert 0 < collector.seconds_per_object < 1e-3
+    assert collector.fits(60.0) and not collector.fits(0.4)
+    del kept
+
+
+def test_a_full_pass_is_foreseen_from_the_objects_it_will_look_at(
+    collector: garbage.Collector,
+) -> None:
+    collector.seconds_per_object = 1e-6
+    collector.freeze()
+    small = collector.foreseen()
+    kept = [Node() for _ in range(100_000)]
+    collector.freeze()
+    assert collector.foreseen() >= small + 0.1  # 100,000 more objects at 1 µs each
+    # a budget fits 1.5 times the foreseen pass and half a second more
+    assert collector.fits(collector.foreseen() * garbage.PASS_HEADROOM + 0.6)
+    assert not collector.fits(collector.foreseen() * garbage.PASS_HEADROOM + 0.4)
+    del kept
 
 
 TRIMMED = """
