@@ -49,7 +49,8 @@ def add_broker_parser(sub: Any) -> None:
         "--max-offers-in-flight",
         type=int,
         default=1000,
-        help="offers out unanswered to one agent at most; more jobs for its cluster wait "
+        help="offers out unanswered to one agent at most (its window: halved when its "
+        "offers time out, grown back as it answers); more jobs for its cluster wait "
         "(ClusterBusy) or go elsewhere (0: no limit)",
     )
     broker.add_argument(

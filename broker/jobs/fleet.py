@@ -8,7 +8,15 @@ from the sessions' watchdog). At most `max_offers_in_flight` offers are out unan
 agent (`snapshot`: the cluster's `offer_slots`): a burst of thousands of jobs that all fit on
 one cluster is not sent at once to an agent that answers a few hundred a second (Kubernetes
 pod creation, tens): the rest go to other clusters, or wait there as ClusterBusy, instead of
-timing out by the thousand and going round again (51,000 timeouts in a 50,000-job soak).
+timing out by the thousand and going round again (127,877 timeouts in a 50,000-job soak).
+
+That limit adapts to each agent (additive increase, multiplicative decrease, as TCP's
+congestion window): a watchdog pass that withdraws offers of a cluster halves its window
+(`offers_timed_out`, not below `WINDOW_FLOOR`), and each offer answered grows it back by
+`WINDOW_GROWTH`, up to `max_offers_in_flight`. An agent that answers more slowly than the
+flag assumed (a Kubernetes agent creates tens of pods a second; a simulated one starved of
+CPU, a few hundred) then has as many offers out as it answers within the timeout, and the
+rest wait as ClusterBusy or go elsewhere instead of timing out and going round again.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from broker.planning import fitting, snapshot
 logger = logging.getLogger(__name__)
 
 MAX_OFFERS_IN_FLIGHT = 1000  # per agent: seconds of a simulated agent's answers; two cycles' budget
+WINDOW_FLOOR = 16  # an agent's offer window is never halved below this
+WINDOW_GROWTH = 0.1  # offers the window grows by per offer answered (halved: back in 5 x)
 
 
 class AgentLink(Protocol):
@@ -53,6 +63,9 @@ class Cluster:
     disconnected_at: float | None = None
     lost: bool = False
     inflight: dict[str, InFlight] = field(default_factory=dict)
+    # how many offers may be out unanswered (None: the fleet's `max_offers_in_flight`)
+    offer_window: float | None = None
+    window_cut_at: float = 0.0  # monotonic: when the window was last halved
     # job id -> summary seq at its rejection: excluded for that job until a newer summary
     rejected: dict[str, int] = field(default_factory=dict)
     # why the broker refused what the agent sent (no new work until a good full summary)
@@ -279,6 +292,39 @@ class Fleet:
             )
         return out
 
+    def offer_window(self, cluster: Cluster) -> int | None:
+        """How many offers may be out unanswered to the cluster's agent now (None: any)."""
+        if self.max_offers_in_flight is None:
+            return None
+        if cluster.offer_window is None:
+            return self.max_offers_in_flight
+        return int(cluster.offer_window)
+
+    def offers_answered(self, cluster: Cluster, count: int = 1) -> None:
+        """`count` offers were answered (accepted or rejected): the window grows back."""
+        if self.max_offers_in_flight is None or cluster.offer_window is None:
+            return
+        grown = cluster.offer_window + WINDOW_GROWTH * count
+        cluster.offer_window = None if grown >= self.max_offers_in_flight else grown
+
+    def offers_timed_out(self, cluster: Cluster, *, sent_at: float, now: float) -> None:
+        """Offers to the cluster went unanswered past the timeout, the latest of them sent at
+        `sent_at`: its window is halved, once for the offers sent before a cut (TCP's rule:
+        one loss window, one decrease)."""
+        limit = self.offer_window(cluster)
+        if limit is None or sent_at <= cluster.window_cut_at:
+            return
+        cluster.window_cut_at = now
+        floor = min(WINDOW_FLOOR, self.max_offers_in_flight or WINDOW_FLOOR)
+        cluster.offer_window = float(max(floor, limit // 2))
+        logger.warning(
+            "cluster %s answers its offers more slowly than they time out (%g s): at most "
+            "%d offers in flight to it now (growing back as it answers)",
+            cluster.name,
+            self.offer_timeout,
+            int(cluster.offer_window),
+        )
+
     def healthy(self, cluster: Cluster, *, now: float) -> bool:
         return cluster.health(now=now, stale_after=self.stale_after) == "Ready"
 
@@ -297,8 +343,9 @@ class Fleet:
                 for flight in cluster.inflight.values():
                     fitting.assume(capacity, flight.fit)
                     unanswered += not flight.accepted
-                if self.max_offers_in_flight is not None:
-                    capacity.offer_slots = max(0, self.max_offers_in_flight - unanswered)
+                window = self.offer_window(cluster)
+                if window is not None:
+                    capacity.offer_slots = max(0, window - unanswered)
             except Exception as exc:
                 cluster.planning_error = f"its capacity cannot be computed: {exc!r}"[:300]
                 logger.exception("cluster %s left out of planning", cluster.name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -71,6 +72,17 @@ class AgentReports:
             for draft in drafts:
                 self.book.commit_soon(draft)
 
+    def _answered(self, cluster: fleet.Cluster) -> None:
+        """An offer was answered: the agent's offer window grows back (`fleet`)."""
+        if cluster.offer_window is not None:
+            self.fleet.offers_answered(cluster)
+            self._window_gauge(cluster)
+
+    def _window_gauge(self, cluster: fleet.Cluster) -> None:
+        window = self.fleet.offer_window(cluster)
+        if window is not None:
+            self.meters.offer_window.labels(cluster=cluster.name).set(window)
+
     async def _cancel_stale(self, cluster: str, job_id: str, epoch: int, attempt: int) -> None:
         await self.fleet.send_cancel(cluster, job_id, epoch=epoch, reason="Stale", attempt=attempt)
 
@@ -84,8 +96,9 @@ class AgentReports:
             await self._cancel_stale(cluster.name, record.id, message.epoch, message.attempt)
             return
         flight = cluster.inflight.get(message.job_id)
-        if flight is not None:
+        if flight is not None and not flight.accepted:
             flight.accepted = True
+            self._answered(cluster)
         self.spans.answered(message.job_id, accepted=True)
         if record is None:
             await self._cancel_stale(cluster.name, message.job_id, message.epoch, message.attempt)
@@ -119,7 +132,9 @@ class AgentReports:
         record = self._owned(cluster.name, message.job_id)
         if record is not None and transitions.is_stale(record, message.attempt):
             return None
-        cluster.inflight.pop(message.job_id, None)
+        flight = cluster.inflight.pop(message.job_id, None)
+        if flight is not None and not flight.accepted:
+            self._answered(cluster)
         self.spans.answered(message.job_id, accepted=False, reasons=message.reasons)
         if record is None or record.status.state != JobState.DISPATCHED:
             return None
@@ -331,6 +346,10 @@ class AgentReports:
             except errors.StoreError as exc:  # what did not commit is tried again next pass
                 logger.warning("withdrawing %d offers not committed: %s", len(drafts), exc)
             withdrawn = [draft for draft in drafts if self.book.get(draft.id) is draft]
+            sent = [f.sent_at for d in withdrawn if (f := cluster.inflight.get(d.id)) is not None]
+            if sent:
+                self.fleet.offers_timed_out(cluster, sent_at=max(sent), now=time.monotonic())
+                self._window_gauge(cluster)
             for draft in withdrawn:
                 cluster.inflight.pop(draft.id, None)
                 cluster.rejected[draft.id] = cluster.summary.seq if cluster.summary else 0

@@ -154,6 +154,13 @@ class BrokerMetrics:
             ["cluster", "state"],
             registry=r,
         )
+        self.offer_window = Gauge(
+            "gpufed_agent_offer_window",
+            "How many offers may be out unanswered to the cluster's agent now (halved when"
+            " offers time out, grown back as they are answered; --max-offers-in-flight at most)",
+            ["cluster"],
+            registry=r,
+        )
         self.cluster_fragmentation = Gauge(
             "gpufed_cluster_fragmentation_gpus",
             "Free GPUs stranded by fragmentation (FGD measure against the expected workload)",
@@ -204,6 +211,7 @@ class BrokerMetrics:
             self.agent_connected,
             self.agent_session_state,
             self.cluster_fragmentation,
+            self.offer_window,
             self.queue_gpus_in_use,
             self.queue_gpus_guaranteed,
             self.queue_gpus_fair_share,

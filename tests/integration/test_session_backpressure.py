@@ -244,3 +244,39 @@ async def test_an_offer_answered_is_not_overdue_while_its_answer_waits_on_the_br
             assert "OfferTimeout" not in reasons, reasons
             assert not [m for m in received if isinstance(m, messages.Cancel)]
             assert len([m for m in received if isinstance(m, messages.Offer)]) == 1
+
+
+async def test_offers_that_time_out_halve_the_agents_window(tmp_path: Path) -> None:
+    """--max-offers-in-flight 40, --offer-timeout 2 s, an agent that answers nothing, 80 jobs
+    queued before it connects: 40 offers go out and time out, which halves the window once;
+    then 20 of the other 40 jobs go (the withdrawn wait for a newer summary), no more, and
+    the window is exported."""
+    options = {"max_offers_in_flight": 40, "offer_timeout_seconds": 2.0}
+    async with started(tmp_path, **options) as made:
+        for n in range(80):
+            body = make_job(f"j{n}", gpus=1).document()
+            assert (await made.post("/v1/jobs", json=body, headers=TEAM_A)).status == 202
+        ws = await session(made)
+        roomy = make_model_summary(H100, nodes_by_free=[0] * 8 + [10])  # 80 GPUs free
+        await ws.send_str(messages.encode(messages.Summary(summary=make_summary("h100", roomy))))
+        async with following(ws) as received:
+
+            def offers() -> list[messages.Offer]:
+                return [m for m in received if isinstance(m, messages.Offer)]
+
+            def cancels() -> list[messages.Cancel]:
+                return [m for m in received if isinstance(m, messages.Cancel)]
+
+            async with asyncio.timeout(10):
+                while len(cancels()) < 40:  # each withdrawn offer's attempt is cancelled
+                    await asyncio.sleep(0.02)
+            assert {c.reason for c in cancels()} == {"OfferTimeout"}
+            withdrawn = {c.job_id for c in cancels()}
+            async with asyncio.timeout(10):
+                while len(offers()) < 60:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)  # cycles come and go, under the timeout: no more
+            assert len(offers()) == 60
+            assert not withdrawn & {o.job_id for o in offers()[40:]}
+            text = await (await made.get("/metrics", headers=ADMIN)).text()
+            assert 'gpufed_agent_offer_window{cluster="h100"} 20.0' in text
