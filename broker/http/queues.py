@@ -33,12 +33,13 @@ import pydantic
 import yaml
 from aiohttp import web
 
-from broker.api import errors, jobs, queues
+from broker.api import errors, jobs, queues, status
 from broker.http import auth, keys, problems
 from broker.planning import usage
 from broker.state import registry
 
 INVALID = "Invalid queue"
+UNFINISHED = [state for state in status.JobState if not state.terminal]
 
 
 def _visible_to(request: web.Request, views: list[queues.QueueView]) -> list[queues.QueueView]:
@@ -47,10 +48,12 @@ def _visible_to(request: web.Request, views: list[queues.QueueView]) -> list[que
     tenant = auth.caller(request).tenant
     if tenant is None:
         return views
+    held = request.app[keys.JOBS].book.held  # each state's jobs apart: the unfinished only
     joined = {
         record.job.spec.queue
-        for record in request.app[keys.JOBS]
-        if record.tenant == tenant and not record.status.state.terminal
+        for state in UNFINISHED
+        for _, record in held.walk(newest=False, after=None, state=state)
+        if record.tenant == tenant
     }
     return [
         view
