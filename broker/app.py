@@ -365,7 +365,14 @@ def create_app(settings: BrokerSettings) -> web.Application:
             collector.install()
             election = leadership if isinstance(leadership, electing.Election) else None
             renewed = election.renewed_within if election is not None else None
-            budget = election.pause_budget if election is not None else None
+
+            def budget() -> float:
+                """How long the process may stop: within the lease's slack, and, while
+                leading, two heartbeats (the agents reconnect after three of silence)."""
+                lease = election.pause_budget() if election is not None else float("inf")
+                agents = 2 * settings.heartbeat_seconds if leadership.is_leader else lease
+                return min(lease, agents)
+
             tasks.append(asyncio.create_task(collector.run(renewed, budget), name="collector"))
         if watch is not None:
             tasks += [

@@ -21,12 +21,15 @@ down 4 s after the last one) and the watchdog take healthy agents for silent one
   waits for the reclaiming pass: every `full_every` seconds, everything is unfrozen, fully
   collected once and frozen again. On the leader that pass waits for the moment just after
   a lease renewal (`just_renewed`), when the lease has the most time left, and it runs only
-  if it fits in that time (`budget`): the pass holds the interpreter lock throughout, so not
-  even the lease keeper's thread (`state.renewing`) renews during it. Its length is
-  foreseen from the objects it will look at and the seconds per object the last pass took
-  (2 µs before the first: 6.6 s over some 1.5 million objects was measured at the peak of
-  a 100,000-job soak, which cost the leader its lease). A pass that does not fit waits; the
-  frozen count falls as the jobs leave the book.
+  if it fits (`budget`: the lease's slack, and two heartbeats, within which the agents hear
+  nothing: they reconnect after three). The pass holds the interpreter lock throughout, so
+  not even the lease keeper's thread (`state.renewing`) renews during it. Its length is
+  foreseen from the process's resident memory and the seconds per MiB the last pass took
+  (4 ms before the first: a 2.4 s pass at about 800 MiB, a 6.6 s one at 1.5 GiB, the peak of
+  a 100,000-job soak, which cost the leader its lease). Not from the frozen objects' count:
+  `gc.get_freeze_count()` walks the whole permanent generation, and at 4 million objects
+  each call held the loop for over a second. A pass that does not fit waits; memory falls
+  as the jobs leave the book (the trim gives it back), and the pass runs.
 
 Memory given back. Every `trim_every` seconds (a minute) the C allocator is asked to return
 its free pages to the system (glibc's `malloc_trim`). That does something only when the
@@ -48,6 +51,8 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import os
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,9 +80,22 @@ TRIM_EVERY_SECONDS = 60.0
 WARN_SECONDS = 0.25
 LATEST_RENEWAL_SECONDS = 0.5  # a full pass on the leader only this soon after a renewal
 DUE_CHECK_SECONDS = 0.05
-SECONDS_PER_OBJECT = 2e-6  # a full pass's cost foreseen before one was measured
+SECONDS_PER_MIB = 0.004  # a full pass's cost per MiB resident, foreseen before one is measured
+MIB = 1024 * 1024
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MEASURED_FROM_MIB = 64.0  # a pass over less memory than this measures no rate
 PASS_HEADROOM = 1.5  # a full pass runs if 1.5 times its foreseen length...
 PASS_MARGIN_SECONDS = 0.5  # ...and half a second more fit in the budget
+
+
+def resident_mib() -> float:
+    """The process's resident memory in MiB (Linux: /proc; elsewhere its peak, from rusage)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            pages = int(statm.read().split()[1])
+        return pages * PAGE_SIZE / MIB
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class Collector:
@@ -101,7 +119,7 @@ class Collector:
         self.freezes = 0
         self.full_passes = 0
         self.postponed = 0  # full passes put off: they would not fit in the budget
-        self.seconds_per_object = SECONDS_PER_OBJECT
+        self.seconds_per_mib = SECONDS_PER_MIB
         self._started: float | None = None
 
     def install(self) -> None:
@@ -125,12 +143,10 @@ class Collector:
         self.pauses.labels(generation=str(generation)).observe(took)
         if took > self.warn_seconds:
             logger.warning(
-                "the garbage collector held the loop %.2f s (generation %d, %d objects "
-                "collected, %d frozen)",
+                "the garbage collector held the loop %.2f s (generation %d, %d objects collected)",
                 took,
                 generation,
                 int(info.get("collected", 0)),
-                gc.get_freeze_count(),
             )
 
     def freeze(self) -> None:
@@ -149,8 +165,9 @@ class Collector:
         logger.debug("malloc_trim took %.3f s", time.perf_counter() - started)
 
     def foreseen(self) -> float:
-        """How long a full pass would take now, from what the latest one took per object."""
-        return self.seconds_per_object * (gc.get_freeze_count() + sum(gc.get_count()))
+        """How long a full pass would take now, from the memory it would look through and
+        what the latest pass took per MiB (O(1): no count of the objects)."""
+        return self.seconds_per_mib * resident_mib()
 
     def fits(self, budget: float) -> bool:
         """Whether a full pass now is foreseen to end well within `budget` seconds."""
@@ -158,14 +175,14 @@ class Collector:
 
     def full_pass(self) -> None:
         """Everything collected once (cycles that died frozen too), then frozen again."""
-        objects = gc.get_freeze_count() + sum(gc.get_count())
+        resident = resident_mib()
         started = time.perf_counter()
         gc.unfreeze()
         gc.collect()
         gc.freeze()
         took = time.perf_counter() - started
-        if objects >= 10_000:  # too few to measure a rate by
-            self.seconds_per_object = took / objects
+        if resident >= MEASURED_FROM_MIB:
+            self.seconds_per_mib = took / resident
         self.full_passes += 1
 
     async def run(
@@ -176,7 +193,8 @@ class Collector:
         """Freeze every `freeze_every` s and reclaim every `full_every` s, until cancelled;
         `just_renewed(seconds)` (the leader's lease renewed that recently, or no lease held)
         says when a full pass may start, and `budget()` how long it may take then (seconds:
-        the leader's lease slack, infinite on a follower). Never ends on an error."""
+        the leader's lease slack and its agents' patience; infinite on a follower). Never
+        ends on an error."""
         full_due = self.clock() + self.full_every
         trim_due = self.clock() + self.trim_every
         while True:
@@ -209,9 +227,9 @@ class Collector:
             return True
         if not self.postponed:
             logger.warning(
-                "the full collection is put off: %d objects, about %.1f s, would not fit in "
-                "the leader's %.1f s of lease slack (it runs once it fits)",
-                gc.get_freeze_count(),
+                "the full collection is put off: over %.0f MiB, about %.1f s, it would not "
+                "fit in the %.1f s the lease and the agents allow (it runs once it fits)",
+                resident_mib(),
                 self.foreseen(),
                 budget,
             )

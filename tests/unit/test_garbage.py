@@ -112,25 +112,43 @@ async def test_a_full_pass_that_would_not_fit_the_budget_waits_until_it_does(
     assert "put off 2 times" in told[1]
     assert collector.postponed == 0  # and the count of passes put off starts over
     assert collector.freezes >= 2  # survivors still frozen while it waited
-    # the rate it measured foresees the next pass over as many objects
-    assert 0 < collector.seconds_per_object < 1e-3
+    # the rate it measured (seconds per MiB resident) foresees the next pass
+    assert 0 < collector.seconds_per_mib < 0.1
     assert collector.fits(60.0) and not collector.fits(0.4)
     del kept
 
 
-def test_a_full_pass_is_foreseen_from_the_objects_it_will_look_at(
+def test_a_full_pass_is_foreseen_from_the_memory_it_will_look_through(
     collector: garbage.Collector,
 ) -> None:
-    collector.seconds_per_object = 1e-6
-    collector.freeze()
+    collector.seconds_per_mib = 0.001
     small = collector.foreseen()
-    kept = [Node() for _ in range(100_000)]
-    collector.freeze()
-    assert collector.foreseen() >= small + 0.1  # 100,000 more objects at 1 µs each
+    assert small == pytest.approx(0.001 * garbage.resident_mib(), rel=0.05)
+    kept = [bytearray(1024 * 1024) for _ in range(100)]  # 100 MiB more, touched
+    for block in kept:
+        block[::4096] = b"x" * len(block[::4096])
+    assert collector.foreseen() >= small + 0.09
     # a budget fits 1.5 times the foreseen pass and half a second more
     assert collector.fits(collector.foreseen() * garbage.PASS_HEADROOM + 0.6)
     assert not collector.fits(collector.foreseen() * garbage.PASS_HEADROOM + 0.4)
     del kept
+
+
+def test_nothing_counts_the_frozen_objects(
+    collector: garbage.Collector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gc.get_freeze_count()` walks the whole permanent generation: at 4 million objects
+    one call held the loop over a second, and a put-off pass called it every 2 s."""
+
+    def walks_them_all() -> int:
+        raise AssertionError("gc.get_freeze_count() is O(frozen objects)")
+
+    monkeypatch.setattr(gc, "get_freeze_count", walks_them_all)
+    collector.warn_seconds = 0.0  # every pass logged
+    collector.freeze()
+    assert collector._may_pass(0.0) is False  # put off, and told
+    collector.full_pass()
+    gc.collect()
 
 
 TRIMMED = """
