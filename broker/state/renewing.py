@@ -1,28 +1,27 @@
-"""Keeping the leader's lease alive, off the broker's event loop.
+"""Keeping the leader's lease alive: a task of its own, over an etcd connection of its own.
 
 `state.electing` holds its term on an etcd lease of `ttl` seconds, renewed every ttl/3, and
-steps down when no renewal got through for ttl less a safety margin. Renewed from the main
-event loop, a renewal waits behind whatever the loop does: the single leader of the soak
-benchmark lost its own lease 8 times in a 100,000-job run, with the loop busy (stalls of a
-second after one another while it served lists and applied reports) and the keep-alive
-queued on the same gRPC channel as transactions of hundreds of jobs. Every agent session
-went with each loss, and the agents' hellos requeued what they held.
+steps down when no renewal got through for ttl less a safety margin. The single leader of
+the soak benchmark lost its own lease 8 times in a 100,000-job run: the renewal went over
+the same gRPC connection as transactions of hundreds of jobs and waited behind them (the
+first loss: a keep-alive that timed out with the loop not stalled), or the loop was held
+(a 6.6 s pass of the garbage collector, stalls of a second after one another).
 
-`ThreadKeeper` renews from a thread of its own, on an event loop of its own, over a store
-connection of its own (`connect`, called in that thread: for etcd a client on the same
-endpoints, credentials and TLS). The main loop busy for seconds no longer costs the lease:
-Python switches threads every few milliseconds of bytecode, and the keeper needs a few.
-What it cannot get past is a pause that holds the interpreter lock throughout, a full pass
-of the garbage collector; `telemetry.garbage` times that pass to fit in the lease's slack
-(`Election.pause_budget`).
+`Keeper` renews from a task of its own on the main loop, over a store connection of its own
+(`connect`: for etcd a client on the same members, credentials and TLS, opened on this
+loop), so a renewal no longer queues behind the book's transactions. It cannot renew while
+the loop is held; `telemetry.garbage` times its full pass to fit in the lease's slack
+(`Election.pause_budget`), and the planner's budget keeps a cycle short.
+
+Not a thread: a keeper on a thread and event loop of its own renewed through a held loop
+(tested), but gRPC's asyncio stack shares one completion queue and one wake-up socket among
+every loop of the process (grpc/grpc#25364), and under the 10,000-job failover test the
+leader's own job watch stopped delivering (its cache never synced again) with such a keeper
+running. A thread would need the synchronous gRPC API, with etcd's auth done by hand.
 
 The keeper never steps down itself: it records the latest renewal that got an answer
 (`Renewal.renewed_at`, the monotonic time it was sent) and whether the store said the
-lease is gone (`expired`), and wakes the election (`notify`, through the main loop's
-`call_soon_threadsafe`); the election, on the main loop, decides (`Election._lead`).
-
-`LoopKeeper` is the same renewal loop as a task of the main loop, for a store that cannot
-open a second connection (tests wrap one). Both renew with `keep_renewing`.
+lease is gone (`expired`), and wakes the election (`notify`); the election decides.
 """
 
 from __future__ import annotations
@@ -30,11 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 from broker.state import errors, store
 
@@ -42,28 +40,17 @@ logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 0.1  # after a failed renewal, the next try this soon
 CLOSE_TIMEOUT = 1.0
-JOIN_TIMEOUT = 3.0
 
 
 @dataclass
 class Renewal:
     """What the keeper knows of one lease; written by the keeper, read by the election (a
-    float and a bool: assignments, safe across threads)."""
+    float and a bool)."""
 
     lease: int
     renewed_at: float  # monotonic: when the latest renewal that got an answer was sent
     expired: bool = False  # the store said the lease is gone
     renewals: int = 0
-
-
-class Keeper(Protocol):
-    """Keeps one lease alive until stopped (`ThreadKeeper`, `LoopKeeper`)."""
-
-    renewal: Renewal
-
-    def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
 
 
 async def keep_renewing(
@@ -105,139 +92,71 @@ async def keep_renewing(
         await asyncio.sleep(max(0.0, sent + ttl / 3 - time.monotonic()))
 
 
-class LoopKeeper:
-    """`keep_renewing` as a task of the running (main) event loop, on the election's store."""
+@dataclass(frozen=True)
+class Keeping:
+    """One lease to keep alive, and whom to tell: what either keeper renews by."""
+
+    renewal: Renewal
+    ttl: float
+    safety: float
+    notify: Callable[[], None]  # wake the election (called on the keeper's own loop)
+    on_error: Callable[[], None] | None = None
+
+    def renewing(
+        self, backing: store.DurableStore, *, notify: Callable[[], None] | None = None
+    ) -> Coroutine[Any, Any, None]:
+        return keep_renewing(
+            backing,
+            self.renewal,
+            ttl=self.ttl,
+            safety=self.safety,
+            notify=notify or self.notify,
+            on_error=self.on_error,
+        )
+
+
+class Keeper:
+    """`keep_renewing` as a task of the running event loop, over a connection of its own
+    (`connect`) or, without one, the election's store."""
 
     def __init__(
         self,
         backing: store.DurableStore,
-        renewal: Renewal,
+        keeping: Keeping,
         *,
-        ttl: float,
-        safety: float,
-        notify: Callable[[], None],
-        on_error: Callable[[], None] | None = None,
+        connect: Callable[[], Awaitable[store.DurableStore]] | None = None,
     ) -> None:
-        self.renewal = renewal
         self.backing = backing
-        self.ttl = ttl
-        self.safety = safety
-        self._notify = notify
-        self._on_error = on_error
+        self.keeping = keeping
+        self.connect = connect
+        self.renewal = keeping.renewal
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        renewing = keep_renewing(
-            self.backing,
-            self.renewal,
-            ttl=self.ttl,
-            safety=self.safety,
-            notify=self._notify,
-            on_error=self._on_error,
-        )
-        self._task = asyncio.create_task(renewing, name="lease-keeper")
+        self._task = asyncio.create_task(self._run(), name="lease-keeper")
 
     async def stop(self) -> None:
+        """Stop renewing and close the keeper's own connection; the lease itself is left to
+        the caller (revoked, or let expire)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
 
-
-class ThreadKeeper:
-    """`keep_renewing` on a thread and event loop of its own, over its own connection."""
-
-    def __init__(
-        self,
-        connect: Callable[[], Awaitable[store.DurableStore]],
-        renewal: Renewal,
-        *,
-        ttl: float,
-        safety: float,
-        notify: Callable[[], None],
-        on_error: Callable[[], None] | None = None,
-    ) -> None:
-        self.renewal = renewal
-        self.connect = connect
-        self.ttl = ttl
-        self.safety = safety
-        self._notify = notify
-        self._on_error = on_error
-        self._main: asyncio.AbstractEventLoop | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._stopped = False  # read and written on the keeper's own loop only
-
-    def start(self) -> None:
-        """Start the thread (from the main loop: `notify` is called on it)."""
-        self._main = asyncio.get_running_loop()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._serve, name=f"lease-keeper-{self.renewal.lease:x}", daemon=True
-        )
-        self._thread.start()
-
-    async def stop(self) -> None:
-        """Stop renewing, close the connection, and wait (off the main loop) for the thread
-        to end; the lease itself is left to the caller (revoked, or let expire)."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        with contextlib.suppress(RuntimeError):  # its loop already closed: it ended
-            loop.call_soon_threadsafe(self._cancel)
-        await asyncio.to_thread(thread.join, JOIN_TIMEOUT)
-        if thread.is_alive():
-            logger.warning("the lease keeper's thread did not end in %g s", JOIN_TIMEOUT)
-
-    # ---- on the keeper's thread ----------------------------------------------------------
-
-    def _serve(self) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.run_until_complete(self._run())
-        except Exception:
-            logger.exception("the lease keeper failed")
-        finally:
-            self._loop.close()
-
-    def _cancel(self) -> None:
-        self._stopped = True
-        if self._task is not None:
-            self._task.cancel()
-
-    def _wake_election(self) -> None:
-        main = self._main
-        if main is not None:
-            with contextlib.suppress(RuntimeError):  # the main loop closed: nothing to wake
-                main.call_soon_threadsafe(self._notify)
-
     async def _run(self) -> None:
-        self._task = asyncio.current_task()
-        if self._stopped:  # stopped before the thread's loop ran
-            return
-        backing: store.DurableStore | None = None
+        own: store.DurableStore | None = None
         try:
-            while backing is None:
+            while self.connect is not None and own is None:
                 try:
-                    backing = await self.connect()
+                    own = await self.connect()
                 except errors.StoreError as exc:  # the election steps down at its deadline
-                    if self._on_error is not None:
-                        self._on_error()
+                    if self.keeping.on_error is not None:
+                        self.keeping.on_error()
                     logger.warning("the lease keeper cannot reach the store: %s", exc)
                     await asyncio.sleep(RETRY_SECONDS)
-            await keep_renewing(
-                backing,
-                self.renewal,
-                ttl=self.ttl,
-                safety=self.safety,
-                notify=self._wake_election,
-                on_error=self._on_error,
-            )
-        except asyncio.CancelledError:
-            pass  # stopped
+            await self.keeping.renewing(own if own is not None else self.backing)
         finally:
-            if backing is not None:
+            if own is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(backing.close(), CLOSE_TIMEOUT)
+                    await asyncio.wait_for(own.close(), CLOSE_TIMEOUT)

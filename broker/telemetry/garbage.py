@@ -23,7 +23,7 @@ down 4 s after the last one) and the watchdog take healthy agents for silent one
   a lease renewal (`just_renewed`), when the lease has the most time left, and it runs only
   if it fits (`budget`: the lease's slack, and two heartbeats, within which the agents hear
   nothing: they reconnect after three). The pass holds the interpreter lock throughout, so
-  not even the lease keeper's thread (`state.renewing`) renews during it. Its length is
+  the lease keeper (`state.renewing`) cannot renew during it. Its length is
   foreseen from the process's resident memory and the seconds per MiB the last pass took
   (4 ms before the first: a 2.4 s pass at about 800 MiB, a 6.6 s one at 1.5 GiB, the peak of
   a 100,000-job soak, which cost the leader its lease). Not from the frozen objects' count:

@@ -23,7 +23,7 @@ from broker.api import submits
 from broker.http import keys
 from broker.state import records
 from gpufed import client
-from tests import etcdserver
+from tests import conftest_etcd
 from tests.builders import make_job
 
 TEAM_A = {"Authorization": "Bearer dev-team-a"}
@@ -42,14 +42,8 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[s
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'broker.db'}"
         return
-    try:  # an etcd of its own: the broker's keys are fixed (/gpufed/...)
-        server = etcdserver.EtcdServer.start()
-    except (etcdserver.EtcdNotFoundError, etcdserver.EtcdStartError) as exc:
-        pytest.fail(f"cannot start etcd: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.cleanup()
+    with conftest_etcd.own_etcd() as url:  # an etcd of its own: the broker's keys are fixed
+        yield url
 
 
 async def _started(settings: broker_app.BrokerSettings, into: list[Client]) -> Client:

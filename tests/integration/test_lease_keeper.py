@@ -1,37 +1,23 @@
-"""The leader's lease kept alive from a thread of its own (`state.renewing`), on a real etcd:
-a main event loop busy for longer than the lease's TTL no longer costs the term, while a
-keeper that cannot get through, or a lease the store dropped, still ends it in time."""
+"""The leader's lease kept alive by a task over a connection of its own (`state.renewing`),
+on a real etcd: renewals go on while the book's connection is busy; a keeper that cannot get
+through, or a lease the store dropped, still ends the term in time; and the keeper's own
+connection is closed with the term."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from broker.state import electing, errors, etcd, opening, renewing, store
-from tests import etcdserver
+from broker.state import electing, errors, etcd, opening, store
 
 pytestmark = pytest.mark.etcd
 
 TTL = 2
-
-
-@pytest.fixture
-def etcd_url() -> AsyncIterator[str] | Any:
-    """An etcd of the test's own: the leader key is one for the whole server."""
-    try:
-        server = etcdserver.EtcdServer.start()
-    except (etcdserver.EtcdNotFoundError, etcdserver.EtcdStartError) as exc:
-        pytest.fail(f"cannot start etcd: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.cleanup()
 
 
 class CutOff:
@@ -40,7 +26,7 @@ class CutOff:
 
     def __init__(self, inner: etcd.EtcdStore) -> None:
         self.inner = inner
-        self.cut = threading.Event()  # set from the test's loop, read on the keeper's
+        self.cut = asyncio.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -49,14 +35,6 @@ class CutOff:
         if self.cut.is_set():
             await asyncio.sleep(10)
         return await self.inner.keep_alive(lease)
-
-
-def busy(seconds: float) -> None:
-    """Hold the event loop with bytecode for `seconds` (not a sleep: the interpreter lock
-    changes hands as it does under real work)."""
-    until = time.monotonic() + seconds
-    while time.monotonic() < until:
-        sum(range(200))
 
 
 async def lead(
@@ -75,54 +53,18 @@ async def stop(task: asyncio.Task[None]) -> None:
         await task
 
 
-def keeper_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("lease-keeper-")]
-
-
-async def test_a_leader_whose_loop_is_busy_past_the_ttl_keeps_its_term(etcd_url: str) -> None:
-    backing = await etcd.EtcdStore.connect(opening.parse_etcd_endpoints(etcd_url))
-    election, task = await lead(backing, backing.connector())
-    try:
-        term, renewals = election.term, election._renewal
-        assert renewals is not None and len(keeper_threads()) == 1
-        busy(TTL * 2.0)  # twice the lease's TTL without yielding once
-        await asyncio.sleep(0.2)  # the election looks at its lease
-        assert election.is_leader and election.term == term, election.reason
-        assert renewals.renewals >= 4  # ttl/3 apart while the loop was held
-        entry = await backing.get(electing.LEADER_KEY)
-        assert election.leader is not None and entry is not None
-        assert entry.mod_revision == election.leader.revision  # the same term's key
-    finally:
-        await stop(task)
-        await backing.close()
-    assert keeper_threads() == []  # the term's end stopped the keeper's thread
-
-
-async def test_on_the_main_loop_the_same_busy_loop_costs_the_term(etcd_url: str) -> None:
-    """What the thread is for: the keeper of the main loop cannot renew while it is held."""
-    backing = await etcd.EtcdStore.connect(opening.parse_etcd_endpoints(etcd_url))
-    election, task = await lead(backing, None)
-    try:
-        busy(TTL * 2.0)
-        await asyncio.wait_for(election.following.wait(), 2)
-        assert "not renewed" in election.reason
-    finally:
-        await stop(task)
-        await backing.close()
-
-
-@pytest.mark.parametrize("thread", [True, False], ids=["thread", "loop"])
+@pytest.mark.parametrize("separate", [True, False], ids=["own-connection", "the-books"])
 async def test_a_keeper_that_cannot_get_through_ends_the_term_before_the_lease_can(
-    etcd_url: str, thread: bool
+    etcd_url: str, separate: bool
 ) -> None:
     backing = await etcd.EtcdStore.connect(opening.parse_etcd_endpoints(etcd_url))
     own = await backing.connector()()
     cut = CutOff(own)
 
     async def connect() -> store.DurableStore:
-        return cut  # type: ignore[return-value]
+        return cut
 
-    election, task = await lead(backing if thread else cut, connect if thread else None)  # type: ignore[arg-type]
+    election, task = await lead(backing if separate else cut, connect if separate else None)
     try:
         cut.cut.set()
         renewed = election._renewed_at
@@ -156,28 +98,6 @@ async def test_a_lease_the_store_dropped_ends_the_term_at_the_next_renewal(etcd_
         await backing.close()
 
 
-async def test_a_keeper_stopped_before_its_thread_ran_ends_at_once(etcd_url: str) -> None:
-    backing = await etcd.EtcdStore.connect(opening.parse_etcd_endpoints(etcd_url))
-    try:
-        lease = await backing.grant_lease(TTL)
-        renewal = renewing.Renewal(lease, renewed_at=time.monotonic())
-        woken: list[int] = []
-        keeper = renewing.ThreadKeeper(
-            backing.connector(),
-            renewal,
-            ttl=TTL,
-            safety=0.4,
-            notify=lambda: woken.append(1),
-        )
-        keeper.start()
-        started = time.monotonic()
-        await keeper.stop()
-        assert time.monotonic() - started < 1.0
-        assert keeper_threads() == [] and woken == []
-    finally:
-        await backing.close()
-
-
 async def test_the_pause_budget_is_the_leases_slack_while_leading(etcd_url: str) -> None:
     backing = await etcd.EtcdStore.connect(opening.parse_etcd_endpoints(etcd_url))
     election, task = await lead(backing, backing.connector())
@@ -186,6 +106,55 @@ async def test_the_pause_budget_is_the_leases_slack_while_leading(etcd_url: str)
         assert 0 < budget <= TTL - election.safety
         election.step_down("test")
         assert election.pause_budget() == float("inf")
+    finally:
+        await stop(task)
+        await backing.close()
+
+
+class Busy:
+    """A store whose every call but the keep-alive waits `delay` first: the book's
+    connection queued behind transactions of hundreds of jobs."""
+
+    def __init__(self, inner: etcd.EtcdStore, delay: float) -> None:
+        self.inner = inner
+        self.delay = delay
+        self.keep_alives = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def keep_alive(self, lease: int) -> int:
+        self.keep_alives += 1
+        await asyncio.sleep(self.delay)  # behind the transactions on the same connection
+        return await self.inner.keep_alive(lease)
+
+
+async def test_renewals_over_their_own_connection_do_not_wait_behind_the_books(
+    etcd_url: str,
+) -> None:
+    backing = await etcd.EtcdStore.connect(opening.parse_etcd_endpoints(etcd_url))
+    busy = Busy(backing, delay=TTL)  # a renewal over it would come too late every time
+    election, task = await lead(busy, backing.connector())
+    try:
+        term = election.term
+        await asyncio.sleep(TTL * 2.5)
+        assert election.is_leader and election.term == term, election.reason
+        assert busy.keep_alives == 0  # every renewal went over the keeper's own connection
+        renewal = election._renewal
+        assert renewal is not None and renewal.renewals >= 4
+    finally:
+        await stop(task)
+        await backing.close()
+
+
+async def test_without_its_own_connection_a_busy_one_costs_the_term(etcd_url: str) -> None:
+    """What the keeper's own connection is for: over the busy one, renewals come too late."""
+    backing = await etcd.EtcdStore.connect(opening.parse_etcd_endpoints(etcd_url))
+    busy = Busy(backing, delay=TTL)
+    election, task = await lead(busy, None)
+    try:
+        await asyncio.wait_for(election.following.wait(), TTL * 2)
+        assert "not renewed" in election.reason
     finally:
         await stop(task)
         await backing.close()

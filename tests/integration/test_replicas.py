@@ -23,7 +23,6 @@ from broker import app as broker_app
 from broker.api import messages, status
 from broker.jobs import book, watching
 from broker.state import electing, errors, etcd, opening, records, store
-from tests import etcdserver
 from tests.builders import make_job, make_model_summary, make_summary
 
 pytestmark = pytest.mark.etcd
@@ -34,18 +33,6 @@ AGENT = {"Authorization": "Bearer dev-agent-h100"}
 REPO = Path(__file__).resolve().parents[2]
 H100 = "NVIDIA-H100-80GB-HBM3"
 Client = TestClient[Any, Any]
-
-
-@pytest.fixture
-def etcd_url() -> AsyncIterator[str] | Any:
-    try:
-        server = etcdserver.EtcdServer.start()
-    except (etcdserver.EtcdNotFoundError, etcdserver.EtcdStartError) as exc:
-        pytest.fail(f"cannot start etcd: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.cleanup()
 
 
 class Replicas:
