@@ -8,20 +8,14 @@ from pathlib import Path
 import pytest
 
 from gpufed.local import processes
-from tests import etcdserver
+from tests import conftest_etcd
 
 
 @pytest.fixture
-def etcd_url(tmp_path: Path) -> Iterator[str]:
+def etcd_url() -> Iterator[str]:
     """A fresh real etcd server of the test's own (no keys shared with other tests)."""
-    try:
-        server = etcdserver.EtcdServer.start()
-    except (etcdserver.EtcdNotFoundError, etcdserver.EtcdStartError) as exc:
-        pytest.fail(f"cannot start etcd: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.cleanup()
+    with conftest_etcd.own_etcd() as url:
+        yield url
 
 
 @pytest.fixture
