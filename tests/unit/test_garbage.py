@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import mmap
 import os
 import subprocess
 import sys
@@ -119,19 +120,22 @@ async def test_a_full_pass_that_would_not_fit_the_budget_waits_until_it_does(
 
 
 def test_a_full_pass_is_foreseen_from_the_memory_it_will_look_through(
-    collector: garbage.Collector,
+    collector: garbage.Collector, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    resident = garbage.resident_mib()
+    assert 10 < resident < 64 * 1024
+    block = mmap.mmap(-1, 100 * 1024 * 1024)  # 100 MiB of fresh pages, not the heap's
+    try:
+        block[:: mmap.PAGESIZE] = b"x" * len(block[:: mmap.PAGESIZE])  # touched: resident
+        assert garbage.resident_mib() >= resident + 90
+    finally:
+        block.close()
+    monkeypatch.setattr(garbage, "resident_mib", lambda: 1000.0)
     collector.seconds_per_mib = 0.001
-    small = collector.foreseen()
-    assert small == pytest.approx(0.001 * garbage.resident_mib(), rel=0.05)
-    kept = [bytearray(1024 * 1024) for _ in range(100)]  # 100 MiB more, touched
-    for block in kept:
-        block[::4096] = b"x" * len(block[::4096])
-    assert collector.foreseen() >= small + 0.09
+    assert collector.foreseen() == pytest.approx(1.0)  # 1,000 MiB at 1 ms each
     # a budget fits 1.5 times the foreseen pass and half a second more
-    assert collector.fits(collector.foreseen() * garbage.PASS_HEADROOM + 0.6)
-    assert not collector.fits(collector.foreseen() * garbage.PASS_HEADROOM + 0.4)
-    del kept
+    assert collector.fits(1.0 * garbage.PASS_HEADROOM + 0.6)
+    assert not collector.fits(1.0 * garbage.PASS_HEADROOM + 0.4)
 
 
 def test_nothing_counts_the_frozen_objects(
