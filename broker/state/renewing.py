@@ -99,18 +99,16 @@ class Keeping:
     renewal: Renewal
     ttl: float
     safety: float
-    notify: Callable[[], None]  # wake the election (called on the keeper's own loop)
+    notify: Callable[[], None]  # wake the election
     on_error: Callable[[], None] | None = None
 
-    def renewing(
-        self, backing: store.DurableStore, *, notify: Callable[[], None] | None = None
-    ) -> Coroutine[Any, Any, None]:
+    def renewing(self, backing: store.DurableStore) -> Coroutine[Any, Any, None]:
         return keep_renewing(
             backing,
             self.renewal,
             ttl=self.ttl,
             safety=self.safety,
-            notify=notify or self.notify,
+            notify=self.notify,
             on_error=self.on_error,
         )
 

@@ -12,8 +12,9 @@ import os
 import subprocess
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
@@ -70,6 +71,19 @@ def test_a_cycle_that_dies_frozen_waits_for_the_full_pass(collector: garbage.Col
     assert gc.get_freeze_count() > 0  # what lives is frozen again
 
 
+async def until_a_full_pass(
+    collector: garbage.Collector, running: Coroutine[Any, Any, None]
+) -> None:
+    """Run the collector's loop until its first full pass (5 s at most), then stop it."""
+    task = asyncio.create_task(running)
+    try:
+        async with asyncio.timeout(5):
+            while collector.full_passes == 0:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+
+
 async def test_the_full_pass_waits_for_a_fresh_lease(collector: garbage.Collector) -> None:
     asked: list[float] = []
 
@@ -77,13 +91,7 @@ async def test_the_full_pass_waits_for_a_fresh_lease(collector: garbage.Collecto
         asked.append(seconds)
         return len(asked) >= 3  # renewed only at the third look
 
-    task = asyncio.create_task(collector.run(just_renewed))
-    try:
-        async with asyncio.timeout(5):
-            while collector.full_passes == 0:
-                await asyncio.sleep(0.01)
-    finally:
-        task.cancel()
+    await until_a_full_pass(collector, collector.run(just_renewed))
     assert len(asked) >= 3
     assert asked[0] == garbage.LATEST_RENEWAL_SECONDS
     assert collector.freezes >= 1
@@ -100,13 +108,7 @@ async def test_a_full_pass_that_would_not_fit_the_budget_waits_until_it_does(
     def budget() -> float:
         return budgets.pop(0) if budgets else 60.0
 
-    task = asyncio.create_task(collector.run(None, budget))
-    try:
-        async with asyncio.timeout(5):
-            while collector.full_passes == 0:
-                await asyncio.sleep(0.01)
-    finally:
-        task.cancel()
+    await until_a_full_pass(collector, collector.run(None, budget))
     assert budgets == []  # it looked at the budget three times, ran at the third
     told = [r.getMessage() for r in caplog.records if "put off" in r.getMessage()]
     assert len(told) == 2  # told once when put off, once when it ran: "put off 2 times"
