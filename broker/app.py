@@ -373,7 +373,8 @@ def create_app(settings: BrokerSettings) -> web.Application:
                 agents = 2 * settings.heartbeat_seconds if leadership.is_leader else lease
                 return min(lease, agents)
 
-            tasks.append(asyncio.create_task(collector.run(renewed, budget), name="collector"))
+            collecting = collector.run(renewed, budget, held=lambda: len(book))
+            tasks.append(asyncio.create_task(collecting, name="collector"))
         if watch is not None:
             tasks += [
                 asyncio.create_task(watch.run(loaded_at + 1), name=watching.TASK),

@@ -87,6 +87,14 @@ async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
                         await emulator.set_pod_phase(meta["namespace"], meta["name"], phase)
                     await wait_for(api, job_id, phase)
                 job = await api.get(job_id)
+                # a batch's jobs: a trace each, not the batch request's trace for all of them
+                too_big = make_job("batched", gpus=8).model(H100).gang(9).document()  # waits
+                batch = await api.submit_batch([{"job": too_big}, {"job": too_big}])
+                batched = batch["items"]
+                assert [item["status"] for item in batched] == [202, 202], batch
+                for item in batched:
+                    await api.cancel(item["id"])
+                    await wait_for(api, item["id"], "Cancelled")
         finally:
             await fleet.stop()  # the agent's watches must end before the emulator does
 
@@ -119,3 +127,15 @@ async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
     assert root.end_ns >= by_name["job.running"].end_ns
     assert root.attributes["gpufed.state"] == "Succeeded"
     assert "Running" in root.events and "Succeeded" in root.events
+
+    traces = {item["traceId"] for item in batched}
+    assert len(traces) == 2 and trace_id not in traces
+    roots = [
+        next(s for s in await wait_spans(receiver, t, {"job", "job.submit"}) if s.name == "job")
+        for t in traces
+    ]
+    # each linked to the batch request's span, which is in neither job's trace
+    links = {link for r in roots for link in r.links}
+    assert len(links) == 1 and all(r.parent_span_id == "" for r in roots)
+    batch_http = [s for s in receiver.spans if s.span_id in links]
+    assert batch_http and batch_http[0].trace_id not in traces

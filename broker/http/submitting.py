@@ -11,7 +11,8 @@ that is not a batch (not JSON or YAML, over `MAX_BATCH_BYTES`, no `items`, none 
 breaks a rule is that item's problem, its field named from the body's root
 (`items[3].job.spec.queue`), and nothing of it is stored; the other items are stored together,
 in as few store transactions as the book's group commit allows (`Jobs.submit_many`), each job
-with its own trace and its `job.submit` span, counted as a single submit is. A key used
+with a trace of its own (linked to the batch's request) and its `job.submit` span, counted as
+a single submit is. A key used
 again within the batch is decided once the item that used it first is answered, as if the two
 had been sent one after the other: the same body replays that job (200), another body is 422
 `idempotency-key-reused`.
@@ -110,9 +111,11 @@ def new_record(
     *,
     key: str | None,
     job_id: str | None = None,
+    own_trace: bool = False,
 ) -> status.JobRecord:
-    """A new job of `principal`'s, with a trace of its own."""
-    traceparent, parent = book.new_trace()
+    """A new job of `principal`'s: in the request's trace, or in one of its own, linked to
+    the request (`own_trace`: one of a batch's or an array's jobs)."""
+    traceparent, parent = book.new_trace(own=own_trace)
     return status.JobRecord(
         id=job_id or new_job_id(job.metadata.name),
         tenant=principal.name,
@@ -125,14 +128,21 @@ def new_record(
 
 
 async def new_records(
-    book: service.Jobs, principal: auth.Principal, job: jobs.GPUJob, *, key: str | None
+    book: service.Jobs,
+    principal: auth.Principal,
+    job: jobs.GPUJob,
+    *,
+    key: str | None,
+    batch: bool = False,
 ) -> list[status.JobRecord]:
     """The jobs a submit makes: the job, or its array's `count` jobs (`api.arrays`: job `i`
     named `<name>-<i>`, id `<array id>-<i>`, labelled; the key on index 0's), a turn of the
-    event loop every `ITEMS_PER_TURN` of them (10,000 take most of a second)."""
+    event loop every `ITEMS_PER_TURN` of them (10,000 take most of a second). A trace each,
+    linked to the request, when the request makes many (`batch`, an array); a single job
+    continues the request's trace."""
     spec = job.spec.array
     if spec is None:
-        return [new_record(book, principal, job, key=key)]
+        return [new_record(book, principal, job, key=key, own_trace=batch)]
     name = job.metadata.name
     array_id = new_job_id(name, length=arrays.MAX_ARRAY_ID)
     out = []
@@ -150,6 +160,7 @@ async def new_records(
             member,
             key=key if index == 0 else None,
             job_id=f"{array_id}-{index}",
+            own_trace=True,
         )
         record.array = arrays.ArrayMember(
             id=array_id, name=name, index=index, count=spec.count, parallelism=spec.limit
@@ -175,13 +186,18 @@ def _span_attributes(record: status.JobRecord) -> dict[str, str]:
 
 
 async def submit_one(
-    book: service.Jobs, principal: auth.Principal, job: jobs.GPUJob, *, key: str | None
+    book: service.Jobs,
+    principal: auth.Principal,
+    job: jobs.GPUJob,
+    *,
+    key: str | None,
+    batch: bool = False,
 ) -> tuple[status.JobRecord, bool]:
     """Store one admitted job (an array: its jobs); returns it (an array's index 0) and
     whether it was replayed (its key's job, the same body: IdempotencyKeyReused if another).
     An array's index 0 is stored first, with the key, then the others together: a replay
     stores none of them again."""
-    new = await new_records(book, principal, job, key=key)
+    new = await new_records(book, principal, job, key=key, batch=batch)
     if key:
         existing = await book.find_idempotent(principal.name, key, new[0].job)
         if existing is not None:
@@ -251,7 +267,7 @@ async def submit_batch(request: web.Request) -> web.Response:
             continue
         if key is not None:
             keyed.add(key)
-        admitted.append((index, await new_records(book, principal, job, key=key)))
+        admitted.append((index, await new_records(book, principal, job, key=key, batch=True)))
     admitted = await _resolve_items(book, admitted, answers)
     results = await _store(book, [r for _, group in admitted for r in group], batch=len(items))
     at = 0
@@ -262,7 +278,9 @@ async def submit_batch(request: web.Request) -> web.Response:
         answers[index] = _answer(index, first, replayed=first is not group[0], request=request)
     for repeat in repeats:
         try:
-            stored, replayed = await submit_one(book, principal, repeat.job, key=repeat.key)
+            stored, replayed = await submit_one(
+                book, principal, repeat.job, key=repeat.key, batch=True
+            )
         except Exception as exc:  # the others are stored: this item's answer, not the batch's
             answers[repeat.index] = _answer(repeat.index, exc, replayed=False, request=request)
         else:

@@ -191,8 +191,8 @@ class Jobs:
 
     # ---- changing -----------------------------------------------------------------------
 
-    def new_trace(self) -> tuple[str, str | None]:
-        return self.spans.new_trace()
+    def new_trace(self, *, own: bool = False) -> tuple[str, str | None]:
+        return self.spans.new_trace(own=own)
 
     async def submit(self, record: status.JobRecord) -> status.JobRecord:
         return await self.requests.submit(record)

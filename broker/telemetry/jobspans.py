@@ -32,16 +32,18 @@ class JobSpans:
     dispatching: dict[str, _Open] = field(default_factory=dict)
     waits: dict[str, list[tuple[datetime, tuple[str, ...]]]] = field(default_factory=dict)
 
-    def new_trace(self) -> tuple[str, str | None]:
-        """Ids for a new job: its `job` span's traceparent, and the parent (the HTTP span)."""
+    def new_trace(self, *, own: bool = False) -> tuple[str, str | None]:
+        """Ids for a new job: its `job` span's traceparent, and the request's (the HTTP
+        span). The job's trace is the request's, the request's span its parent; with `own`
+        (one of the many jobs a batch or an array makes: a trace each, not thousands of jobs
+        in one) the job has a trace of its own, and the request's span is a link of its
+        `job` span (`finished`: a parent from another trace cannot be one)."""
         current = trace.get_current_span().get_span_context()
+        request = None
         if current.is_valid:
-            trace_id = current.trace_id
-            parent = f"00-{current.trace_id:032x}-{current.span_id:016x}-01"
-        else:
-            trace_id = secrets.randbits(128) or 1
-            parent = None
-        return f"00-{trace_id:032x}-{secrets.randbits(64) or 1:016x}-01", parent
+            request = f"00-{current.trace_id:032x}-{current.span_id:016x}-01"
+        trace_id = current.trace_id if current.is_valid and not own else secrets.randbits(128) or 1
+        return f"00-{trace_id:032x}-{secrets.randbits(64) or 1:016x}-01", request
 
     def waiting(self, job_id: str, reasons: tuple[str, ...], *, now: datetime) -> None:
         log = self.waits.setdefault(job_id, [])
@@ -113,12 +115,14 @@ class JobSpans:
         if not record.traceparent:
             return
         trace_id, span_id = tracing.ids_of(record.traceparent)
+        request = record.trace_parent
+        mine = request is not None and tracing.ids_of(request)[0] == trace_id
+        links = [] if request is None or mine else [trace.Link(tracing.span_context_of(request))]
         with tracing.preset_ids(trace_id, span_id):
             span = tracer.start_span(
                 "job",
-                context=tracing.context_of(record.trace_parent)
-                if record.trace_parent
-                else tracing.context_of(None),
+                context=tracing.context_of(request if mine else None),
+                links=links,
                 start_time=tracing.nanos(record.created),
                 attributes={
                     "gpufed.job": record.id,

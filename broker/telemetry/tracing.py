@@ -122,6 +122,11 @@ def context_of(traceparent: str | None) -> otel_context.Context:
     return PROPAGATOR.extract({"traceparent": traceparent})
 
 
+def span_context_of(traceparent: str) -> trace.SpanContext:
+    """The span a W3C traceparent names (invalid if it names none)."""
+    return trace.get_current_span(context_of(traceparent)).get_span_context()
+
+
 def traceparent_of(span: trace.Span) -> str:
     ctx = span.get_span_context()
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"

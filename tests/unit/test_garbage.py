@@ -189,3 +189,29 @@ def test_a_trim_gives_freed_memory_back_under_the_c_allocator() -> None:
     )
     before, after = (int(x) for x in out.stdout.split())
     assert before - after > 50, (before, after)  # MiB
+
+
+async def test_the_book_shrinking_brings_the_trim_forward(collector: garbage.Collector) -> None:
+    """The minute's trim alone could come just before thousands of jobs retire; a book
+    holding `trim_after_jobs` fewer jobs than at its highest is trimmed at once."""
+    if garbage._malloc_trim is None:
+        pytest.skip("no glibc malloc_trim on this system")
+    held = [5000]
+    task = asyncio.create_task(collector.run(held=lambda: held[0]))
+    try:
+        for size in (5000, 6000, 5200, 6500):  # growing, and shrinking by less than 1,000
+            held[0] = size
+            await asyncio.sleep(0.05)
+        assert collector.trims == 0  # a minute has not passed
+        held[0] = 5400  # 1,100 fewer than at its highest
+        async with asyncio.timeout(5):
+            while collector.trims == 0:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert collector.trims == 1  # once: the highest is counted from the trim again
+        held[0] = 4300
+        async with asyncio.timeout(5):
+            while collector.trims == 1:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
