@@ -9,8 +9,8 @@ retired to history as they age.
 Printed (no assertions; these machines are shared and noisy): sustained pods/s (first
 Running to last Succeeded), submits/s, submit → Running p50/p99 (the broker's own event times,
 read back through the paged list, history included), broker RSS at start, peak and at the end
-once `--retain` has passed (and at least a minute: the collector's trim), etcd's database
-size and key count, the history's size and rows.
+once `--retain` has passed (then the history's idle time and a minute: the collector's trim),
+etcd's database size and key count, the history's size and rows.
 The job durations are 0.5–5 s (uniform).
 """
 
@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from broker.state import records
+from broker.state.history import sqlite as sqlite_history
 from broker.telemetry import garbage
 from e2e import bench_throughput
 from gpufed import client
@@ -176,9 +177,11 @@ async def run(args: argparse.Namespace) -> None:
             finished = time.perf_counter() - started
             jobs = await api.jobs(limit=None)
             print(f"all finished after {finished:.1f} s; waiting {retain:g} s of retention")
-            # the retention, two retirement passes, and one of the collector's trims
+            # the retention, two retirement passes, the history's caches given back once it
+            # is idle, and one of the collector's trims after that
             passes = 2 * min(60.0, max(0.5, retain / 10))
-            await asyncio.sleep(max(retain + passes, garbage.TRIM_EVERY_SECONDS) + 5)
+            idle = sqlite_history.IDLE_SECONDS
+            await asyncio.sleep(retain + passes + idle + garbage.TRIM_EVERY_SECONDS + 5)
         sampling.cancel()
         runs = [event_time(j, "Running") for j in jobs]
         ends = [event_time(j, "Succeeded") for j in jobs]

@@ -73,7 +73,9 @@ class AgentReports:
                 self.book.commit_soon(draft)
 
     def _answered(self, cluster: fleet.Cluster) -> None:
-        """An offer was answered: the agent's offer window grows back (`fleet`)."""
+        """An offer was answered: a slot of the agent's offer window is free (a cycle may
+        wait for one: `fleet.changed`), and a window that was cut grows back (`fleet`)."""
+        self.fleet.changed.set()
         if cluster.offer_window is not None:
             self.fleet.offers_answered(cluster)
             self._window_gauge(cluster)

@@ -279,8 +279,8 @@ class Scheduler:
             await self.victims.preempt(plan.preemptions)
             outcome = await self.dispatcher.dispatch(plan)
             offers = outcome.sent
-            if cycle.deferred:  # a slice of a deep backlog: the next cycle plans on
-                self.book.wakeup.set()
+            if cycle.deferred and not plan.busy:  # a slice of a deep backlog: plan on
+                self.book.wakeup.set()  # (every agent busy: its answers wake the next cycle)
             self.commit_failures = self.commit_failures + 1 if outcome.failed else 0
             if outcome.failed:
                 self.book.wakeup.set()  # plan them again once the pause is over

@@ -53,6 +53,15 @@ Preemption = plans.Preemption
 CyclePlan = plans.CyclePlan
 preemption_of = plans.preemption_of
 
+# a job's turn when no cluster may be sent an offer: one reason for all of them, planned no
+# further (on a deep backlog every cycle's slice would otherwise be fitted in vain)
+EVERY_CLUSTER_BUSY = Reason(
+    FLEET,
+    ReasonCode.CLUSTER_BUSY,
+    "every cluster's agent has as many offers unanswered as the broker sends at once "
+    "(--max-offers-in-flight); more go once one answers",
+)
+
 
 def plan_cycle(
     fleet: snapshot.FleetSnapshot,
@@ -92,6 +101,7 @@ def plan_cycle(
     )
     cycle.array_holding = dict(array_holding or {})
     cycle.run(reservations or {})
+    cycle.plan.busy = cycle.busy()
     return cycle.plan
 
 
@@ -111,6 +121,12 @@ class _Cycle:
     ) -> None:
         self.plan = CyclePlan()
         self.fleet = fleet
+        # clusters that may still be sent an offer this cycle (offer slots left, or no limit)
+        self.open = {
+            name
+            for name, cluster in fleet.clusters.items()
+            if cluster.offer_slots is None or cluster.offer_slots > 0
+        }
         for name in sorted(fleet.clusters):
             problem = containment.check_cluster(fleet.clusters[name])
             if problem is not None:
@@ -201,6 +217,9 @@ class _Cycle:
             return False
         if job.job_id in self.stand_ins:
             return True  # its turn taken; nothing of it planned
+        if self.busy():  # what it would be told on every cluster: said without planning it
+            self.plan.unplaceable.append(Unplaceable.of(job.job_id, [EVERY_CLUSTER_BUSY]))
+            return True
         broken = self.broken.get(job.job_id)
         if broken is not None:
             self._set_aside_job(job.job_id, broken)
@@ -225,6 +244,11 @@ class _Cycle:
     def _set_aside_cluster(self, name: str, reason: str) -> None:
         self.plan.set_aside.append(containment.SetAside(containment.CLUSTER, name, reason))
         self.fleet.clusters.pop(name, None)
+        self.open.discard(name)
+
+    def busy(self) -> bool:
+        """Every cluster's agent is out of offer slots: no job can go this cycle."""
+        return bool(self.fleet.clusters) and not self.open
 
     def _priority(self, job: snapshot.PendingJob) -> int:
         try:
@@ -368,6 +392,8 @@ class _Cycle:
         fitting.assume(cluster, fit)
         if cluster.offer_slots is not None:
             cluster.offer_slots -= 1
+            if cluster.offer_slots <= 0:
+                self.open.discard(fit.cluster)
         self.fleet.clusters[fit.cluster] = cluster
         gpus = fit.gpus_by_model
         borrowing = any(model not in admission.within for model in gpus)

@@ -65,6 +65,9 @@ class CyclePlan:
     reservations: dict[str, reservation.Reservation] = field(default_factory=dict)
     # jobs and clusters whose planning raised: left out of this cycle, with the reason
     set_aside: list[containment.SetAside] = field(default_factory=list)
+    # every cluster's agent was out of offer slots when the cycle ended: nothing more goes
+    # before one of them answers (the shell waits for that instead of planning on)
+    busy: bool = False
 
 
 def preemption_of(

@@ -60,17 +60,38 @@ def test_a_cluster_takes_no_more_jobs_than_its_slots_the_rest_go_elsewhere() -> 
 
 
 def test_with_every_slot_taken_the_rest_wait_told_cluster_busy_and_stay_live() -> None:
+    """Once no cluster may be sent an offer, the rest of the cycle's jobs are told so, for
+    the whole fleet, without being fitted anywhere; the plan says the fleet is busy (the
+    scheduler then waits for an answer instead of planning its next slice at once)."""
     pending = jobs(6)
     plan = planning.plan_cycle(fleet({"tight": 2, "roomy": 1}), pending)
     assert placed(plan) == {"tight": 2, "roomy": 1}
+    assert plan.busy
     assert len(plan.unplaceable) == 3
     for miss in plan.unplaceable:
-        assert {(r.cluster, r.code) for r in miss.details} == {
-            ("tight", ReasonCode.CLUSTER_BUSY),
-            ("roomy", ReasonCode.CLUSTER_BUSY),
-        }
+        assert [(r.cluster, r.code) for r in miss.details] == [
+            (planning.FLEET, ReasonCode.CLUSTER_BUSY)
+        ]
     parked = backlog.Backlog()
     for job in pending:
         parked.put(job)
     cycle = parking.plan_backlog(parked, fleet({"tight": 2, "roomy": 1}), previous=None, now=T0)
     assert cycle.parks == []  # they wait for answers, which come without a summary's change
+
+
+def test_a_fleet_with_a_slot_left_is_not_busy_and_a_job_that_fits_nowhere_is_told_why() -> None:
+    big = snapshot.PendingJob(
+        job_id="big",
+        queue="default",
+        priority=0,
+        created=T0,
+        request=make_job("big", gpus=8).gang(20).request("big"),
+    )
+    plan = planning.plan_cycle(fleet({"tight": 0, "roomy": 2}), [big, *jobs(1)])
+    assert not plan.busy  # roomy has a slot left
+    assert placed(plan) == {"roomy": 1}
+    (miss,) = plan.unplaceable
+    assert miss.job_id == "big"
+    codes = {(r.cluster, r.code) for r in miss.details}
+    assert ("tight", ReasonCode.CLUSTER_BUSY) in codes
+    assert ("roomy", ReasonCode.CLUSTER_BUSY) not in codes  # fitted there, and did not fit
