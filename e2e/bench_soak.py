@@ -10,7 +10,8 @@ Printed (no assertions; these machines are shared and noisy): sustained pods/s (
 Running to last Succeeded), submits/s, submit → Running p50/p99 (the broker's own event times,
 read back through the paged list, history included), broker RSS at start, peak and at the end
 once `--retain` has passed (then the history's idle time and a minute: the collector's trim),
-etcd's database size and key count, the history's size and rows.
+etcd's database size (compacted, in use) and key count, the history's size and rows, and
+how long the whole run took.
 The job durations are 0.5–5 s (uniform).
 """
 
@@ -108,11 +109,19 @@ async def submit_all(api: client.BrokerClient, items: list[dict[str, Any]], *, b
     return refused
 
 
-async def etcd_size(url: str) -> tuple[int, dict[str, int]]:
-    """(database bytes, keys per prefix: job records, idempotency entries, all) of the etcd
-    server at `url` (etcd://host:port)."""
+async def etcd_size(url: str) -> tuple[int, int, dict[str, int]]:
+    """(database bytes, bytes in use, keys per prefix: job records, idempotency entries, all)
+    of the etcd server at `url` (etcd://host:port), once its history is compacted to now, as
+    the chart's etcd compacts it every hour (`--auto-compaction-retention`): the test server
+    keeps every revision of the soak otherwise. The file itself does not shrink without a
+    defragmentation; what is in use does."""
     endpoint = url.removeprefix("etcd://")
     async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://{endpoint}/v3/maintenance/status", json={}) as r:
+            revision = int((await r.json())["header"]["revision"])
+        compaction = {"revision": revision, "physical": True}
+        async with session.post(f"http://{endpoint}/v3/kv/compaction", json=compaction) as r:
+            await r.read()  # compacted already to there: an error body, nothing to do
         async with session.post(f"http://{endpoint}/v3/maintenance/status", json={}) as r:
             status = await r.json()
         counts = {}
@@ -125,7 +134,7 @@ async def etcd_size(url: str) -> tuple[int, dict[str, int]]:
         every = {"key": "AA==", "range_end": "AA==", "count_only": True}
         async with session.post(f"http://{endpoint}/v3/kv/range", json=every) as r:
             counts["all"] = int((await r.json()).get("count", 0))
-    return int(status.get("dbSize", 0)), counts
+    return int(status.get("dbSize", 0)), int(status.get("dbSizeInUse", 0)), counts
 
 
 def _b64(raw: bytes) -> str:
@@ -133,6 +142,7 @@ def _b64(raw: bytes) -> str:
 
 
 async def run(args: argparse.Namespace) -> None:
+    began = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="gpufed-soak-"))
     server = etcdserver.EtcdServer.start()
     retain = duration(args.retain)
@@ -150,6 +160,7 @@ async def run(args: argparse.Namespace) -> None:
             bench_throughput.write_cluster(nodes, name, args.nodes)
             await fleet.start_agent(name, nodes)
         await fleet.wait_clusters_ready(CLUSTERS, timeout=120)
+        _, etcd_start, _ = await etcd_size(server.url)
         sampler = Sampler(broker.process.pid)
         sampling = asyncio.create_task(sampler.run())
         rand = random.Random(1)
@@ -192,16 +203,18 @@ async def run(args: argparse.Namespace) -> None:
         first = min(r for r in runs if r is not None)
         last = max(e for e in ends if e is not None)
         span = (last - first).total_seconds()
-        db_bytes, keys = await etcd_size(server.url)
+        db_bytes, in_use, keys = await etcd_size(server.url)
         print(
             f"sustained {len(jobs) / span:.0f} pods/s over {span:.1f} s; submit -> Running "
             f"p50 {statistics.median(waits) * 1000:.0f} ms, p99 "
             f"{percentile(waits, 0.99) * 1000:.0f} ms\n"
             f"broker RSS start {sampler.start:.0f} MiB, peak {sampler.peak:.0f} MiB, end "
             f"{rss_mib(broker.process.pid):.0f} MiB (after retention)\n"
-            f"etcd: {db_bytes / 2**20:.1f} MiB, {keys['all']} keys ({keys['jobs']} job records, "
+            f"etcd, compacted: {in_use / 2**20:.1f} MiB in use (start {etcd_start / 2**20:.1f}), "
+            f"file {db_bytes / 2**20:.1f} MiB; {keys['all']} keys ({keys['jobs']} job records, "
             f"{keys['idempotency']} idempotency entries, kept for their window); history: "
-            f"{history.stat().st_size / 2**20:.1f} MiB, {len(jobs)} jobs listed"
+            f"{history.stat().st_size / 2**20:.1f} MiB, {len(jobs)} jobs listed\n"
+            f"the whole run took {time.perf_counter() - began:.0f} s"
         )
     finally:
         await fleet.stop()
