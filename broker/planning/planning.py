@@ -217,7 +217,9 @@ class _Cycle:
             return False
         if job.job_id in self.stand_ins:
             return True  # its turn taken; nothing of it planned
-        if self.busy():  # what it would be told on every cluster: said without planning it
+        if self.busy() and job.job_id not in self.waiting and job.job_id not in self.reservations:
+            # what it would be told on every cluster, said without fitting it (a preemptor
+            # or a reservation's holder is planned: its room is counted, its wait told)
             self.plan.unplaceable.append(Unplaceable.of(job.job_id, [EVERY_CLUSTER_BUSY]))
             return True
         broken = self.broken.get(job.job_id)

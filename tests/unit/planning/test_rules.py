@@ -212,6 +212,30 @@ def test_minimum_run_time(now_s: float, preempted: bool, code: str | None) -> No
         assert any("minimum run time" in r for r in reasons(plan, "a-1"))
 
 
+def test_a_preemptor_waiting_for_release_is_told_so_while_every_agent_is_busy() -> None:
+    """Every cluster out of offer slots: the other jobs are told ClusterBusy unfitted, but a
+    preemptor whose victims are releasing is planned: its wait is told, its room counted."""
+    fleet = full_fleet()
+    job = pending(make_job(gpus=8, queue="a"), "a-1")
+    other = pending(make_job(gpus=8, queue="a"), "a-2", at_s=1)
+    first = fleet.plan([job], queues=RECLAIM_QUEUES, now=at(60))
+    [victim] = first.preemptions
+    busy = fleet.snapshot()
+    for cluster in busy.clusters.values():
+        cluster.offer_slots = 0
+    waiting = planning.plan_cycle(
+        busy,
+        [job, other],
+        running=[v if v.job_id != victim.job_id else _preempting(v) for v in fleet.views()],
+        queues=RECLAIM_QUEUES,
+        releasing=[planning.snapshot.Releasing(victim.job_id, "a-1", "c1")],
+        now=at(61),
+    )
+    assert waiting.busy and waiting.preemptions == []
+    assert "WaitingForPreemption" in codes(waiting, "a-1")["c1"]
+    assert codes(waiting, "a-2") == {"fleet": {"ClusterBusy"}}
+
+
 def test_preemption_budget_per_cycle() -> None:
     fleet = full_fleet()
     queues = config(
