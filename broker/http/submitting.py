@@ -133,16 +133,16 @@ async def new_records(
     job: jobs.GPUJob,
     *,
     key: str | None,
-    batch: bool = False,
+    own_trace: bool = False,
 ) -> list[status.JobRecord]:
     """The jobs a submit makes: the job, or its array's `count` jobs (`api.arrays`: job `i`
     named `<name>-<i>`, id `<array id>-<i>`, labelled; the key on index 0's), a turn of the
     event loop every `ITEMS_PER_TURN` of them (10,000 take most of a second). A trace each,
-    linked to the request, when the request makes many (`batch`, an array); a single job
-    continues the request's trace."""
+    linked to the request, when the request makes many (`own_trace`: a batch; an array
+    always); a single job continues the request's trace."""
     spec = job.spec.array
     if spec is None:
-        return [new_record(book, principal, job, key=key, own_trace=batch)]
+        return [new_record(book, principal, job, key=key, own_trace=own_trace)]
     name = job.metadata.name
     array_id = new_job_id(name, length=arrays.MAX_ARRAY_ID)
     out = []
@@ -191,13 +191,13 @@ async def submit_one(
     job: jobs.GPUJob,
     *,
     key: str | None,
-    batch: bool = False,
+    own_trace: bool = False,
 ) -> tuple[status.JobRecord, bool]:
     """Store one admitted job (an array: its jobs); returns it (an array's index 0) and
     whether it was replayed (its key's job, the same body: IdempotencyKeyReused if another).
     An array's index 0 is stored first, with the key, then the others together: a replay
     stores none of them again."""
-    new = await new_records(book, principal, job, key=key, batch=batch)
+    new = await new_records(book, principal, job, key=key, own_trace=own_trace)
     if key:
         existing = await book.find_idempotent(principal.name, key, new[0].job)
         if existing is not None:
@@ -267,7 +267,7 @@ async def submit_batch(request: web.Request) -> web.Response:
             continue
         if key is not None:
             keyed.add(key)
-        admitted.append((index, await new_records(book, principal, job, key=key, batch=True)))
+        admitted.append((index, await new_records(book, principal, job, key=key, own_trace=True)))
     admitted = await _resolve_items(book, admitted, answers)
     results = await _store(book, [r for _, group in admitted for r in group], batch=len(items))
     at = 0
@@ -279,7 +279,7 @@ async def submit_batch(request: web.Request) -> web.Response:
     for repeat in repeats:
         try:
             stored, replayed = await submit_one(
-                book, principal, repeat.job, key=repeat.key, batch=True
+                book, principal, repeat.job, key=repeat.key, own_trace=True
             )
         except Exception as exc:  # the others are stored: this item's answer, not the batch's
             answers[repeat.index] = _answer(repeat.index, exc, replayed=False, request=request)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
+import sqlite3  # noqa: F401 (loads the library whose memory is read)
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,11 +21,18 @@ from tests.histories import BASE, finished
 
 
 def _memory_used() -> Callable[[], int] | None:
-    name = ctypes.util.find_library("sqlite3")
-    if name is None:
+    """sqlite3_memory_used of the library this process's sqlite3 module runs on (the one
+    mapped in: another copy would count nothing of ours); None if the module has sqlite
+    built in."""
+    mapped = {
+        line.split()[-1]
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if "libsqlite3" in line.rsplit("/", 1)[-1]
+    }
+    if len(mapped) != 1:
         return None
     try:
-        fn = ctypes.CDLL(name).sqlite3_memory_used
+        fn = ctypes.CDLL(mapped.pop()).sqlite3_memory_used
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_int64
@@ -34,7 +41,8 @@ def _memory_used() -> Callable[[], int] | None:
 
 memory_used = _memory_used()
 pytestmark = pytest.mark.skipif(
-    memory_used is None, reason="no shared libsqlite3 to read sqlite3_memory_used from"
+    memory_used is None,
+    reason="the sqlite3 module has sqlite built in: no shared libsqlite3 to read its memory from",
 )
 
 

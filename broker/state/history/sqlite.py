@@ -14,8 +14,8 @@ The event loop never blocks on sqlite.
 The page caches (64 MiB the writer's, 16 MiB each reader's) are what keeps puts and pages
 quick while the history is busy; once it has had nothing to do for `IDLE_SECONDS`, every
 connection gives its cache back (`PRAGMA shrink_memory`, and the broker's collector trims the
-freed pages back to the system): after a 100,000-job soak they held some 90 MiB of a
-broker that otherwise holds only its live jobs.
+freed pages back to the system): up to 96 MiB that a broker holding only its live jobs
+would otherwise keep for good once the history has grown past them.
 
 The planner's statistics are refreshed (`ANALYZE`, sampled: a few milliseconds) at open and
 whenever the history has doubled since, so it picks the index of the most selective filter.
