@@ -6,12 +6,13 @@ Kubernetes 1.34 objects (kubernetes-validate's OpenAPI schemas)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
-from broker.api import messages
+from broker.api import jobs, messages
 from member_agent.cluster import base, errors
 from member_agent.cluster import kubernetes_devices as devices
 from member_agent.inventory import summary
@@ -241,11 +242,12 @@ async def test_a_cpu_only_pod_gets_no_claim(dra: Kube, start: Start) -> None:
     emulator, _ = dra
     await emulator.add_node("n1")
     await emulator.add_slice("n1")
-    job = gpu_job(gpus=2)
-    launcher = job.spec.tasks[0].model_copy(deep=True)
-    launcher.name = "launcher"
-    launcher.template.spec.containers[0].resources.limits.clear()
-    job.spec.tasks.append(launcher)
+    document = gpu_job(gpus=2).model_dump(mode="json", by_alias=True)
+    launcher = copy.deepcopy(document["spec"]["tasks"][0])
+    launcher["name"] = "launcher"
+    launcher["template"]["spec"]["containers"][0]["resources"]["limits"] = {}
+    document["spec"]["tasks"].append(launcher)
+    job = jobs.GPUJob.model_validate(document)
     reply = await KubeAgent(await start(devices="dra")).offer("j1", job)
     assert isinstance(reply, messages.Accepted)
     pod = emulator.pod("default", "j1-launcher-0")

@@ -71,17 +71,18 @@ def build_requests(
     templates: dict[str, tuple[dict[str, Any], dict[str, str], dict[str, str]]] = {}
     index = arrays.index_of(job.metadata.labels)
     for task in job.spec.tasks:
-        template = task.template.model_dump(by_alias=True, exclude_none=True, mode="json")
+        parsed = task.template.model()  # the template is kept as JSON: parse it once here
+        template = parsed.model_dump(by_alias=True, exclude_none=True, mode="json")
         if index is not None:
             _set_env(template, arrays.INDEX_ENV, str(index))
         labels = {
-            **task.template.metadata.labels,
+            **parsed.metadata.labels,
             JOB_LABEL: job_id,
             GANG_LABEL: job_id,
             QUEUE_LABEL: job.spec.queue,
             TASK_LABEL: task.name,
         }
-        annotations = {**task.template.metadata.annotations, **gang_meta}
+        annotations = {**parsed.metadata.annotations, **gang_meta}
         if traceparent:
             annotations[TRACEPARENT_ANNOTATION] = traceparent
         templates[task.name] = (template, labels, annotations)
