@@ -1,0 +1,76 @@
+"""A task's pod template held as JSON (`jobs.PodTemplate`): it reads, dumps and compares as
+the model it was, and a validated job holds no parsed template."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from broker.api import jobs
+from broker.state import records
+
+
+def document() -> dict[str, Any]:
+    container = {
+        "name": "main",
+        "image": "trainer:1",
+        "resources": {"limits": {"nvidia.com/gpu": 2, "cpu": "4"}},
+        "env": [{"name": "A", "value": "1"}],  # a field gpufed does not model: passed through
+    }
+    template = {
+        "metadata": {"labels": {"team": "a"}, "annotations": {"gpufed.io/sim-duration": "5"}},
+        "spec": {"containers": [container], "nodeSelector": {"zone": "z1"}},
+    }
+    return {
+        "metadata": {"name": "train"},
+        "spec": {"queue": "q", "tasks": [{"name": "w", "replicas": 2, "template": template}]},
+    }
+
+
+def test_a_validated_job_holds_its_templates_as_json_only() -> None:
+    job = jobs.validate_submitted(document())
+    template = job.spec.tasks[0].template
+    assert template._model is None
+    assert template.metadata.labels == {"team": "a"}
+    assert template.spec.node_selector == {"zone": "z1"}
+    assert template.spec.containers[0].model_extra == {"env": [{"name": "A", "value": "1"}]}
+
+
+def test_dumps_give_what_the_model_gave() -> None:
+    job = jobs.validate_submitted(document())
+    model = jobs.PodTemplateSpec.model_validate(document()["spec"]["tasks"][0]["template"])
+    dumped = job.model_dump(mode="json", by_alias=True)["spec"]["tasks"][0]["template"]
+    assert dumped == model.model_dump(mode="json", by_alias=True)
+    lean = job.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+    assert lean["spec"]["tasks"][0]["template"] == model.model_dump(
+        mode="json", by_alias=True, exclude_defaults=True
+    )
+    bare = job.model_dump(exclude_none=True)["spec"]["tasks"][0]["template"]
+    assert bare == model.model_dump(exclude_none=True)
+    assert "affinity" not in bare["spec"]
+    again = jobs.GPUJob.model_validate_json(job.model_dump_json(by_alias=True))
+    assert again == job
+    assert records.body_digest(again) == records.body_digest(job)
+
+
+def test_equal_by_value_and_copies_independent() -> None:
+    first = jobs.validate_submitted(document())
+    changed = document()
+    changed["spec"]["tasks"][0]["template"]["metadata"]["labels"] = {"team": "b"}
+    other = jobs.validate_submitted(changed)
+    assert first == jobs.validate_submitted(document())
+    assert first != other
+    deep = copy.deepcopy(first)
+    assert deep == first and deep.spec.tasks[0].template is not first.spec.tasks[0].template
+
+
+def test_a_bad_template_keeps_its_error_location() -> None:
+    bad = document()
+    bad["spec"]["tasks"][0]["template"]["spec"]["containers"] = []
+    with pytest.raises(ValidationError) as caught:
+        jobs.validate_submitted(bad)
+    [error] = caught.value.errors()
+    assert error["loc"] == ("spec", "tasks", 0, "template", "spec", "containers")
