@@ -12,6 +12,7 @@ matches no node): a job accepted by an older broker is still read, never a crash
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -23,10 +24,12 @@ from pydantic import (
     ConfigDict,
     Field,
     GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
 from broker.api import affinity, arrays, clusterchoice, dependencies, mig, policies
@@ -266,9 +269,25 @@ class PodTemplate:
             validate,
             model,
             serialization=core_schema.plain_serializer_function_ser_schema(
-                PodTemplate.model, return_schema=model
+                PodTemplate._dump, info_arg=True
             ),
         )
+
+    def _dump(self, info: core_schema.SerializationInfo) -> object:
+        # the API's and the store's usual dump (JSON, by alias, nothing left out) is the JSON
+        # held: a page of 500 jobs costs no 500 parses; any other goes through the model
+        plain = not (info.exclude_defaults or info.exclude_none or info.exclude_unset)
+        if plain and info.mode_is_json() and info.by_alias and not info.round_trip:
+            return json.loads(self._json)
+        return self.model()
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        # the serializer returns a dict or a model: the schema is the model's, in both modes
+        assert schema["type"] == "function-wrap"
+        return handler(schema["schema"])
 
 
 class Task(_Strict):

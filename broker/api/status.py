@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.json_schema import SkipJsonSchema
 
 from broker.api import arrays, dependencies, jobs
@@ -47,14 +48,18 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class JobEvent(_Model):
+# one transition of a job; a slotted dataclass, not a model: a job keeps every one of them,
+# and a model's own dictionary and set made each 1.1 KB, against about 0.2 KB (no docstring:
+# it would become the API schema's description)
+@pydantic_dataclass(frozen=True, slots=True, config=_Model.model_config)
+class JobEvent:
     time: datetime
     state: JobState
     reason: str
     message: str = ""
     cluster: str | None = None
     # who asked for it (a cancel: `submitter of tenant team-a (token 'ci-a')`); left out if none
-    by: str | None = Field(None, exclude_if=lambda value: value is None)
+    by: Annotated[str | None, Field(exclude_if=lambda value: value is None)] = None
 
 
 class GPUSlot(_Model):

@@ -99,9 +99,9 @@ class ArrayLimit:
     parallelism: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PendingJob:
-    """A queued job as the planner sees it."""
+    """A queued job as the planner sees it (slotted: the scheduler keeps one per queued job)."""
 
     job_id: str
     queue: str

@@ -4,6 +4,7 @@ finished, finished again, came back or was retired before."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 from hypothesis import given, settings
@@ -108,7 +109,8 @@ def test_a_pass_reads_what_it_retires_not_every_finished_job() -> None:
     template = record("j", at=0, ttl=None)
     for n in range(10_000):
         job = template.model_copy(update={"id": f"j{n:05d}"}, deep=True)
-        job.status.events[-1].time = BASE + timedelta(seconds=n)
+        events = job.status.events
+        events[-1] = dataclasses.replace(events[-1], time=BASE + timedelta(seconds=n))
         held[job.id] = job
         index.note(None, job)
     reads = 0

@@ -3,6 +3,7 @@ agent's gang placement, the summary sent up and the broker's cluster choice over
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
@@ -226,7 +227,7 @@ def _choose(
         snapshot.PendingJob(
             job_id=f"j{i}", queue="q", priority=0,
             created=datetime(2026, 1, 1, i, tzinfo=UTC),
-            request=r.model_copy(update={"job_id": f"j{i}"}),
+            request=dataclasses.replace(r, job_id=f"j{i}"),
         )
         for i, r in enumerate(requests)
     ]  # fmt: skip

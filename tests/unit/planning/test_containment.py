@@ -3,6 +3,7 @@ whatever raises is set aside with a reason, and every good job is still placed."
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 
 import pytest
@@ -91,7 +92,8 @@ class PoisonedRequest(gangs.GangRequest):
 
 
 def poisoned(request: gangs.GangRequest) -> gangs.GangRequest:
-    return PoisonedRequest.model_validate(request.model_dump())
+    fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
+    return PoisonedRequest(**fields)
 
 
 junk_jobs = st.builds(
@@ -100,7 +102,7 @@ junk_jobs = st.builds(
         queue=queue,
         priority=priority,
         created=T0,
-        request=request.model_copy(update={"job_id": f"junk-{index}"}),
+        request=dataclasses.replace(request, job_id=f"junk-{index}"),
     ),
     st.integers(min_value=0, max_value=10**6),
     junk_requests | junk_requests.map(poisoned),
