@@ -2,7 +2,9 @@
 
 Called by `planning.plan_cycle` for every (job, cluster) pair, and by `preemption` on scratch
 copies with the victims' GPUs given back. Works on per-model histograms of nodes by whole free
-GPUs, so a check costs O(pods × GPUs per node), never O(nodes). A fit also says how to deduct
+GPUs, so a check costs O(pods × GPUs per node), never O(nodes); a run of equal whole-GPU pods
+that cannot all fit is told so from the room it has left (`_room_for`), without trying each
+pod, so a gang bigger than the cluster costs O(GPUs per node). A fit also says how to deduct
 the gang (`assume`), so later decisions in the cycle see it. `models` narrows the GPU models a
 fit may use (the ones the job's queue has quota for, less those held for a reservation).
 
@@ -20,6 +22,7 @@ are not held to one rack.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from broker.api import gangs, jobs, mig
@@ -107,16 +110,27 @@ def _take_whole(hist: list[int], gpus: int, *, max_block: int | None = None) -> 
     return None
 
 
-def _pods_by_size(request: gangs.GangRequest) -> list[jobs.PodShape]:
-    shapes = [shape for _, replicas, shape in request.tasks for _ in range(replicas)]
-    return sorted(shapes, key=lambda s: (-s.gpus, -s.gpu_milli, -s.mig_slices))
+def _runs_by_size(request: gangs.GangRequest) -> list[tuple[jobs.PodShape, int]]:
+    """The gang's pods, largest first, as runs of one shape: its tasks sorted (stably) by
+    their pods' size, so each task's pods stay together in the task's order."""
+    tasks = sorted(
+        ((shape, replicas) for _, replicas, shape in request.tasks if replicas > 0),
+        key=lambda task: (-task[0].gpus, -task[0].gpu_milli, -task[0].mig_slices),
+    )
+    runs: list[tuple[jobs.PodShape, int]] = []
+    for shape, replicas in tasks:
+        if runs and runs[-1][0] is shape:
+            runs[-1] = (shape, runs[-1][1] + replicas)
+        else:
+            runs.append((shape, replicas))
+    return runs
 
 
 @dataclass
 class _Gang:
     """What fitting one gang needs, computed once per (gang, cluster) and reused per rack."""
 
-    pods: list[jobs.PodShape]
+    runs: list[tuple[jobs.PodShape, int]]  # its pods, largest first: (shape, how many)
     eligible: dict[jobs.PodShape, list[snapshot.ModelCapacity]]
     nvlink: bool
 
@@ -127,9 +141,9 @@ class _Gang:
         request: gangs.GangRequest,
         allowed: frozenset[str] | None,
     ) -> _Gang:
-        pods = _pods_by_size(request)
-        eligible = {shape: _eligible_models(cluster, shape, allowed) for shape in set(pods)}
-        return cls(pods, eligible, request.topology.nvlink == jobs.TopologyMode.REQUIRED)
+        runs = _runs_by_size(request)
+        eligible = {shape: _eligible_models(cluster, shape, allowed) for shape, _ in runs}
+        return cls(runs, eligible, request.topology.nvlink == jobs.TopologyMode.REQUIRED)
 
 
 def _fit_pods(
@@ -148,85 +162,128 @@ def _fit_pods(
     }
     shared = {name: m.shared_free_milli for name, m in cluster.models.items()}
     mig: dict[str, dict[str, list[int]]] = {}  # scratch MIG histograms, made when first used
-    nvlink = gang.nvlink
     takes: list[Take] = []
-    for shape in gang.pods:
+    for shape, count in gang.runs:
         models = [m for m in gang.eligible[shape] if m.model in scratch]
         if not models:
-            if allowed is not None and _eligible_models(cluster, shape):
-                return takes, NoFit(
-                    cluster.name,
-                    "the GPU models of this cluster the job could use are not available to its "
-                    f"queue here ({'/'.join(m.model for m in _eligible_models(cluster, shape))})",
-                    ReasonCode.QUOTA,
-                )
-            if shape.selector is not None and shape.uses_gpus:
-                wanted = f"matching {shape.selector.describe()}"
-            else:
-                wanted = f"of model {'/'.join(shape.models) or 'any'}"
-            have = "/".join(sorted(cluster.models)) or "none"
-            return takes, NoFit(
-                cluster.name,
-                f"no GPU {wanted} with enough memory (has {have})",
-                ReasonCode.GPU_MODEL,
-            )
-        placed = False
-        for m in models:
-            hist = scratch[m.model]
-            if shape.mig_slices:
-                profiles = mig.get(m.model)
-                if profiles is None:
-                    profiles = mig[m.model] = {p: list(h) for p, h in m.mig.items()}
-                slices = profiles.get(shape.mig_profile)
-                free = _take_whole(slices, shape.mig_slices) if slices else None
-                if free is not None:
-                    takes.append(
-                        Take(m.model, None, free, 0, mig_profile=shape.mig_profile,
-                             mig_slices=shape.mig_slices)
-                    )  # fmt: skip
-                    placed = True
-                    break
-                continue
-            if shape.gpus == 0:
-                if sum(hist) > 0:
-                    takes.append(Take(m.model, rack, 0, 0))
-                    placed = True
-                    break
-                continue
-            if shape.gpu_milli < GPU_MILLI:
-                if shared[m.model] >= shape.gpu_milli:
-                    shared[m.model] -= shape.gpu_milli
-                    takes.append(Take(m.model, rack, 0, 0, shape.gpu_milli))
-                    placed = True
-                    break
-                free = _take_whole(hist, 1)
-                if free is not None:
-                    shared[m.model] += GPU_MILLI - shape.gpu_milli
-                    takes.append(
-                        Take(m.model, rack, free, 1, adds_shared=GPU_MILLI - shape.gpu_milli)
-                    )
-                    placed = True
-                    break
-                continue
-            block = m.largest_free_nvlink_block if nvlink and m.largest_free_nvlink_block else None
-            free = _take_whole(hist, shape.gpus, max_block=block)
-            if free is not None:
-                takes.append(Take(m.model, rack, free, shape.gpus))
-                placed = True
-                break
-        if not placed and shape.mig_slices:
-            return takes, NoFit(
-                cluster.name, _mig_miss(gang, shape, models, rack), ReasonCode.CAPACITY
-            )
-        if not placed:
-            need = sum(1 for s in gang.pods if s.gpus == shape.gpus)
-            where = f" in rack {rack}" if rack else ""
-            text = (
-                f"needs {need} node(s) with {shape.gpus} free GPU(s) of "
-                f"{'/'.join(m.model for m in models)}{where}; not enough free"
-            )
-            return takes, NoFit(cluster.name, text, ReasonCode.CAPACITY)
+            return takes, _model_miss(cluster, shape, allowed)
+        if _whole(shape) and _room_for(shape, models, scratch, gang.nvlink) < count:
+            # the run cannot all fit: no need to try it pod by pod (a gang bigger than the
+            # cluster costs O(models × GPUs per node), not O(pods)); the loop would say the same
+            return takes, _capacity_miss(cluster, gang, shape, models, rack)
+        for _ in range(count):
+            take = _fit_pod(shape, models, scratch, shared, mig, rack=rack, nvlink=gang.nvlink)
+            if take is None:
+                if shape.mig_slices:
+                    why = _mig_miss(gang, shape, models, rack)
+                    return takes, NoFit(cluster.name, why, ReasonCode.CAPACITY)
+                return takes, _capacity_miss(cluster, gang, shape, models, rack)
+            takes.append(take)
     return takes, None
+
+
+def _whole(shape: jobs.PodShape) -> bool:
+    """A pod of whole GPUs (not MIG slices, not a share of one, not CPU only)."""
+    return shape.gpus > 0 and shape.gpu_milli >= GPU_MILLI and not shape.mig_slices
+
+
+def _room_for(
+    shape: jobs.PodShape,
+    models: list[snapshot.ModelCapacity],
+    scratch: Mapping[str, list[int]],
+    nvlink: bool,
+) -> int:
+    """How many pods of `shape` (whole GPUs) fit on the scratch histograms: best fit of equal
+    pods fills each node as far as it goes, so a node with f free takes f // gpus of them."""
+    room = 0
+    for m in models:
+        block = m.largest_free_nvlink_block if nvlink and m.largest_free_nvlink_block else None
+        if block is not None and shape.gpus > block:
+            continue
+        room += sum(nodes * (free // shape.gpus) for free, nodes in enumerate(scratch[m.model]))
+    return room
+
+
+def _fit_pod(
+    shape: jobs.PodShape,
+    models: list[snapshot.ModelCapacity],
+    scratch: dict[str, list[int]],
+    shared: dict[str, int],
+    mig: dict[str, dict[str, list[int]]],
+    *,
+    rack: str | None,
+    nvlink: bool,
+) -> Take | None:
+    """One pod of `shape` on the first of `models` with room (scratch histograms updated), or
+    None."""
+    for m in models:
+        hist = scratch[m.model]
+        if shape.mig_slices:
+            profiles = mig.get(m.model)
+            if profiles is None:
+                profiles = mig[m.model] = {p: list(h) for p, h in m.mig.items()}
+            slices = profiles.get(shape.mig_profile)
+            free = _take_whole(slices, shape.mig_slices) if slices else None
+            if free is not None:
+                return Take(m.model, None, free, 0, mig_profile=shape.mig_profile,
+                            mig_slices=shape.mig_slices)  # fmt: skip
+            continue
+        if shape.gpus == 0:
+            if sum(hist) > 0:
+                return Take(m.model, rack, 0, 0)
+            continue
+        if shape.gpu_milli < GPU_MILLI:
+            if shared[m.model] >= shape.gpu_milli:
+                shared[m.model] -= shape.gpu_milli
+                return Take(m.model, rack, 0, 0, shape.gpu_milli)
+            free = _take_whole(hist, 1)
+            if free is not None:
+                shared[m.model] += GPU_MILLI - shape.gpu_milli
+                return Take(m.model, rack, free, 1, adds_shared=GPU_MILLI - shape.gpu_milli)
+            continue
+        block = m.largest_free_nvlink_block if nvlink and m.largest_free_nvlink_block else None
+        free = _take_whole(hist, shape.gpus, max_block=block)
+        if free is not None:
+            return Take(m.model, rack, free, shape.gpus)
+    return None
+
+
+def _model_miss(
+    cluster: snapshot.ClusterCapacity, shape: jobs.PodShape, allowed: frozenset[str] | None
+) -> NoFit:
+    """Why no GPU model of the cluster can take a pod of `shape`."""
+    if allowed is not None and _eligible_models(cluster, shape):
+        return NoFit(
+            cluster.name,
+            "the GPU models of this cluster the job could use are not available to its "
+            f"queue here ({'/'.join(m.model for m in _eligible_models(cluster, shape))})",
+            ReasonCode.QUOTA,
+        )
+    if shape.selector is not None and shape.uses_gpus:
+        wanted = f"matching {shape.selector.describe()}"
+    else:
+        wanted = f"of model {'/'.join(shape.models) or 'any'}"
+    have = "/".join(sorted(cluster.models)) or "none"
+    return NoFit(
+        cluster.name, f"no GPU {wanted} with enough memory (has {have})", ReasonCode.GPU_MODEL
+    )
+
+
+def _capacity_miss(
+    cluster: snapshot.ClusterCapacity,
+    gang: _Gang,
+    shape: jobs.PodShape,
+    models: list[snapshot.ModelCapacity],
+    rack: str | None,
+) -> NoFit:
+    """The gang's pods of `shape` (GPUs or a share of one) find no room."""
+    need = sum(count for s, count in gang.runs if s.gpus == shape.gpus)
+    where = f" in rack {rack}" if rack else ""
+    text = (
+        f"needs {need} node(s) with {shape.gpus} free GPU(s) of "
+        f"{'/'.join(m.model for m in models)}{where}; not enough free"
+    )
+    return NoFit(cluster.name, text, ReasonCode.CAPACITY)
 
 
 def _mig_miss(
@@ -234,8 +291,8 @@ def _mig_miss(
 ) -> str:
     """Why the cluster's nodes have no room for the gang's MIG pods of this shape."""
     need = sum(
-        1
-        for s in gang.pods
+        count
+        for s, count in gang.runs
         if (s.mig_profile, s.mig_slices) == (shape.mig_profile, shape.mig_slices)
     )
     having = [m.model for m in models if shape.mig_profile in m.mig]
