@@ -310,6 +310,7 @@ class Scheduler:
     def _export_gauges(self) -> None:
         now = status.utcnow()
         self.meters.pending_jobs.clear()
+        self.meters.parked_jobs.set(len(self.backlog.parked()))
         self.meters.pending_oldest_age.clear()
         ages: dict[str, float] = {}  # per label: queues past the labelled ones share `other`
         for queue, count in self.waits.counts.items():

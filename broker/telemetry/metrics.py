@@ -130,6 +130,12 @@ class BrokerMetrics:
             "Jobs Waiting for their dependencies (spec.dependsOn), not yet queued",
             registry=r,
         )
+        self.parked_jobs = Gauge(
+            "gpufed_parked_jobs",
+            "Queued jobs that fit nowhere, set aside until something that could admit them"
+            " changes (not planned each cycle)",
+            registry=r,
+        )
         self.pending_oldest_age = Gauge(
             "gpufed_pending_oldest_age_seconds",
             "How long the queue's oldest waiting job has been Queued (since it last entered)",

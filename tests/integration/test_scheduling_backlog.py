@@ -100,6 +100,11 @@ def pending_gauge(b: Broker) -> float:
     return value or 0.0
 
 
+def parked_gauge(b: Broker) -> float:
+    value = b.jobs.meters.registry.get_sample_value("gpufed_parked_jobs")
+    return -1.0 if value is None else value
+
+
 async def test_a_parked_job_is_pending_and_why_keeps_its_reasons(broker: Broker) -> None:
     for i in range(4):
         await broker.submit(f"big{i}", pods=4)  # 4 nodes wanted, 2 free
@@ -119,6 +124,7 @@ async def test_a_parked_job_is_pending_and_why_keeps_its_reasons(broker: Broker)
     assert {p.job_id for p in broker.jobs.pending()} == {f"big{i}" for i in range(4)}
     assert broker.scheduler.backlog.pending_per_queue() == {"default": 4}
     assert pending_gauge(broker) == 4
+    assert parked_gauge(broker) == 4  # of the 4 pending, all set aside
     age = broker.jobs.meters.registry.get_sample_value(
         "gpufed_pending_oldest_age_seconds", {"queue": "default"}
     )
@@ -152,10 +158,12 @@ async def test_a_cancelled_parked_job_leaves_the_backlog(broker: Broker) -> None
     await broker.scheduler.run_cycle()
     assert broker.parked() == {"big"}
     await broker.jobs.cancel("big")
+    assert parked_gauge(broker) == 1
     await broker.scheduler.run_cycle()
     assert broker.parked() == set()
     assert len(broker.scheduler.backlog) == 0
     assert pending_gauge(broker) == 0
+    assert parked_gauge(broker) == 0
 
 
 async def test_parking_dispatches_what_the_full_replan_dispatches(
