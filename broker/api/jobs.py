@@ -302,6 +302,9 @@ class Task(_Strict):
 
 
 class Gang(_Strict):
+    # frozen: the jobs that leave it out share one (`_NO_GANG`), as `Topology`
+    model_config = ConfigDict(frozen=True)
+
     min_member: Annotated[int | None, Field(ge=1, alias="minMember")] = None
 
 
@@ -314,8 +317,14 @@ class TopologyMode(StrEnum):
 class Topology(_Strict):
     """Where the pods of a gang should sit relative to each other."""
 
+    model_config = ConfigDict(frozen=True)
+
     nvlink: TopologyMode = TopologyMode.NONE
     rack: TopologyMode = TopologyMode.NONE
+
+
+_NO_GANG = Gang()  # a job's spec without `gang` or `topology` holds these (about 1 KB less)
+_NO_TOPOLOGY = Topology()
 
 
 _DEFAULT_FAILURES = FailurePolicy()
@@ -341,8 +350,8 @@ class JobSpec(_Strict):
     # a priority class of the broker's queues configuration; wins over `priority`
     priority_class: Annotated[str | None, Field(max_length=63, alias="priorityClass")] = None
     tasks: Annotated[list[Task], Field(min_length=1, max_length=64)]
-    gang: Gang = Field(default_factory=Gang)
-    topology: Topology = Field(default_factory=Topology)
+    gang: Gang = Field(default_factory=lambda: _NO_GANG)
+    topology: Topology = Field(default_factory=lambda: _NO_TOPOLOGY)
     # None: the defaults, and left out of offers (agents of protocol 2 do not know the field)
     failure_policy: FailurePolicy | None = Field(
         None,
