@@ -54,6 +54,9 @@ def read_context(record: logging.LogRecord) -> dict[str, object]:
     return fields
 
 
+_ENCODER = json.JSONEncoder(default=str)  # one, not one per line as `json.dumps(default=)`
+
+
 class JsonFormatter(logging.Formatter):
     def __init__(self, *, service: str) -> None:
         super().__init__()
@@ -70,7 +73,7 @@ class JsonFormatter(logging.Formatter):
         line.update(read_context(record))
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
+        return _ENCODER.encode(line)
 
 
 def setup(*, service: str, level: str = "INFO", json_lines: bool = True) -> None:
@@ -79,6 +82,9 @@ def setup(*, service: str, level: str = "INFO", json_lines: bool = True) -> None
         handler.setFormatter(JsonFormatter(service=service))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # no line of ours shows where it was logged from: skip the stack walk each call makes for
+    # it (the logging HOWTO's "Optimization"; a tenth of the cost of a job's transition line)
+    logging._srcfile = None
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

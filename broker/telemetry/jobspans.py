@@ -46,6 +46,8 @@ class JobSpans:
         return f"00-{trace_id:032x}-{secrets.randbits(64) or 1:016x}-01", request
 
     def waiting(self, job_id: str, reasons: tuple[str, ...], *, now: datetime) -> None:
+        if not tracing.records_spans():
+            return
         log = self.waits.setdefault(job_id, [])
         if not log or log[-1][1] != reasons:
             log.append((now, reasons))
@@ -58,6 +60,9 @@ class JobSpans:
         now: datetime,
         cycle: trace.Span | None = None,
     ) -> None:
+        if not tracing.records_spans():
+            self.waits.pop(record.id, None)
+            return  # the offer goes with the job's traceparent (`offer_traceparent`)
         ctx = tracing.context_of(record.traceparent)
         queue = tracer.start_span(
             "job.queue",
@@ -112,7 +117,7 @@ class JobSpans:
         """Write the `job` span, submit to final state, with the ids chosen at submit."""
         self.answered(record.id, accepted=False, reasons=["job ended while offered"])
         self.waits.pop(record.id, None)
-        if not record.traceparent:
+        if not record.traceparent or not tracing.records_spans():
             return
         trace_id, span_id = tracing.ids_of(record.traceparent)
         request = record.trace_parent

@@ -2,7 +2,11 @@
 
 Setup reads the standard `OTEL_*` variables: spans are exported over OTLP (http/protobuf by
 default, grpc when `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL=grpc`) only when an endpoint is set;
-the sampler, headers and timeouts are the SDK's own `OTEL_*` settings.
+the sampler, headers and timeouts are the SDK's own `OTEL_*` settings. With no endpoint (and
+no `OTEL_TRACES_SAMPLER`) nothing is recorded: spans still carry ids, so traceparents, trace
+ids in the API and in log lines are as they would be, but a span costs no attributes or events
+(`records_spans()` false: the job spans are not even started; about a tenth of a broker's CPU
+under load went to spans nobody received).
 
 A job's trace: the HTTP request span → `job` (submit to final state) → `job.submit`,
 `job.queue` (with the reasons it waited as events), `job.schedule`, `job.dispatch` → (agent)
@@ -23,7 +27,7 @@ from datetime import datetime
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -95,18 +99,36 @@ def setup(
     service: str, *, cluster: str | None = None, environ: Mapping[str, str] | None = None
 ) -> TracerProvider:
     """Install the global tracer provider of this process."""
+    provider = provider_for(service, cluster=cluster, environ=environ)
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def provider_for(
+    service: str, *, cluster: str | None = None, environ: Mapping[str, str] | None = None
+) -> TracerProvider:
+    """The tracer provider `setup` installs, from `environ` (default: the process's)."""
     env = os.environ if environ is None else environ
     attributes: dict[str, str] = {"service.name": env.get("OTEL_SERVICE_NAME", service)}
     if cluster:
         attributes["gpufed.cluster"] = cluster
-    provider = TracerProvider(
-        resource=Resource.create(attributes), id_generator=PresetIdGenerator()
-    )
     exporter = _exporter(env)
+    quiet = exporter is None and not env.get("OTEL_TRACES_SAMPLER")
+    provider = TracerProvider(
+        sampler=sampling.ALWAYS_OFF if quiet else None,
+        resource=Resource.create(attributes),
+        id_generator=PresetIdGenerator(),
+    )
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
     return provider
+
+
+def records_spans(provider: trace.TracerProvider | None = None) -> bool:
+    """Whether spans started now are recorded (false when `setup` found nowhere to send them),
+    by the process's provider or `provider`."""
+    provider = provider or trace.get_tracer_provider()
+    return not (isinstance(provider, TracerProvider) and provider.sampler is sampling.ALWAYS_OFF)
 
 
 def shutdown() -> None:
