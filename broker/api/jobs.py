@@ -212,11 +212,13 @@ class PodTemplate:
     gives what it gave when the template was a model. The model `GPUJob` validation made stays
     until the job's shapes are checked (`compact`), so a submit parses the template once."""
 
-    __slots__ = ("_json", "_model")
+    __slots__ = ("_json", "_model", "_shape")
 
     def __init__(self, model: PodTemplateSpec) -> None:
         self._json = model.model_dump_json(by_alias=True)
         self._model: PodTemplateSpec | None = model
+        # the pod's shape as the job's validation found it (`shape_of` returns it, unparsed)
+        self._shape: PodShape | None = None
 
     def model(self) -> PodTemplateSpec:
         """The template parsed (the same object until `compact`, a fresh one after)."""
@@ -232,9 +234,10 @@ class PodTemplate:
     def spec(self) -> PodSpec:
         return self.model().spec
 
-    def compact(self) -> None:
-        """Let go of the parsed model: from now on, the JSON alone."""
+    def compact(self, shape: PodShape) -> None:
+        """Let go of the parsed model: from now on, the JSON alone, and its pod's `shape`."""
         self._model = None
+        self._shape = shape
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PodTemplate):
@@ -253,6 +256,7 @@ class PodTemplate:
         copied = PodTemplate.__new__(PodTemplate)
         copied._json = self._json
         copied._model = None if self._model is None else self._model.model_copy(deep=True)
+        copied._shape = self._shape  # frozen
         return copied
 
     @classmethod
@@ -433,16 +437,18 @@ class GPUJob(_Strict):
         if strict:
             _check_sequencing(self)
         gpus = 0
+        shapes = []
         for index, task in enumerate(self.spec.tasks):
             shape = shape_of(task, where=f"spec.tasks[{index}]", strict=strict)
+            shapes.append(shape)
             gpus += shape.gpus + shape.mig_slices
         if gpus == 0:
             raise ValueError(
                 f"spec.tasks[0].template.spec.containers[0].resources.limits[{GPU_RESOURCE}]: "
                 "a GPUJob asks for at least one GPU"
             )
-        for task in self.spec.tasks:
-            task.template.compact()
+        for task, shape in zip(self.spec.tasks, shapes, strict=True):
+            task.template.compact(shape)
         return self
 
 
@@ -613,7 +619,10 @@ def model_selector(models: Sequence[str]) -> dict[str, Any]:
 
 def shape_of(task: Task, *, where: str = "task", strict: bool = False) -> PodShape:
     """The per-pod request of a task: GPUs from limits, models and node selection from its
-    node selector and affinity. `strict`: the rules of a submit (see the module)."""
+    node selector and affinity. `strict`: the rules of a submit (see the module). A task of a
+    validated job has it already (a shape that passes the strict rules is the same without)."""
+    if not strict and task.template._shape is not None:
+        return task.template._shape
     spec = task.template.spec
     gpus = 0
     cpu = 0

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from broker.api import jobs
+from broker.api import gangs, jobs
 from broker.state import records
 
 
@@ -74,3 +74,21 @@ def test_a_bad_template_keeps_its_error_location() -> None:
         jobs.validate_submitted(bad)
     [error] = caught.value.errors()
     assert error["loc"] == ("spec", "tasks", 0, "template", "spec", "containers")
+
+
+def test_a_validated_jobs_shapes_are_read_without_parsing_its_templates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    submitted = jobs.validate_submitted(document())
+    # as the store reads it back: validated again, not by a submit's rules
+    stored = jobs.GPUJob.model_validate_json(submitted.model_dump_json(by_alias=True))
+    fresh = jobs.shape_of(jobs.Task.model_validate(document()["spec"]["tasks"][0]), strict=True)
+
+    def no_parse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the template was parsed")
+
+    monkeypatch.setattr(jobs.PodTemplateSpec, "model_validate_json", no_parse)
+    for job in (submitted, stored):
+        request = gangs.gang_request("j1", job)
+        assert [shape for _, _, shape in request.tasks] == [fresh]
+        assert request.pods == 2
