@@ -78,6 +78,35 @@ class Cluster:
     behind_since: float = 0.0  # monotonic: since when (`behind`)
     unapplied: int = 0  # the current session's messages read, not yet applied
     applied_read_at: float = 0.0  # monotonic: when the last one applied was read
+    # the capacity of `summary` with the offers of `_assumed` deducted (`capacity`): a cycle
+    # deducts only the offers sent since; a new summary, or an offer gone, starts it again
+    _view: snapshot.ClusterCapacity | None = field(default=None, repr=False)
+    _view_of: inventory.ClusterSummary | None = field(default=None, repr=False)
+    _assumed: dict[str, InFlight] = field(default_factory=dict, repr=False)
+
+    def capacity(self) -> snapshot.ClusterCapacity:
+        """The summary's capacity, every offer in flight deducted in the order they were sent:
+        a copy of its own for the caller (a planning cycle changes its snapshot)."""
+        assert self.summary is not None
+        inflight = self.inflight
+        if (
+            self._view is None
+            or self._view_of is not self.summary
+            or len(self._assumed) > len(inflight)
+            or any(inflight.get(job_id) is not f for job_id, f in self._assumed.items())
+        ):
+            view = snapshot.ClusterCapacity.from_summary(self.summary, healthy=True)
+            assumed: dict[str, InFlight] = {}
+        else:
+            view, assumed = self._view, self._assumed
+        self._view = None  # kept only whole: after a deduction that raises, built again
+        if len(assumed) < len(inflight):
+            for job_id, flight in inflight.items():
+                if job_id not in assumed:
+                    fitting.assume(view, flight.fit)
+                    assumed[job_id] = flight
+        self._view, self._view_of, self._assumed = view, self.summary, assumed
+        return view.copy()
 
     def silent_for(self, now: float) -> float:
         """Seconds since the agent was last heard (0 while the broker is behind on it)."""
@@ -338,11 +367,8 @@ class Fleet:
             ):
                 continue
             try:
-                capacity = snapshot.ClusterCapacity.from_summary(cluster.summary, healthy=True)
-                unanswered = 0
-                for flight in cluster.inflight.values():
-                    fitting.assume(capacity, flight.fit)
-                    unanswered += not flight.accepted
+                capacity = cluster.capacity()
+                unanswered = sum(not flight.accepted for flight in cluster.inflight.values())
                 window = self.offer_window(cluster)
                 if window is not None:
                     capacity.offer_slots = max(0, window - unanswered)

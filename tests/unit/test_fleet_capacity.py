@@ -1,0 +1,69 @@
+"""A cluster's capacity for planning (`fleet.Cluster.capacity`): its summary less every offer
+in flight. Kept between cycles and deducted only for offers sent since, it must read as if
+built whole each time, whatever comes and goes."""
+
+from __future__ import annotations
+
+import random
+
+from broker.api import messages
+from broker.jobs import fleet
+from broker.planning import fitting, snapshot
+from tests.builders import make_model_summary, make_summary
+
+H100 = "NVIDIA-H100-80GB-HBM3"
+
+
+def summary(seq: int, free_nodes: int) -> messages.Summary:
+    hist = [0] * 8 + [free_nodes]
+    racks = {"r1": [0] * 8 + [free_nodes // 2], "r2": [0] * 8 + [free_nodes - free_nodes // 2]}
+    model = make_model_summary(H100, nodes_by_free=hist, racks=racks)
+    return messages.Summary(summary=make_summary("east", model, seq=seq), full=True)
+
+
+def offer(gpus: int, rack: str | None = None) -> fleet.InFlight:
+    return fleet.InFlight(fit=fitting.Fit("east", (fitting.Take(H100, rack, 8, gpus),), 8 - gpus))
+
+
+def whole(cluster: fleet.Cluster) -> snapshot.ClusterCapacity:
+    """What the capacity is: the summary's, every offer deducted in the order sent."""
+    assert cluster.summary is not None
+    built = snapshot.ClusterCapacity.from_summary(cluster.summary, healthy=True)
+    for flight in cluster.inflight.values():
+        fitting.assume(built, flight.fit)
+    return built
+
+
+def test_the_kept_capacity_reads_as_if_built_whole_each_cycle() -> None:
+    rng = random.Random(7)
+    cluster = fleet.Cluster(name="east")
+    cluster.apply_summary(summary(1, 40))
+    seq, n = 1, 0
+    for _ in range(600):
+        step = rng.random()
+        if step < 0.45:  # an offer sent
+            n += 1
+            cluster.inflight[f"j{n}"] = offer(rng.choice([1, 2, 4, 8]), rng.choice([None, "r1"]))
+        elif step < 0.6 and cluster.inflight:  # an offer rejected or timed out
+            cluster.inflight.pop(rng.choice(list(cluster.inflight)))
+        elif step < 0.7 and cluster.inflight:  # the same job offered again, another fit
+            cluster.inflight[rng.choice(list(cluster.inflight))] = offer(rng.choice([1, 8]))
+        elif step < 0.8 and cluster.inflight:  # accepted: left out once a summary shows it
+            rng.choice(list(cluster.inflight.values())).accepted = True
+        elif step < 0.87:
+            seq += 1
+            cluster.apply_summary(summary(seq, rng.randint(5, 40)))
+        elif step < 0.9:
+            cluster.inflight.clear()  # the session ended
+        assert cluster.capacity() == whole(cluster)
+
+
+def test_a_cycle_changing_its_copy_changes_no_later_cycle() -> None:
+    cluster = fleet.Cluster(name="east")
+    cluster.apply_summary(summary(1, 4))
+    cluster.inflight["a"] = offer(8)
+    mine = cluster.capacity()
+    fitting.assume(mine, offer(8).fit)
+    mine.offer_slots = 0
+    assert cluster.capacity() == whole(cluster)
+    assert cluster.capacity().models[H100].nodes_by_free[8] == 3
