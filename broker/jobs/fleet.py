@@ -22,6 +22,7 @@ rest wait as ClusterBusy or go elsewhere instead of timing out and going round a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -89,23 +90,20 @@ class Cluster:
         a copy of its own for the caller (a planning cycle changes its snapshot)."""
         assert self.summary is not None
         inflight = self.inflight
+        view, assumed = self._view, self._assumed
+        self._view = None  # kept only whole: after a deduction that raises, built again
         if (
-            self._view is None
+            view is None
             or self._view_of is not self.summary
-            or len(self._assumed) > len(inflight)
-            or any(inflight.get(job_id) is not f for job_id, f in self._assumed.items())
+            or not assumed.items() <= inflight.items()
         ):
             view = snapshot.ClusterCapacity.from_summary(self.summary, healthy=True)
-            assumed: dict[str, InFlight] = {}
-        else:
-            view, assumed = self._view, self._assumed
-        self._view = None  # kept only whole: after a deduction that raises, built again
-        if len(assumed) < len(inflight):
-            for job_id, flight in inflight.items():
-                if job_id not in assumed:
-                    fitting.assume(view, flight.fit)
-                    assumed[job_id] = flight
-        self._view, self._view_of, self._assumed = view, self.summary, assumed
+            for flight in inflight.values():
+                fitting.assume(view, flight.fit)
+        else:  # none gone since: the offers sent since are the last ones (dicts keep order)
+            for flight in itertools.islice(inflight.values(), len(assumed), None):
+                fitting.assume(view, flight.fit)
+        self._view, self._view_of, self._assumed = view, self.summary, dict(inflight)
         return view.copy()
 
     def silent_for(self, now: float) -> float:

@@ -356,17 +356,23 @@ def assume(cluster: snapshot.ClusterCapacity, fit: Fit) -> None:
         if take.shared_milli:
             model.shared_free_milli = max(0, model.shared_free_milli - take.shared_milli)
             continue
-        if take.gpus == 0:
+        gpus, free, rack = take.gpus, take.from_free, take.rack
+        if gpus == 0:
             continue
         model.shared_free_milli += take.adds_shared
-        for hist in [model.nodes_by_free] + ([model.racks[take.rack]] if take.rack else []):
-            if hist[take.from_free] > 0:
-                hist[take.from_free] -= 1
-                hist[take.from_free - take.gpus] += 1
-        if take.rack is None:
+        hist = model.nodes_by_free
+        if hist[free] > 0:
+            hist[free] -= 1
+            hist[free - gpus] += 1
+        if rack:
+            hist = model.racks[rack]
+            if hist[free] > 0:
+                hist[free] -= 1
+                hist[free - gpus] += 1
+        elif rack is None:
             # which rack the agent will use is unknown: deduct from the rack that has such a node
             for hist in model.racks.values():
-                if hist[take.from_free] > 0:
-                    hist[take.from_free] -= 1
-                    hist[take.from_free - take.gpus] += 1
+                if hist[free] > 0:
+                    hist[free] -= 1
+                    hist[free - gpus] += 1
                     break
