@@ -84,6 +84,17 @@ class Cluster:
     _view: snapshot.ClusterCapacity | None = field(default=None, repr=False)
     _view_of: inventory.ClusterSummary | None = field(default=None, repr=False)
     _assumed: dict[str, InFlight] = field(default_factory=dict, repr=False)
+    _accepted: list[str] = field(default_factory=list, repr=False)  # since the last summary
+
+    def accept(self, job_id: str) -> bool:
+        """The agent accepted the job's offer: it stays deducted until the next summary (which
+        shows the placement). False if no such offer waited for an answer."""
+        flight = self.inflight.get(job_id)
+        if flight is None or flight.accepted:
+            return False
+        flight.accepted = True
+        self._accepted.append(job_id)
+        return True
 
     def capacity(self) -> snapshot.ClusterCapacity:
         """The summary's capacity, every offer in flight deducted in the order they were sent:
@@ -185,7 +196,11 @@ class Cluster:
                 }
             )
         # the agent sends a summary after each accepted offer: accepted placements are in it
-        self.inflight = {k: v for k, v in self.inflight.items() if not v.accepted}
+        for job_id in self._accepted:
+            flight = self.inflight.get(job_id)
+            if flight is not None and flight.accepted:
+                del self.inflight[job_id]
+        self._accepted.clear()
         seq = self.summary.seq
         self.rejected = {job: at for job, at in self.rejected.items() if at >= seq}
 

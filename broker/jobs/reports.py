@@ -97,9 +97,7 @@ class AgentReports:
         if record is not None and transitions.is_stale(record, message.attempt):
             await self._cancel_stale(cluster.name, record.id, message.epoch, message.attempt)
             return
-        flight = cluster.inflight.get(message.job_id)
-        if flight is not None and not flight.accepted:
-            flight.accepted = True
+        if cluster.accept(message.job_id):
             self._answered(cluster)
         self.spans.answered(message.job_id, accepted=True)
         if record is None:

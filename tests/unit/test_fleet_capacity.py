@@ -49,13 +49,15 @@ def test_the_kept_capacity_reads_as_if_built_whole_each_cycle() -> None:
         elif step < 0.7 and cluster.inflight:  # the same job offered again, another fit
             cluster.inflight[rng.choice(list(cluster.inflight))] = offer(rng.choice([1, 8]))
         elif step < 0.8 and cluster.inflight:  # accepted: left out once a summary shows it
-            rng.choice(list(cluster.inflight.values())).accepted = True
+            cluster.accept(rng.choice(list(cluster.inflight)))
         elif step < 0.87:
             seq += 1
             cluster.apply_summary(summary(seq, rng.randint(5, 40)))
         elif step < 0.9:
             cluster.inflight.clear()  # the session ended
         assert cluster.capacity() == whole(cluster)
+        if step >= 0.8 and step < 0.87:
+            assert not any(f.accepted for f in cluster.inflight.values())  # shown in it now
 
 
 def test_a_cycle_changing_its_copy_changes_no_later_cycle() -> None:

@@ -67,6 +67,6 @@ def test_the_snapshot_gives_what_is_left_of_the_window_as_offer_slots() -> None:
     fit = fitting.Fit(cluster="a", takes=(), leftover=0)
     for n in range(7):
         cluster.inflight[f"j{n}"] = fleet.InFlight(fit=fit, sent_at=3.0)
-    cluster.inflight["j0"].accepted = True  # answered: out of the window
+    assert cluster.accept("j0")  # answered: out of the window
     (capacity,) = clusters.snapshot(now=1.0).clusters.values()
     assert capacity.offer_slots == 50 - 6
