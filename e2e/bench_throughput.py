@@ -32,10 +32,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e import helpers
 from gpufed.local import processes
 from tests import etcdserver
 
@@ -122,12 +122,7 @@ async def accepted_offers(fleet: processes.LocalFleet) -> int:
     jobs that reached Running: an agent whose session closed before it answered (silent
     under load, or the broker lost and took the lead again) has its jobs reconciled at its
     next hello, Running without an accepted offer."""
-    scraper = {"Authorization": f"Bearer {fleet.tokens['metrics']}"}
-    async with (
-        aiohttp.ClientSession(headers=scraper) as session,
-        session.get(f"{fleet.url}/metrics") as resp,
-    ):
-        text = await resp.text()
+    text = await helpers.scrape(fleet)
     accepted = running = 0.0
     for family in text_string_to_metric_families(text):
         if family.name == "gpufed_placements":
@@ -199,12 +194,7 @@ def rss_mib(pid: int) -> float:
 
 async def gauge(fleet: processes.LocalFleet, name: str) -> float:
     """The sum of a broker gauge's samples, from /metrics."""
-    scraper = {"Authorization": f"Bearer {fleet.tokens['metrics']}"}
-    async with (
-        aiohttp.ClientSession(headers=scraper) as session,
-        session.get(f"{fleet.url}/metrics") as resp,
-    ):
-        text = await resp.text()
+    text = await helpers.scrape(fleet)
     return sum(
         s.value
         for family in text_string_to_metric_families(text)

@@ -1,4 +1,5 @@
-"""What e2e scenarios share: waiting for a job's state, and running the real `gpufed` CLI."""
+"""What e2e scenarios share: waiting for a job's state, the broker's /metrics, and running the
+real `gpufed` CLI."""
 
 from __future__ import annotations
 
@@ -8,10 +9,22 @@ import sys
 import time
 from typing import Any
 
+import aiohttp
+
 from gpufed import client
 from gpufed.local import processes
 
 FINAL = frozenset({"Succeeded", "Failed", "Cancelled"})
+
+
+async def scrape(fleet: processes.LocalFleet) -> str:
+    """The broker's /metrics page, as Prometheus reads it (with the metrics token)."""
+    scraper = {"Authorization": f"Bearer {fleet.tokens['metrics']}"}
+    async with (
+        aiohttp.ClientSession(headers=scraper) as session,
+        session.get(f"{fleet.url}/metrics") as response,
+    ):
+        return await response.text()
 
 
 async def wait_for(

@@ -128,14 +128,7 @@ async def usage(admin: Any) -> dict[str, int]:
 
 async def metric(fleet: processes.LocalFleet, name: str) -> float:
     """The sum of a metric's samples in the broker's /metrics."""
-    import aiohttp
-
-    scraper = {"Authorization": f"Bearer {fleet.tokens['metrics']}"}
-    async with (
-        aiohttp.ClientSession(headers=scraper) as session,
-        session.get(f"{fleet.url}/metrics") as response,
-    ):
-        text = await response.text()
+    text = await helpers.scrape(fleet)
     pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
     return sum(float(value) for value in pattern.findall(text))
 

@@ -448,7 +448,7 @@ class GPUJob(_Strict):
                 "a GPUJob asks for at least one GPU"
             )
         for task, shape in zip(self.spec.tasks, shapes, strict=True):
-            task.template.compact(shape)
+            task.template.compact(_interned(shape))
         return self
 
 
@@ -615,6 +615,21 @@ def model_selector(models: Sequence[str]) -> dict[str, Any]:
     return {
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
     }
+
+
+# the pod shapes validated jobs hold, one object per kind (100,000 jobs of one template: one
+# shape, not 100,000 of about 1 KB each); forgotten wholesale past `MAX_SHAPES` kinds
+_SHAPES: dict[PodShape, PodShape] = {}
+MAX_SHAPES = 4096
+
+
+def _interned(shape: PodShape) -> PodShape:
+    found = _SHAPES.get(shape)
+    if found is None:
+        if len(_SHAPES) >= MAX_SHAPES:
+            _SHAPES.clear()
+        found = _SHAPES[shape] = shape
+    return found
 
 
 def shape_of(task: Task, *, where: str = "task", strict: bool = False) -> PodShape:

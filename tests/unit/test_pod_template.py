@@ -92,3 +92,8 @@ def test_a_validated_jobs_shapes_are_read_without_parsing_its_templates(
         request = gangs.gang_request("j1", job)
         assert [shape for _, _, shape in request.tasks] == [fresh]
         assert request.pods == 2
+
+
+def test_jobs_of_one_template_hold_one_shape() -> None:
+    first, second = jobs.validate_submitted(document()), jobs.validate_submitted(document())
+    assert first.spec.tasks[0].template._shape is second.spec.tasks[0].template._shape
