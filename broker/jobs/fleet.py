@@ -86,6 +86,11 @@ class Cluster:
     _assumed: dict[str, InFlight] = field(default_factory=dict, repr=False)
     _accepted: list[str] = field(default_factory=list, repr=False)  # since the last summary
 
+    def forget_offers(self) -> None:
+        """The session ended: no offer is in flight any more."""
+        self.inflight.clear()
+        self._accepted.clear()
+
     def accept(self, job_id: str) -> bool:
         """The agent accepted the job's offer: it stays deducted until the next summary (which
         shows the placement). False if no such offer waited for an answer."""
@@ -270,7 +275,7 @@ class Fleet:
         cluster.disconnected_at = None
         cluster.lost = False
         cluster.summary = None
-        cluster.inflight.clear()
+        cluster.forget_offers()
         cluster.rejected.clear()
         if old is not None:
             await old.close(reason="replaced by a newer session")
@@ -282,7 +287,7 @@ class Fleet:
             return
         cluster.link = None
         cluster.disconnected_at = time.monotonic()
-        cluster.inflight.clear()
+        cluster.forget_offers()
         self.changed.set()
 
     def start_term(self, names: Iterable[str], *, now: float) -> None:
@@ -295,7 +300,7 @@ class Fleet:
             if cluster.link is None:
                 cluster.disconnected_at = now
                 cluster.lost = False
-                cluster.inflight.clear()
+                cluster.forget_offers()
                 cluster.rejected.clear()
         self.changed.set()
 
