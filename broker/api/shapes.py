@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from broker.api import affinity, mig
-
-if TYPE_CHECKING:
-    from broker.api import jobs
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = affinity.GPU_PRODUCT_LABEL
@@ -38,6 +35,52 @@ _QUANTITY = re.compile(
 _DIGITS = re.compile(r"^[0-9]{1,10}$")
 _DURATION = re.compile(r"^[0-9]{1,10}(\.[0-9]{1,17})?[smh]?$")  # any float repr
 Quantity = int | float | str
+
+
+# what `shape_of` reads of a task (a `jobs.Task`: `jobs` imports this module, not the reverse)
+class _Resources(Protocol):
+    @property
+    def limits(self) -> Mapping[str, Quantity]: ...
+
+    @property
+    def requests(self) -> Mapping[str, Quantity]: ...
+
+
+class _Container(Protocol):
+    @property
+    def resources(self) -> _Resources: ...
+
+
+class _PodSpec(Protocol):
+    @property
+    def containers(self) -> Sequence[_Container]: ...
+
+    @property
+    def node_selector(self) -> Mapping[str, str]: ...
+
+    @property
+    def affinity(self) -> object: ...
+
+
+class _Meta(Protocol):
+    @property
+    def annotations(self) -> Mapping[str, str]: ...
+
+
+class _Template(Protocol):
+    @property
+    def spec(self) -> _PodSpec: ...
+
+    @property
+    def metadata(self) -> _Meta: ...
+
+    @property
+    def shape(self) -> PodShape | None: ...
+
+
+class TaskLike(Protocol):
+    @property
+    def template(self) -> _Template: ...
 
 
 class ShapeError(ValueError):
@@ -167,7 +210,7 @@ def _bounded(value: int, limit: int, where: str, what: str, *, strict: bool) -> 
 
 
 def _selection(
-    spec: jobs.PodSpec, where: str, *, strict: bool
+    spec: _PodSpec, where: str, *, strict: bool
 ) -> tuple[tuple[str, ...], affinity.NodeSelector | None]:
     """The pod's allowed models and the selector beyond them (see `PodShape`)."""
     reading = affinity.read_pod_spec(spec.node_selector, spec.affinity)
@@ -210,7 +253,7 @@ def interned(shape: PodShape) -> PodShape:
     return found
 
 
-def shape_of(task: jobs.Task, *, where: str = "task", strict: bool = False) -> PodShape:
+def shape_of(task: TaskLike, *, where: str = "task", strict: bool = False) -> PodShape:
     """The per-pod request of a task: GPUs from limits, models and node selection from its
     node selector and affinity. `strict`: the rules of a submit (see the module). A task of a
     validated job has it already (a shape that passes the strict rules is the same without)."""
