@@ -49,13 +49,6 @@ def job_item(n: int, rand: random.Random) -> dict[str, Any]:
     return {"idempotencyKey": f"soak-{n}", "job": body}
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -73,13 +66,13 @@ class Sampler:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.start = rss_mib(pid)
+        self.start = bench_throughput.rss_mib(pid)
         self.peak = self.start
         self.latest = self.start
 
     async def run(self) -> None:
         while True:
-            self.latest = rss_mib(self.pid)
+            self.latest = bench_throughput.rss_mib(self.pid)
             self.peak = max(self.peak, self.latest)
             await asyncio.sleep(0.5)
 
@@ -209,7 +202,7 @@ async def run(args: argparse.Namespace) -> None:
             f"p50 {statistics.median(waits) * 1000:.0f} ms, p99 "
             f"{percentile(waits, 0.99) * 1000:.0f} ms\n"
             f"broker RSS start {sampler.start:.0f} MiB, peak {sampler.peak:.0f} MiB, end "
-            f"{rss_mib(broker.process.pid):.0f} MiB (after retention)\n"
+            f"{bench_throughput.rss_mib(broker.process.pid):.0f} MiB (after retention)\n"
             f"etcd, compacted: {in_use / 2**20:.1f} MiB in use (start {etcd_start / 2**20:.1f}), "
             f"file {db_bytes / 2**20:.1f} MiB; {keys['all']} keys ({keys['jobs']} job records, "
             f"{keys['idempotency']} idempotency entries, kept for their window); history: "

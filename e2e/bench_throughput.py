@@ -182,13 +182,10 @@ async def burst(
 
 
 def rss_mib(pid: int) -> float:
-    """Resident memory of process `pid` (Linux `/proc`; 0 elsewhere)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
+    """Resident memory of process `pid` (Linux `/proc`)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
     return 0.0
 
 
@@ -206,7 +203,7 @@ async def gauge(fleet: processes.LocalFleet, name: str) -> float:
 
 async def backlog(fleet: processes.LocalFleet, jobs: int) -> None:
     """Queue `jobs` gangs that fit in no cluster, in batches of 1,000 from 4 clients, and
-    wait until the broker has planned each once (its unplaceable gauge covers them all)."""
+    wait until the broker has planned each once (`gpufed_parked_jobs` counts them all)."""
     assert fleet.broker is not None
     pid = fleet.broker.process.pid
     before = rss_mib(pid)

@@ -11,22 +11,21 @@ import re
 from dataclasses import dataclass, field
 
 from broker.api import memo
-from broker.api.jobs import GPUJob, PodShape, Topology, shape_of
-
-_NO_TOPOLOGY = Topology()
+from broker.api.jobs import NO_TOPOLOGY, GPUJob, PodShape, Topology, shape_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GangRequest:
     """A whole job as the schedulers see it: every pod, placed all-or-nothing.
 
-    A slotted dataclass, not a model: one is held for every queued job (100 bytes, against
-    1.1 KB as a pydantic model), and it is built only from validated jobs, never from input."""
+    A slotted dataclass, not a model: one is held for every queued job (481 bytes with what
+    it holds, against 1,552 as a pydantic model), and it is built only from validated jobs,
+    never from input."""
 
     job_id: str
     tasks: tuple[tuple[str, int, PodShape], ...]  # (task name, replicas, shape)
     min_member: int
-    topology: Topology = field(default_factory=lambda: _NO_TOPOLOGY)  # one, shared
+    topology: Topology = field(default_factory=lambda: NO_TOPOLOGY)  # one, shared
     priority: int = 0
     # the broker's dispatch count: pods of a job run again get names of their own
     attempt: int = 1

@@ -306,7 +306,7 @@ class Task(_Strict):
 
 
 class Gang(_Strict):
-    # frozen: the jobs that leave it out share one (`_NO_GANG`), as `Topology`
+    # frozen: the jobs that leave it out share one (`NO_GANG`), as `Topology`
     model_config = ConfigDict(frozen=True)
 
     min_member: Annotated[int | None, Field(ge=1, alias="minMember")] = None
@@ -327,8 +327,8 @@ class Topology(_Strict):
     rack: TopologyMode = TopologyMode.NONE
 
 
-_NO_GANG = Gang()  # a job's spec without `gang` or `topology` holds these (about 1 KB less)
-_NO_TOPOLOGY = Topology()
+NO_GANG = Gang()  # a job's spec without `gang` or `topology` holds these (about 1 KB less)
+NO_TOPOLOGY = Topology()
 
 
 _DEFAULT_FAILURES = FailurePolicy()
@@ -354,8 +354,8 @@ class JobSpec(_Strict):
     # a priority class of the broker's queues configuration; wins over `priority`
     priority_class: Annotated[str | None, Field(max_length=63, alias="priorityClass")] = None
     tasks: Annotated[list[Task], Field(min_length=1, max_length=64)]
-    gang: Gang = Field(default_factory=lambda: _NO_GANG)
-    topology: Topology = Field(default_factory=lambda: _NO_TOPOLOGY)
+    gang: Gang = Field(default_factory=lambda: NO_GANG)
+    topology: Topology = Field(default_factory=lambda: NO_TOPOLOGY)
     # None: the defaults, and left out of offers (agents of protocol 2 do not know the field)
     failure_policy: FailurePolicy | None = Field(
         None,
@@ -437,18 +437,15 @@ class GPUJob(_Strict):
         if strict:
             _check_sequencing(self)
         gpus = 0
-        read = []
         for index, task in enumerate(self.spec.tasks):
             shape = shape_of(task, where=f"spec.tasks[{index}]", strict=strict)
-            read.append(shape)
+            task.template.compact(shapes.interned(shape))  # (a job that fails is dropped whole)
             gpus += shape.gpus + shape.mig_slices
         if gpus == 0:
             raise ValueError(
                 f"spec.tasks[0].template.spec.containers[0].resources.limits[{GPU_RESOURCE}]: "
                 "a GPUJob asks for at least one GPU"
             )
-        for task, shape in zip(self.spec.tasks, read, strict=True):
-            task.template.compact(shapes.interned(shape))
         return self
 
 

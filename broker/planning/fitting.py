@@ -197,11 +197,16 @@ def _room_for(
     pods fills each node as far as it goes, so a node with f free takes f // gpus of them."""
     room = 0
     for m in models:
-        block = m.largest_free_nvlink_block if nvlink and m.largest_free_nvlink_block else None
+        block = _nvlink_block(m, nvlink)
         if block is not None and shape.gpus > block:
             continue
         room += sum(nodes * (free // shape.gpus) for free, nodes in enumerate(scratch[m.model]))
     return room
+
+
+def _nvlink_block(model: snapshot.ModelCapacity, nvlink: bool) -> int | None:
+    """The most GPUs an NVLink-required pod may take on one node of the model (None: any)."""
+    return model.largest_free_nvlink_block if nvlink and model.largest_free_nvlink_block else None
 
 
 def _fit_pod(
@@ -241,8 +246,7 @@ def _fit_pod(
                 shared[m.model] += GPU_MILLI - shape.gpu_milli
                 return Take(m.model, rack, free, 1, adds_shared=GPU_MILLI - shape.gpu_milli)
             continue
-        block = m.largest_free_nvlink_block if nvlink and m.largest_free_nvlink_block else None
-        free = _take_whole(hist, shape.gpus, max_block=block)
+        free = _take_whole(hist, shape.gpus, max_block=_nvlink_block(m, nvlink))
         if free is not None:
             return Take(m.model, rack, free, shape.gpus)
     return None
