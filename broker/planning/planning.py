@@ -40,6 +40,7 @@ from broker.planning import (
     preemption,
     quotas,
     reservation,
+    reserving,
     snapshot,
 )
 
@@ -494,7 +495,14 @@ class _Cycle:
                 )
             )
         if own is None:
-            out += self._reserve(job, admission)
+            out += reserving.reserve_for(
+                job,
+                admission,
+                policy=self.policy,
+                fleet=self.fleet,
+                reservations=self.reservations,
+                now=self.now,
+            )
         return out
 
     def _preempt(
@@ -573,45 +581,3 @@ class _Cycle:
             )
         )
         return True
-
-    def _reserve(self, job: snapshot.PendingJob, admission: quotas.Admission) -> list[Reason]:
-        after = self.policy.reserve_after_seconds
-        if not reservation.is_due(job, now=self.now, after=after) or self.now is None:
-            return []
-        if self.policy.max_reservations <= 0:
-            return []
-        if len(self.reservations) >= self.policy.max_reservations:
-            holders = ", ".join(sorted(self.reservations)) or "none"
-            return [
-                Reason(
-                    FLEET,
-                    ReasonCode.WAITING_FOR_RESERVATION,
-                    f"waiting over {after:g}s; the fleet's reservations "
-                    f"({self.policy.max_reservations}) are held by {holders}: it gets one "
-                    "after them",
-                )
-            ]
-        held = reservation.held_models(self.reservations.values())
-        chosen = reservation.choose_cluster(
-            self.fleet, job.request, models=admission.admissible, held=held, choice=job.clusters
-        )
-        if chosen is None:
-            return [
-                Reason(
-                    FLEET,
-                    ReasonCode.WAITING_FOR_RESERVATION,
-                    f"waiting over {after:g}s, but every cluster it fits is reserved for an "
-                    "older job; it gets one next",
-                )
-            ]
-        cluster, models = chosen
-        item = reservation.Reservation(job.job_id, cluster, models, self.now)
-        self.reservations[job.job_id] = item
-        return [
-            Reason(
-                cluster,
-                ReasonCode.WAITING_FOR_RESERVATION,
-                f"reserved for this job since {self.now:%H:%M:%S} (waiting over {after:g}s): "
-                f"its {'/'.join(sorted(models))} GPUs take no new work until it fits",
-            )
-        ]
