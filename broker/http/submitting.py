@@ -204,12 +204,15 @@ async def submit_one(
             return existing, True
     await resolve(book, new)
     record = new[0]
-    with jobspans.tracer.start_as_current_span(
-        "job.submit",
-        context=tracing.context_of(record.traceparent),
-        attributes=_span_attributes(record),
-    ):
+    if not tracing.records_spans():  # the span would be dropped: not even started
         stored = await book.submit(record)
+    else:
+        with jobspans.tracer.start_as_current_span(
+            "job.submit",
+            context=tracing.context_of(record.traceparent),
+            attributes=_span_attributes(record),
+        ):
+            stored = await book.submit(record)
     for start in range(1, len(new) if stored is record else 1, submits.MAX_BATCH_ITEMS):
         chunk = new[start : start + submits.MAX_BATCH_ITEMS]  # a batch's worth at a time
         failure = next((r for r in await _store(book, chunk, batch=len(chunk)) if _failed(r)), None)
@@ -388,6 +391,8 @@ async def _store(
     """Store the admitted jobs together, each in its `job.submit` span."""
     if not new:
         return []
+    if not tracing.records_spans():
+        return await book.submit_many(new)
     spans = [
         jobspans.tracer.start_span(
             "job.submit",

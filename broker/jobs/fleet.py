@@ -375,6 +375,19 @@ class Fleet:
     def healthy(self, cluster: Cluster, *, now: float) -> bool:
         return cluster.health(now=now, stale_after=self.stale_after) == "Ready"
 
+    def total_gpus(self, *, now: float) -> dict[str, int]:
+        """GPUs per model of the plannable clusters, free or not: `snapshot(now=now)
+        .total_gpus()` read off the summaries, without building their capacity."""
+        out: dict[str, int] = {}
+        for cluster in self.clusters.values():
+            if cluster.summary is None or not cluster.plannable(
+                now=now, stale_after=self.stale_after
+            ):
+                continue
+            for model in cluster.summary.models:
+                out[model.model] = out.get(model.model, 0) + snapshot.total_gpus_of(model)
+        return out
+
     def snapshot(self, *, now: float) -> snapshot.FleetSnapshot:
         """Capacity of every plannable cluster, in-flight offers deducted. A cluster whose
         capacity cannot be built is left out, with the reason kept (`planning_error`)."""

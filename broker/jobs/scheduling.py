@@ -337,7 +337,7 @@ class Scheduler:
             pending=(),
             waiting=self.backlog.pending_per_queue(),
             usage=self.accounts.usage(),
-            fleet_gpus=self.fleet.snapshot(now=now).total_gpus(),
+            fleet_gpus=self.fleet.total_gpus(now=now),
         )
         for gauge in (
             self.meters.queue_gpus_in_use,

@@ -39,7 +39,7 @@ class ModelCapacity:
             largest_free_nvlink_block=summary.largest_free_nvlink_block,
             racks={rack: list(hist) for rack, hist in summary.racks.items()},
             gpus_per_node=summary.gpus_per_node,
-            total_gpus=summary.total_gpus or sum(summary.nodes_by_free) * summary.gpus_per_node,
+            total_gpus=total_gpus_of(summary),
             mig={p: list(m.nodes_by_free) for p, m in (summary.mig or {}).items()},
         )
 
@@ -54,6 +54,11 @@ class ModelCapacity:
     @property
     def free_gpus(self) -> int:
         return sum(k * n for k, n in enumerate(self.nodes_by_free))
+
+
+def total_gpus_of(summary: inventory.ModelSummary) -> int:
+    """A model's GPUs in a summary, free or not (0 in the summary: its nodes' GPUs)."""
+    return summary.total_gpus or sum(summary.nodes_by_free) * summary.gpus_per_node
 
 
 @dataclass

@@ -69,3 +69,16 @@ def test_a_cycle_changing_its_copy_changes_no_later_cycle() -> None:
     mine.offer_slots = 0
     assert cluster.capacity() == whole(cluster)
     assert cluster.capacity().models[H100].nodes_by_free[8] == 3
+
+
+def test_the_fleet_total_is_the_snapshot_total_without_building_capacity() -> None:
+    clusters = fleet.Fleet()
+    for name, free in (("east", 40), ("west", 3)):
+        cluster = fleet.Cluster(name=name, link=object(), last_seen=1.0)  # type: ignore[arg-type]
+        model = make_model_summary(H100, nodes_by_free=[0] * 8 + [free])
+        cluster.summary = make_summary(name, model)
+        cluster.inflight["j"] = offer(8)  # offers in flight take free GPUs, not total ones
+        clusters.clusters[name] = cluster
+    clusters.clusters["gone"] = fleet.Cluster(name="gone")  # no summary: not planned
+    assert clusters.total_gpus(now=1.0) == clusters.snapshot(now=1.0).total_gpus()
+    assert clusters.total_gpus(now=1.0) == {H100: 43 * 8}
