@@ -464,7 +464,7 @@ class ClusterState:
         keys = list(self._by_node.get(name, ()))
         for key in keys:
             self.inventory.release(key)
-        self.inventory.nodes.pop(name, None)
+        self.inventory.remove(name)
         if name in self._nodes:
             self.inventory.add(self._fresh(self._nodes[name]))
         records = [rec for rec in map(self.record, keys) if rec is not None]

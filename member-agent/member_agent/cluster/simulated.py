@@ -434,6 +434,7 @@ class SimulatedBackend:
         if node.ready == ready:
             return
         node.ready = ready
+        self._inventory.touch(name)
         if not ready:
             for pod in list(self._pods.values()):
                 if pod.request.node == name and not simulated_pods.done(pod):

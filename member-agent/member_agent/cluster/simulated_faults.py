@@ -113,4 +113,5 @@ class GPUFaults:
 
     def _cordon(self, node: str, why: str) -> None:
         self._inventory.nodes[node].schedulable = False
+        self._inventory.touch(node)
         logger.warning("simulated node %s cordoned: %s", node, why)

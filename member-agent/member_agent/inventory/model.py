@@ -101,7 +101,9 @@ class Node:
 
 @dataclass
 class Inventory:
-    """All nodes of one cluster, by name. Mutated only through apply/release."""
+    """All nodes of one cluster, by name. Mutated only through its methods (`touch` after
+    changing a node's fields in place): each names the nodes it changed, for the kept summary
+    (`tallies.KeptSummary`, which reads `take_touched`)."""
 
     cluster: str
     nodes: dict[str, Node] = field(default_factory=dict)
@@ -109,9 +111,29 @@ class Inventory:
     pods: dict[str, tuple[status.PodPlacement, int, int]] = field(default_factory=dict)
     # MIG slices held: pod name -> (node, profile -> slice indices)
     mig_pods: dict[str, tuple[str, dict[str, tuple[int, ...]]]] = field(default_factory=dict)
+    # nodes changed since `take_touched` (None: all of them, as after `clear`)
+    _touched: set[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def add(self, node: Node) -> None:
         self.nodes[node.name] = node
+        self.touch(node.name)
+
+    def remove(self, name: str) -> None:
+        """The node leaves the inventory (what its pods hold stays recorded, as `release`
+        finds no node for them)."""
+        self.nodes.pop(name, None)
+        self.touch(name)
+
+    def touch(self, name: str) -> None:
+        """The node `name` changed (or came, or went)."""
+        if self._touched is not None:
+            self._touched.add(name)
+
+    def take_touched(self) -> set[str] | None:
+        """The nodes changed since the last call, and forget them (None: every node, on the
+        first call and after `clear`)."""
+        touched, self._touched = self._touched, set()
+        return touched
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes.values())
@@ -149,6 +171,7 @@ class Inventory:
                 node.gpu_free[slot.index] -= slot.milli
         node.cpu_free -= cpu_milli
         node.memory_free -= memory_mib
+        self.touch(node.name)
         self.pods[pod.name] = (pod, cpu_milli, memory_mib)
         if mig:
             held_mig = {profile: tuple(indices) for profile, indices in mig.items() if indices}
@@ -172,6 +195,7 @@ class Inventory:
                 node.gpu_free[slot.index] = min(GPU_MILLI, node.gpu_free[slot.index] + slot.milli)
         node.cpu_free += cpu
         node.memory_free += mem
+        self.touch(node.name)
 
     def _release_mig(self, pod_name: str) -> None:
         held = self.mig_pods.pop(pod_name, None)
@@ -181,12 +205,14 @@ class Inventory:
         for profile, indices in held[1].items():
             back = {i for i in indices if 0 <= i < node.mig.get(profile, 0)}
             node.mig_free[profile] = tuple(sorted(set(node.mig_free.get(profile, ())) | back))
+        self.touch(node.name)
 
     def clear(self) -> None:
         """No nodes, no pods (a backend rebuilding the inventory)."""
         self.nodes.clear()
         self.pods.clear()
         self.mig_pods.clear()
+        self._touched = None
 
     def set_unhealthy(self, name: str, indices: Iterable[int]) -> frozenset[int]:
         """Make `indices` the node's unhealthy GPUs (an empty set: all healthy again): those
@@ -203,6 +229,7 @@ class Inventory:
                         free[slot.index] -= slot.milli
         node.unhealthy = out
         node.gpu_free = [0 if i in out else max(milli, 0) for i, milli in enumerate(free)]
+        self.touch(name)
         return out - before
 
     def apply_all(self, pods: Iterable[tuple[status.PodPlacement, int, int]]) -> None:

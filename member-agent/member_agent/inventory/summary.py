@@ -27,7 +27,7 @@ def summarise(
     workload: fragmentation.Workload | None = None,
 ) -> ClusterSummary:
     """The ClusterSummary of `inventory` (its fragmentation against `workload`)."""
-    expected = workload if workload is not None else _default_workload()
+    expected = workload if workload is not None else default_workload()
     per_model: dict[str, _Totals] = {}
     frag = 0.0
     for node in inventory:
@@ -94,7 +94,7 @@ class _Totals:
         if node.unhealthy:
             self.unavailable_gpus += node.unhealthy_gpus
         free = node.gpu_free
-        whole, shared = _whole_and_shared(free)
+        whole, shared = whole_and_shared(free)
         self.shared_free_milli += shared
         self.free_gpus += whole
         while len(self.by_free) <= whole:
@@ -107,12 +107,7 @@ class _Totals:
             while len(histogram) <= whole:
                 histogram.append(0)
             histogram[whole] += 1
-        island = node.nvlink_island
-        if island > 1:
-            block = whole if island >= len(free) else _nvlink_block(free, island)
-            self.nvlink_block = max(self.nvlink_block, block)
-        elif whole and not self.nvlink_block:
-            self.nvlink_block = 1
+        self.nvlink_block = max(self.nvlink_block, nvlink_block(node, whole))
         if node.nvlink_domain:
             self.domains[node.nvlink_domain] = self.domains.get(node.nvlink_domain, 0) + whole
         self.max_cpu = max(self.max_cpu, node.cpu_free)
@@ -142,7 +137,7 @@ class _Totals:
         )
 
 
-def _whole_and_shared(free: list[int]) -> tuple[int, int]:
+def whole_and_shared(free: list[int]) -> tuple[int, int]:
     """GPUs wholly free, and the free milli of the others (each GPU's free milli is at most
     GPU_MILLI: checked, and counted one by one if not)."""
     whole = free.count(model.GPU_MILLI)
@@ -152,18 +147,24 @@ def _whole_and_shared(free: list[int]) -> tuple[int, int]:
     return whole, sum(free) - whole * model.GPU_MILLI
 
 
-def _nvlink_block(free: list[int], island: int) -> int:
-    """Most wholly free GPUs inside one NVLink island of `island` GPUs (GPU i is in island
-    i // island, as `Node.island_of`)."""
+def nvlink_block(node: model.Node, whole: int) -> int:
+    """Most wholly free GPUs inside one NVLink island of the node (GPU i is in island
+    i // size, as `Node.island_of`); without NVLink, 1 if a GPU is wholly free (`whole` of
+    them are)."""
+    island, free = node.nvlink_island, node.gpu_free
+    if island <= 1:
+        return 1 if whole else 0
+    if island >= len(free):
+        return whole
     return max(
-        _whole_and_shared(free[start : start + island])[0] for start in range(0, len(free), island)
+        whole_and_shared(free[start : start + island])[0] for start in range(0, len(free), island)
     )
 
 
 _WORKLOAD: list[fragmentation.Workload] = []
 
 
-def _default_workload() -> fragmentation.Workload:
+def default_workload() -> fragmentation.Workload:
     if not _WORKLOAD:
         _WORKLOAD.append(fragmentation.default_workload())
     return _WORKLOAD[0]

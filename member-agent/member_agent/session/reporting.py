@@ -6,7 +6,9 @@ most every `interval` seconds. It sends only the GPU models that changed (`full=
 that is smaller, the whole summary otherwise, and nothing when nothing changed. `seq` grows
 with every summary the agent process sends.
 
-The summary itself is `member_agent.inventory.summary.summarise`, the one the simulator uses.
+The summary itself is `member_agent.inventory.summary.summarise`, the one the simulator uses,
+kept between reports (`inventory.tallies.KeptSummary`: only the nodes changed since are
+counted again; a whole count now and then checks it, and a difference is logged).
 Every summary carries the cluster's `labels` (`--cluster-label`) once the session's welcome
 said the broker reads them (`send_labels`, protocol 5); an older broker is sent none. So
 does its GPU health (`health`: unhealthy GPUs, nodes cordoned for GPU failures; `send_health`,
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from broker.api import inventory, messages
-from member_agent.inventory import model, summary
+from member_agent.inventory import model, tallies
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ class SummaryReporter:
         self.send_labels = False  # set per session from the broker's welcome
         self.send_mig = False  # set per session from the broker's welcome
         self.interval = interval
-        self.summarise: Summarise = summarise or summary.summarise
+        self.kept = tallies.KeptSummary()
+        self.summarise: Summarise = summarise or self.kept
         self.clock = clock
         self.seq = 0
         self.sent = 0
@@ -113,7 +116,14 @@ class SummaryReporter:
         return messages.Summary(full=False, summary=delta)
 
     def _compute(self, *, bump: bool = True) -> inventory.ClusterSummary:
+        drifts = self.kept.drifts
         computed = self.summarise(self.source())
+        if self.kept.drifts != drifts:
+            logger.warning(
+                "cluster %s: the kept summary differed from a whole count of the inventory "
+                "(a node changed without Inventory.touch); the whole count is sent",
+                self.cluster,
+            )
         if not self.send_mig and any(m.mig is not None for m in computed.models):
             computed = computed.model_copy(
                 update={"models": [m.model_copy(update={"mig": None}) for m in computed.models]}
