@@ -42,18 +42,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from opentelemetry import propagate, trace
-from opentelemetry.context import Context
 from prometheus_client import Histogram
 
 from broker.api import gangs, jobs, messages, status
 from member_agent.binding import binding
 from member_agent.cluster import base
-from member_agent.jobs import adopting, deleting, placing, table, updating
+from member_agent.jobs import adopting, deleting, placing, spans, table, updating
 from member_agent.placement import gang, limits
 
 logger = logging.getLogger(__name__)
-tracer = trace.get_tracer("member_agent.jobs")
 
 Reply = Callable[[messages.Message], None]
 
@@ -104,10 +101,6 @@ def _make_record(
         cluster_lost=offer.job.spec.cluster_lost,
         queue=offer.job.spec.queue,
     )
-
-
-def _extract_context(offer: messages.Offer) -> Context:
-    return propagate.extract({"traceparent": offer.traceparent or ""})
 
 
 def _trace_id(traceparent: str | None) -> str:
@@ -237,10 +230,8 @@ class JobHandler:
         self, offer: messages.Offer, request: gangs.GangRequest
     ) -> gang.GangPlacement | gang.NoPlacement:
         """Nodes and GPUs for every pod on the live inventory (pure placement, timed)."""
-        with tracer.start_as_current_span(
-            "agent.place",
-            context=_extract_context(offer),
-            attributes={"job_id": offer.job_id, "pods": request.pods},
+        with spans.span(
+            "agent.place", offer.traceparent, {"job_id": offer.job_id, "pods": request.pods}
         ):
             return self.placer.place(self.backend.inventory(), request)
 
@@ -261,10 +252,8 @@ class JobHandler:
         self.table.add(record)
         self.placer.mark_stale(r.node for r in requests)
         try:
-            with tracer.start_as_current_span(
-                "agent.bind",
-                context=_extract_context(offer),
-                attributes={"job_id": offer.job_id, "pods": len(requests)},
+            with spans.span(
+                "agent.bind", offer.traceparent, {"job_id": offer.job_id, "pods": len(requests)}
             ):
                 await binding.create_gang(self.backend, requests)
         except binding.BindingError as exc:

@@ -21,12 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 
 from broker.api import messages, status
-from member_agent.jobs import table
-
-tracer = trace.get_tracer("member_agent.jobs")
+from member_agent.jobs import spans, table
 
 # a final report not acknowledged this long after it was written is sent again
 RESEND_SECONDS = 10.0
@@ -179,12 +177,14 @@ class Updater:
     @staticmethod
     def _trace_running(record: table.TrackedJob, state: status.JobState, reason: str) -> None:
         """`job.running`: from the gang running to its final state, in the job's trace."""
+        if not spans.recording():
+            return
         if state == status.JobState.RUNNING and record.running_since_ns is None:
             record.running_since_ns = time.time_ns()
         elif state.terminal and record.running_since_ns is not None:
-            span = tracer.start_span(
+            span = spans.tracer.start_span(
                 "job.running",
-                context=propagate.extract({"traceparent": record.traceparent or ""}),
+                context=spans.context_of(record.traceparent),
                 start_time=record.running_since_ns,
                 attributes={
                     "gpufed.job": record.job_id,
