@@ -21,9 +21,11 @@ had been sent one after the other: the same body replays that job (200), another
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import string
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,15 +206,15 @@ async def submit_one(
             return existing, True
     await resolve(book, new)
     record = new[0]
-    if not tracing.records_spans():  # the span would be dropped: not even started
-        stored = await book.submit(record)
-    else:
-        with jobspans.tracer.start_as_current_span(
+    span: AbstractContextManager[object] = contextlib.nullcontext()  # a span dropped: none
+    if tracing.records_spans():
+        span = jobspans.tracer.start_as_current_span(
             "job.submit",
             context=tracing.context_of(record.traceparent),
             attributes=_span_attributes(record),
-        ):
-            stored = await book.submit(record)
+        )
+    with span:
+        stored = await book.submit(record)
     for start in range(1, len(new) if stored is record else 1, submits.MAX_BATCH_ITEMS):
         chunk = new[start : start + submits.MAX_BATCH_ITEMS]  # a batch's worth at a time
         failure = next((r for r in await _store(book, chunk, batch=len(chunk)) if _failed(r)), None)
