@@ -10,8 +10,10 @@ Printed (no assertions; these machines are shared and noisy): sustained pods/s (
 Running to last Succeeded), submits/s, submit → Running p50/p99 (the broker's own event times,
 read back through the paged list, history included), broker RSS at start, peak and at the end
 once `--retain` has passed (then the history's idle time and a minute: the collector's trim),
-etcd's database size (compacted, in use) and key count, the history's size and rows, and
-how long the whole run took.
+CPU per job from the first submit to the last job finished (the broker, of it the
+garbage collector's pauses, the agents together: less noisy than pods/s on a shared
+machine), etcd's database size (compacted, in use) and key count, the history's size and
+rows, and how long the whole run took.
 The job durations are 0.5–5 s (uniform).
 """
 
@@ -130,6 +132,22 @@ async def etcd_size(url: str) -> tuple[int, int, dict[str, int]]:
     return int(status.get("dbSize", 0)), int(status.get("dbSizeInUse", 0)), counts
 
 
+async def gc_pauses(fleet: processes.LocalFleet) -> float:
+    """Seconds the broker's garbage collector has paused it so far, every generation
+    (`gpufed_gc_pause_seconds`, read from its /metrics)."""
+    headers = {"Authorization": f"Bearer {fleet.tokens['metrics']}"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{fleet.url}/metrics", headers=headers) as r,
+    ):
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("gpufed_gc_pause_seconds_sum")
+    )
+
+
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
@@ -162,6 +180,9 @@ async def run(args: argparse.Namespace) -> None:
             f"{args.jobs} jobs, {len(CLUSTERS)} clusters x {args.nodes} nodes, batches of "
             f"{args.batch} from {args.clients} clients; broker RSS {sampler.start:.0f} MiB"
         )
+        pids = bench_throughput.processes_of(fleet)
+        cpu_before = {name: bench_throughput.cpu_seconds(pid) for name, pid in pids.items()}
+        gc_before = await gc_pauses(fleet)
         async with client.BrokerClient(fleet.url, fleet.tokens["team-a"], timeout=120) as api:
             started = time.perf_counter()
             refused = await submit_all(api, items, batch=args.batch, clients=args.clients)
@@ -179,6 +200,8 @@ async def run(args: argparse.Namespace) -> None:
                       f"; broker RSS {sampler.latest:.0f} MiB")  # fmt: skip
                 await asyncio.sleep(5)
             finished = time.perf_counter() - started
+            cpu = {n: bench_throughput.cpu_seconds(pid) - cpu_before[n] for n, pid in pids.items()}
+            gc_spent = await gc_pauses(fleet) - gc_before
             jobs = await api.jobs(limit=None)
             print(f"all finished after {finished:.1f} s; waiting {retain:g} s of retention")
             # the retention, two retirement passes, the history's caches given back once it
@@ -187,6 +210,12 @@ async def run(args: argparse.Namespace) -> None:
             idle = sqlite_history.IDLE_SECONDS
             await asyncio.sleep(retain + passes + idle + garbage.TRIM_EVERY_SECONDS + 5)
         sampling.cancel()
+
+        count: int = args.jobs
+
+        def per_job(seconds: float) -> float:
+            return seconds * 1000 / count
+
         runs = [event_time(j, "Running") for j in jobs]
         ends = [event_time(j, "Succeeded") for j in jobs]
         waits = [
@@ -203,6 +232,9 @@ async def run(args: argparse.Namespace) -> None:
             f"{percentile(waits, 0.99) * 1000:.0f} ms\n"
             f"broker RSS start {sampler.start:.0f} MiB, peak {sampler.peak:.0f} MiB, end "
             f"{bench_throughput.rss_mib(broker.process.pid):.0f} MiB (after retention)\n"
+            f"CPU per job, submit to the last finished: broker {per_job(cpu['broker']):.2f} ms "
+            f"(garbage collector pauses {per_job(gc_spent):.2f} ms), agents "
+            f"{per_job(sum(v for n, v in cpu.items() if n in CLUSTERS)):.2f} ms\n"
             f"etcd, compacted: {in_use / 2**20:.1f} MiB in use (start {etcd_start / 2**20:.1f}), "
             f"file {db_bytes / 2**20:.1f} MiB; {keys['all']} keys ({keys['jobs']} job records, "
             f"{keys['idempotency']} idempotency entries, kept for their window); history: "

@@ -48,6 +48,25 @@ def observed(collector: garbage.Collector, sample: str, generation: str) -> floa
     return registry.get_sample_value(f"pauses_{sample}", {"generation": generation}) or 0.0
 
 
+def test_installed_the_young_generation_is_collected_less_often() -> None:
+    before = gc.get_threshold()
+    pauses = Histogram("pauses", "", ["generation"], registry=CollectorRegistry())
+    out = garbage.Collector(pauses)
+    out.install()
+    try:
+        assert gc.get_threshold() == garbage.THRESHOLDS
+        assert garbage.THRESHOLDS[0] > before[0]
+    finally:
+        out.uninstall()
+    assert gc.get_threshold() == before  # what the process had, given back
+    kept = garbage.Collector(pauses, thresholds=None)
+    kept.install()
+    try:
+        assert gc.get_threshold() == before
+    finally:
+        kept.uninstall()
+
+
 def test_every_pass_is_measured_by_generation(collector: garbage.Collector) -> None:
     before = observed(collector, "count", "2")
     gc.collect()
