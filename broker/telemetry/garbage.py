@@ -16,10 +16,10 @@ down 4 s after the last one) and the watchdog take healthy agents for silent one
   busy broker a pass every few hundred microseconds, over objects most of which reference
   counting would free a moment later (a request's parsed body, a record being encoded), and
   it moves them on to the older generations, whose passes then look at them again. With a
-  young pass every 20,000, a 20,000-job soak spent 0.19-0.22 ms of garbage collection per
-  job instead of 0.34-0.41, and the broker 2.8-3.1 ms of CPU per job instead of 3.5-3.9
-  (two pairs; `python -m e2e.bench_soak --jobs 20000`); its peak memory did not change.
-  A young pass over 20,000 objects takes about a millisecond;
+  young pass every 20,000, a 20,000-job soak spent 0.19-0.24 ms of garbage collection per
+  job instead of 0.34-0.41, and the broker 2.8-3.4 ms of CPU per job instead of 3.5-4.2
+  (three pairs; `python -m e2e.bench_soak --jobs 20000`); its peak memory did not change.
+  A young pass over 20,000 surviving objects took 1.0 ms here (`gc.collect(0)`, median);
 - it measures every pass (`gc.callbacks`) in `gpufed_gc_pause_seconds{generation}` and logs
   a pass longer than `warn_seconds`;
 - every `freeze_every` seconds it collects the young generations and moves what survived
