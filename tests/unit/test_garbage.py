@@ -90,6 +90,23 @@ def test_a_cycle_that_dies_frozen_waits_for_the_full_pass(collector: garbage.Col
     assert gc.get_freeze_count() > 0  # what lives is frozen again
 
 
+def test_a_freeze_collects_the_youngest_generation_only(collector: garbage.Collector) -> None:
+    old = Node()
+    old.other = old  # a cycle of one object
+    gc.collect(0)  # it survives a young pass: in the middle generation now
+    dead_old = weakref.ref(old)
+    del old
+    young = Node()
+    young.other = young
+    dead_young = weakref.ref(young)
+    del young
+    collector.freeze()
+    assert dead_young() is None  # the youngest generation was collected first
+    assert dead_old() is not None  # frozen dead, with the middle generation
+    collector.full_pass()
+    assert dead_old() is None
+
+
 async def until_a_full_pass(
     collector: garbage.Collector, running: Coroutine[Any, Any, None]
 ) -> None:
