@@ -8,6 +8,7 @@ import io
 import json
 import logging
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -159,3 +160,15 @@ def test_an_exception_is_logged_with_its_context(
     assert line["job_id"] == "j-9"
     assert line["level"] == "error"
     assert "RuntimeError: store down" in line["exception"]
+
+
+@pytest.mark.parametrize(
+    "created",
+    [0.0, 1764786000.0, 1764786000.0004994, 1764786000.9995, 1764786000.9999996, 1764786059.123456],
+)
+def test_a_lines_time_is_written_as_isoformat_writes_it(created: float) -> None:
+    stamp = logs._Stamps()
+    stamp(created - 1.5)  # another second first: the cached one is replaced
+    expected = datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
+    assert stamp(created) == expected
+    assert stamp(created) == expected  # and again, from the cache
