@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from gpufed import client
+from gpufed.local import allocator
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -183,8 +184,8 @@ class LocalFleet:
         return started
 
     async def _spawn_broker(self, name: str, port: int) -> Service:
-        # the C allocator, whose free pages the broker's collector gives back (`garbage`)
-        env = {"PYTHONMALLOC": os.environ.get("PYTHONMALLOC", "malloc"), **(self.env or {})}
+        # the C allocator, jemalloc where the system has it (`allocator`)
+        env = {**allocator.broker_env(os.environ), **(self.env or {})}
         service = await spawn(name, self._broker_args(port), workdir=self.workdir, env=env)
         service.url = f"{self.scheme}://127.0.0.1:{port}"
         return service
