@@ -12,6 +12,8 @@ import weakref
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from broker.api import tables
+
 T = TypeVar("T")
 V = TypeVar("V")
 
@@ -58,6 +60,7 @@ class PerObject(Generic[T, V]):
         known = self._values.get(ref.key)
         if known is not None and known[0] is ref:  # not a newer object's entry
             del self._values[ref.key]
+            tables.shrink(self._values)
 
     def __len__(self) -> int:
         return len(self._values)

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from broker.api import status
+from broker.api import status, tables
 from broker.api.status import JobState
 from broker.jobs import aging, creating
 from broker.planning import planning
@@ -438,6 +438,8 @@ class JobBook(creating.Creating):
         self._index_array(entry.record, holding=False)
         if entry.record.status.cluster:
             self._by_cluster.get(entry.record.status.cluster, set()).discard(job_id)
+        for table in (self._entries, self._queued, self._holding, self._finished, self._waiting):
+            tables.shrink(table)
         return True
 
     # ---- applying -----------------------------------------------------------------------
@@ -467,6 +469,7 @@ class JobBook(creating.Creating):
             on = self._by_cluster.get(before.status.cluster)
             if on is not None:
                 on.discard(job_id)
+                tables.shrink(on)
         if after.status.cluster and not state.terminal:
             self._by_cluster.setdefault(after.status.cluster, set()).add(job_id)
         if state == JobState.QUEUED:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import overload
 
-from broker.api import status
+from broker.api import status, tables
 from broker.api.status import JobState
 from broker.jobs import accounting, book, dispatching, fleet, positions, preempting
 from broker.planning import (
@@ -109,6 +109,7 @@ class Waits:
     def drop(self, job_id: str) -> None:
         found = self._jobs.pop(job_id, None)
         if found is not None:
+            tables.shrink(self._jobs)
             self.counts[found[0]] -= 1
             if self.counts[found[0]] <= 0:
                 del self.counts[found[0]]

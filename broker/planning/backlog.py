@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TypeVar
 
+from broker.api import tables
 from broker.planning import bounds, reservation, snapshot
 
 Order = tuple[int, datetime, str]  # (-priority, created, id): the place in its queue
@@ -374,6 +375,7 @@ class Backlog:
         job = self._live.pop(job_id, None)
         if job is not None:
             self._unband(job)
+            tables.shrink(self._live)
         return job
 
     def _unband(self, job: snapshot.PendingJob) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator
 
-from broker.api import status
+from broker.api import status, tables
 from broker.state.history import query as queries
 
 Key = tuple[bool, int, str]  # a Cursor's fields: (live, time in µs, job id)
@@ -47,6 +47,7 @@ class _Ordered:
         old = self.keys.pop(job_id, None)
         if old is not None:
             self._remove(old)
+            tables.shrink(self.keys)
 
     def walk(self, *, newest: bool, after: queries.Cursor | None) -> Iterator[Key]:
         """The keys in order (`newest`: greatest first) after `after` (None: all)."""
@@ -138,6 +139,7 @@ class Held:
         was = self._state_of.pop(job_id, None)
         if was is not None:
             self._states[was].drop(job_id)
+            tables.shrink(self._state_of)
 
     def walk(
         self,

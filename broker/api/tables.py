@@ -1,0 +1,34 @@
+"""Hash tables given back once far emptier than they were: CPython never shrinks a dict or a
+set when entries are deleted, so a book that held 100,000 jobs kept tables of several MiB
+each (a dozen of them: the records, the queued, the order lists keep, the planner's live
+set) for the few jobs left. `shrink`, called where entries leave, rebuilds a table in place
+(same object, so every holder keeps it) once it is at least 8 times the size a table of its
+entries needs and over 64 KiB: each rebuild costs its live entries once and comes only
+after many more deletions than that, so an entry's share stays constant."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+SMALLEST = 64 * 1024  # bytes: tables below this are never rebuilt
+SLACK = 8  # rebuilt once this many times larger than needed
+BYTES_PER_ENTRY = 64  # a generous bound of a fresh dict's (about 56) or set's (about 27)
+
+
+def oversized(size: int, entries: int) -> bool:
+    return size > SMALLEST and size > SLACK * BYTES_PER_ENTRY * (entries + 16)
+
+
+def shrink(table: dict[Any, Any] | set[Any]) -> None:
+    """Rebuild `table` in place if it is oversized for its entries (see the docstring)."""
+    if not oversized(sys.getsizeof(table), len(table)):
+        return
+    if isinstance(table, dict):
+        items = list(table.items())
+        table.clear()
+        table.update(items)
+    else:
+        members = list(table)
+        table.clear()
+        table.update(members)

@@ -1,0 +1,50 @@
+"""Tables given back once far emptier than they were (`broker.api.tables`)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from broker.api import tables
+
+
+@pytest.mark.parametrize("kind", [dict, set])
+def test_a_drained_table_is_rebuilt_in_place_with_its_entries(kind: type) -> None:
+    table = {f"job-{n}": n for n in range(100_000)} if kind is dict else {n for n in range(100_000)}
+    peak = sys.getsizeof(table)
+    for n in range(100_000 - 10):
+        if kind is dict:
+            del table[f"job-{n}"]
+        else:
+            table.discard(n)
+    kept = dict(table) if kind is dict else set(table)
+    same = table
+    tables.shrink(table)
+    assert table is same
+    assert table == kept
+    assert sys.getsizeof(table) < peak / 100
+
+
+def test_a_table_near_its_size_or_small_is_left_alone() -> None:
+    full = {n: n for n in range(100_000)}
+    size = sys.getsizeof(full)
+    tables.shrink(full)
+    assert sys.getsizeof(full) == size
+    small = {n: n for n in range(1000)}
+    for n in range(999):
+        del small[n]
+    size = sys.getsizeof(small)
+    tables.shrink(small)
+    assert sys.getsizeof(small) == size  # under 64 KiB: not worth a rebuild
+
+
+def test_deleting_entry_after_entry_rebuilds_a_few_times_only() -> None:
+    table = {n: n for n in range(200_000)}
+    rebuilt = 0
+    for n in range(200_000):
+        del table[n]
+        before = sys.getsizeof(table)
+        tables.shrink(table)
+        rebuilt += sys.getsizeof(table) < before
+    assert 1 <= rebuilt <= 4  # each rebuild waits for the table to be 8x too big again
