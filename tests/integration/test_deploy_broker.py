@@ -25,6 +25,7 @@ import yaml
 from broker.http import openapi
 from broker.state import opening
 from gpufed import cli
+from gpufed.local import allocator
 from tests.integration.test_deploy_manifests import KUBERNETES_VERSIONS, load_objects, merged
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -295,6 +296,16 @@ def test_traces_go_where_the_otel_values_say() -> None:
 def test_the_broker_runs_on_the_c_allocator_whose_free_pages_it_gives_back() -> None:
     env = {e["name"]: e.get("value") for e in broker_container()["env"]}
     assert env["PYTHONMALLOC"] == "malloc"  # broker.telemetry.garbage trims it
+
+
+def test_the_broker_preloads_the_jemalloc_the_image_links_with_the_local_brokers_settings() -> None:
+    env = {e["name"]: e.get("value") for e in broker_container()["env"]}
+    assert EXAMPLE["allocator"] == "jemalloc"  # the default
+    assert env["MALLOC_CONF"] == allocator.JEMALLOC_CONF  # what e2e/test_allocator runs
+    dockerfile = (ROOT / "member-agent" / "Dockerfile").read_text()
+    [linked] = re.findall(r"ln -s .*? (\S+libjemalloc\.so\.2)\b", dockerfile)
+    assert env["LD_PRELOAD"] == linked
+    assert "apt-get install -y --no-install-recommends libjemalloc2" in dockerfile
 
 
 # -- Service, Ingress and scraping reach the container's port ------------------------------

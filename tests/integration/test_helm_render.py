@@ -435,6 +435,17 @@ def test_sqlite_is_one_broker_on_a_volume_and_nothing_of_etcd(render: Render) ->
     assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
 
 
+def test_the_glibc_allocator_preloads_nothing(render: Render) -> None:
+    env = {
+        e["name"]: e.get("value")
+        for e in broker_container(render("broker", {"allocator": "glibc"}))["env"]
+    }
+    assert env["PYTHONMALLOC"] == "malloc"
+    assert not {"LD_PRELOAD", "MALLOC_CONF"} & env.keys()
+    with pytest.raises(jsonschema.ValidationError, match="'tcmalloc' is not one of"):
+        render("broker", {"allocator": "tcmalloc"})
+
+
 def test_the_schema_keeps_sqlite_to_one_broker(render: Render) -> None:
     with pytest.raises(jsonschema.ValidationError, match="3 is greater than the maximum of 1"):
         render("broker", {"store": {"type": "sqlite"}})
