@@ -82,11 +82,12 @@ class IdempotencyEntry:
 def body_digest(job: jobs.GPUJob) -> str:
     """sha256 of the job's canonical JSON (by alias, keys sorted, defaults left out): one
     digest for the same job sent as JSON or YAML, in any key order, with its defaults spelt out
-    or not — and the same after an upgrade that adds a field with a default."""
+    or not — and the same after an upgrade that adds a field with a default. Read from the
+    spec's JSON the store's record is written with (`_SPECS`, the same dump), not dumped
+    again: the JSON's values are what `model_dump(mode="json")` gives, only their key order
+    may differ, and sorting them is what makes the text canonical."""
     canonical = json.dumps(
-        job.model_dump(mode="json", by_alias=True, exclude_defaults=True),
-        sort_keys=True,
-        separators=(",", ":"),
+        json.loads(_SPECS.get(job, _spec_json)), sort_keys=True, separators=(",", ":")
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from broker.api import status
+from broker.api import jobs, status
 from broker.state import records
 from tests.builders import make_job
 
@@ -65,3 +65,23 @@ def test_a_field_set_away_from_its_default_is_written_and_read_back() -> None:
     assert written["job"]["spec"]["priority"] == 5
     assert written["status"]["cancelRequested"] is True
     assert records.decode_record(records.job_key(record.id), records.encode(record)) == record
+
+
+# Digests the broker of commit a8fede6 (before they were read from the spec's stored JSON)
+# computed: an Idempotency-Key stored by it must replay, not refuse, the same body after an
+# upgrade (`creating`: a key with another body's digest is IdempotencyKeyReused).
+PREVIOUS_DIGEST = "85745c94927f386cecd4f5368c1e626b01a510139f86122bef0791b7bda4ebe8"
+ANNOTATED_DIGEST = "676cacf531d7c930201e5273cf88b7afd432f9ed06c2f8780041f3c4a5e08be3"
+
+
+def test_a_body_digest_is_what_the_previous_release_stored() -> None:
+    _, record = previous()
+    assert records.body_digest(record.job) == PREVIOUS_DIGEST
+    document = make_job("gold", gpus=2).document()
+    document["spec"]["priority"] = 7
+    template = document["spec"]["tasks"][0]["template"]
+    template.setdefault("metadata", {})["annotations"] = {"note": 'Zürich ✓ "quoted"'}
+    job = jobs.GPUJob.model_validate(document)
+    assert records.body_digest(job) == ANNOTATED_DIGEST
+    records.encode(status.JobRecord(id="gold-1", tenant="t", job=job))  # the spec's JSON memoized
+    assert records.body_digest(job) == ANNOTATED_DIGEST
