@@ -16,19 +16,11 @@ SLACK = 8  # rebuilt once this many times larger than needed
 BYTES_PER_ENTRY = 64  # a generous bound of a fresh dict's (about 56) or set's (about 27)
 
 
-def oversized(size: int, entries: int) -> bool:
-    return size > SMALLEST and size > SLACK * BYTES_PER_ENTRY * (entries + 16)
-
-
 def shrink(table: dict[Any, Any] | set[Any]) -> None:
     """Rebuild `table` in place if it is oversized for its entries (see the docstring)."""
-    if not oversized(sys.getsizeof(table), len(table)):
+    size = sys.getsizeof(table)
+    if size <= SMALLEST or size <= SLACK * BYTES_PER_ENTRY * (len(table) + 16):
         return
-    if isinstance(table, dict):
-        items = list(table.items())
-        table.clear()
-        table.update(items)
-    else:
-        members = list(table)
-        table.clear()
-        table.update(members)
+    kept = list(table.items()) if isinstance(table, dict) else list(table)
+    table.clear()
+    table.update(kept)  # a dict takes back its pairs, a set its members
