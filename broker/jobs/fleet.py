@@ -54,6 +54,73 @@ class InFlight:
     accepted: bool = False
 
 
+class Offers(dict[str, InFlight]):
+    """A cluster's offers in flight, by job id, in the order sent: a dict that counts what
+    leaves it (`removals`: an offer popped, deleted, replaced or cleared), so that a kept
+    capacity knows in O(1) whether it still holds only offers deducted once; and how many
+    of them the agent accepted (`accepted`), so the unanswered ones are counted in O(1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.removals = 0
+        self.accepted = 0
+
+    @property
+    def unanswered(self) -> int:
+        return len(self) - self.accepted
+
+    def accept(self, job_id: str) -> bool:
+        """Mark the job's offer accepted; False if it is not here or was already."""
+        flight = self.get(job_id)
+        if flight is None or flight.accepted:
+            return False
+        flight.accepted = True
+        self.accepted += 1
+        return True
+
+    def _left(self, flight: InFlight) -> None:
+        self.removals += 1
+        self.accepted -= flight.accepted
+
+    def __setitem__(self, job_id: str, flight: InFlight) -> None:
+        old = self.get(job_id)
+        if old is not None:  # replaced: it keeps its old place, so it counts as gone
+            self._left(old)
+        super().__setitem__(job_id, flight)
+        self.accepted += flight.accepted
+
+    def __delitem__(self, job_id: str) -> None:
+        self._left(self[job_id])
+        super().__delitem__(job_id)
+
+    def pop(self, job_id: str, default: Any = None) -> Any:
+        flight = super().pop(job_id, None)
+        if flight is None:
+            return default
+        self._left(flight)
+        return flight
+
+    def clear(self) -> None:
+        if self:
+            self.removals += 1
+        super().clear()
+        self.accepted = 0
+
+    def popitem(self) -> tuple[str, InFlight]:
+        job_id, flight = super().popitem()
+        self._left(flight)
+        return job_id, flight
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for job_id, flight in dict(*args, **kwargs).items():
+            self[job_id] = flight
+
+    def setdefault(self, job_id: str, default: InFlight) -> InFlight:
+        if job_id not in self:
+            self[job_id] = default
+        return self[job_id]
+
+
 @dataclass
 class Cluster:
     name: str
@@ -63,7 +130,7 @@ class Cluster:
     last_seen: float = 0.0
     disconnected_at: float | None = None
     lost: bool = False
-    inflight: dict[str, InFlight] = field(default_factory=dict)
+    inflight: Offers = field(default_factory=Offers)
     # how many offers may be out unanswered (None: the fleet's `max_offers_in_flight`)
     offer_window: float | None = None
     window_cut_at: float = 0.0  # monotonic: when the window was last halved
@@ -79,11 +146,13 @@ class Cluster:
     behind_since: float = 0.0  # monotonic: since when (`behind`)
     unapplied: int = 0  # the current session's messages read, not yet applied
     applied_read_at: float = 0.0  # monotonic: when the last one applied was read
-    # the capacity of `summary` with the offers of `_assumed` deducted (`capacity`): a cycle
-    # deducts only the offers sent since; a new summary, or an offer gone, starts it again
+    # the capacity of `summary` with the first `_assumed` offers of `inflight` deducted
+    # (`capacity`), as of `_removals_seen` of its removals: a cycle deducts only the offers
+    # sent since; a new summary, or an offer gone, starts it again
     _view: snapshot.ClusterCapacity | None = field(default=None, repr=False)
     _view_of: inventory.ClusterSummary | None = field(default=None, repr=False)
-    _assumed: dict[str, InFlight] = field(default_factory=dict, repr=False)
+    _assumed: int = field(default=0, repr=False)
+    _removals_seen: int = field(default=-1, repr=False)
     _accepted: list[str] = field(default_factory=list, repr=False)  # since the last summary
 
     def forget_offers(self) -> None:
@@ -94,10 +163,8 @@ class Cluster:
     def accept(self, job_id: str) -> bool:
         """The agent accepted the job's offer: it stays deducted until the next summary (which
         shows the placement). False if no such offer waited for an answer."""
-        flight = self.inflight.get(job_id)
-        if flight is None or flight.accepted:
+        if not self.inflight.accept(job_id):
             return False
-        flight.accepted = True
         self._accepted.append(job_id)
         return True
 
@@ -106,20 +173,21 @@ class Cluster:
         a copy of its own for the caller (a planning cycle changes its snapshot)."""
         assert self.summary is not None
         inflight = self.inflight
-        view, assumed = self._view, self._assumed
+        view = self._view
         self._view = None  # kept only whole: after a deduction that raises, built again
         if (
             view is None
             or self._view_of is not self.summary
-            or not assumed.items() <= inflight.items()
+            or self._removals_seen != inflight.removals
         ):
             view = snapshot.ClusterCapacity.from_summary(self.summary, healthy=True)
             for flight in inflight.values():
                 fitting.assume(view, flight.fit)
         else:  # none gone since: the offers sent since are the last ones (dicts keep order)
-            for flight in itertools.islice(inflight.values(), len(assumed), None):
+            for flight in itertools.islice(inflight.values(), self._assumed, None):
                 fitting.assume(view, flight.fit)
-        self._view, self._view_of, self._assumed = view, self.summary, dict(inflight)
+        self._view, self._view_of = view, self.summary
+        self._assumed, self._removals_seen = len(inflight), inflight.removals
         return view.copy()
 
     def silent_for(self, now: float) -> float:
@@ -399,7 +467,7 @@ class Fleet:
                 continue
             try:
                 capacity = cluster.capacity()
-                unanswered = sum(not flight.accepted for flight in cluster.inflight.values())
+                unanswered = cluster.inflight.unanswered
                 window = self.offer_window(cluster)
                 if window is not None:
                     capacity.offer_slots = max(0, window - unanswered)

@@ -34,7 +34,15 @@ def weighted_capacity(ledger: quotas.Ledger, cohort: str) -> float:
 
 
 def dominant_share(ledger: quotas.Ledger, queue: str) -> float:
-    """The queue's weighted dominant share of its cohort, divided by its weight."""
+    """The queue's weighted dominant share of its cohort, divided by its weight (kept in
+    the ledger until `Ledger.charge` changes the queue's usage)."""
+    share = ledger.shares.get(queue)
+    if share is None:
+        share = ledger.shares[queue] = _dominant_share(ledger, queue)
+    return share
+
+
+def _dominant_share(ledger: quotas.Ledger, queue: str) -> float:
     total = weighted_capacity(ledger, ledger.cohort_of(queue))
     if total <= 0:
         return 0.0

@@ -204,6 +204,9 @@ class Ledger:
     job_counts: dict[str, int] = field(default_factory=dict)  # queue -> jobs holding GPUs
     declared: dict[str, frozenset[str]] = field(default_factory=dict)  # cohort -> capped models
     held: Usage | None = None  # what the ledger started from
+    # queue -> its dominant share (`fairshare.dominant_share`), until its usage changes:
+    # the cycle orders its queues by it after every job it handles
+    shares: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -251,6 +254,7 @@ class Ledger:
     def charge(self, queue: str, gpus: Mapping[str, int], *, sign: int = 1) -> None:
         held = self.usage.setdefault(queue, {})
         pooled = self.cohort_usage.setdefault(self.cohort_of(queue), {})
+        self.shares.pop(queue, None)
         for model, count in gpus.items():
             held[model] = held.get(model, 0) + sign * count
             pooled[model] = pooled.get(model, 0) + sign * count

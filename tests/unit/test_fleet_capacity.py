@@ -44,8 +44,10 @@ def test_the_kept_capacity_reads_as_if_built_whole_each_cycle() -> None:
         if step < 0.45:  # an offer sent
             n += 1
             cluster.inflight[f"j{n}"] = offer(rng.choice([1, 2, 4, 8]), rng.choice([None, "r1"]))
-        elif step < 0.6 and cluster.inflight:  # an offer rejected or timed out
+        elif step < 0.55 and cluster.inflight:  # an offer rejected or timed out
             cluster.inflight.pop(rng.choice(list(cluster.inflight)))
+        elif step < 0.6 and cluster.inflight:  # withdrawn once a summary showed it
+            del cluster.inflight[rng.choice(list(cluster.inflight))]
         elif step < 0.7 and cluster.inflight:  # the same job offered again, another fit
             cluster.inflight[rng.choice(list(cluster.inflight))] = offer(rng.choice([1, 8]))
         elif step < 0.8 and cluster.inflight:  # accepted: left out once a summary shows it
@@ -56,6 +58,8 @@ def test_the_kept_capacity_reads_as_if_built_whole_each_cycle() -> None:
         elif step < 0.9:
             cluster.forget_offers()  # the session ended
         assert cluster.capacity() == whole(cluster)
+        unanswered = sum(not f.accepted for f in cluster.inflight.values())
+        assert cluster.inflight.unanswered == unanswered  # counted, not walked
         if step >= 0.8 and step < 0.87:
             assert not any(f.accepted for f in cluster.inflight.values())  # shown in it now
 

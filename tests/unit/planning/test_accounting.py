@@ -91,6 +91,20 @@ def test_dominant_share_weighs_models_and_queues() -> None:
     assert fairshare.dominant_share(book, "idle") == 0
 
 
+def test_a_kept_dominant_share_follows_every_charge() -> None:
+    queues = config(queue("a"), queue("b"), modelWeights={H100: 4, T4: 1})
+    book = ledger(queues, {"a": {H100: 8}}, {H100: 16, T4: 64})
+    total = 4 * 16 + 1 * 64
+    assert fairshare.dominant_share(book, "a") == pytest.approx(32 / total)
+    assert fairshare.dominant_share(book, "b") == 0
+    book.charge("a", {H100: 4})  # placed in the cycle
+    book.charge("b", {T4: 40})
+    assert fairshare.dominant_share(book, "a") == pytest.approx(48 / total)
+    assert fairshare.dominant_share(book, "b") == pytest.approx(40 / total)
+    book.charge("a", {H100: 12}, sign=-1)  # a victim's GPUs given back
+    assert fairshare.dominant_share(book, "a") == 0
+
+
 def test_fair_shares_split_the_cohort_among_active_queues_by_weight() -> None:
     queues = config(queue("a"), queue("b"), queue("c", weight=2), queue("idle"))
     book = ledger(queues, {}, {H100: 96})
