@@ -1,7 +1,7 @@
 """End-to-end throughput and latency with real processes: etcd, a broker, 3 simulated clusters.
 
     .venv/bin/python -m e2e.bench_throughput [--store etcd|sqlite] [--jobs 2000] [--rate 200]
-                                             [--batch N] [--backlog N]
+                                             [--batch N] [--backlog N] [--replicas N]
 
 Two runs, figures printed (no assertions; these machines are shared and noisy):
 1. burst: submit `--jobs` gang jobs (`--pods` pods of 1 GPU each) as fast as 64 clients can,
@@ -18,12 +18,18 @@ nodes of 8) are queued first, in batches of 1,000 in the same queue, and the sch
 time to plan each of them once; then the paced run measures the jobs that fit with the
 backlog waiting beside them (issue 12: submit->dispatched p99 <= 50 ms at 200 jobs/s with
 100,000 queued). The broker's RSS is printed before and after the backlog.
+
+With `--replicas N` (etcd), N brokers share the store: the clients send every submit to the
+followers, round robin, which validate and store them (`POST /v1/jobs` on any replica); the
+leader schedules, dispatches and applies the agents' reports (they follow it), and learns of
+the followers' jobs from its watch. CPU per job is printed for each replica.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
@@ -36,12 +42,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e import helpers
+from gpufed import client
 from gpufed.local import processes
 from tests import etcdserver
 
 CLUSTERS = ["bench-a", "bench-b", "bench-c"]
 PACED = 10_000_000  # paced jobs are numbered from here, backlog jobs from BACKLOG
 BACKLOG = 20_000_000
+ETCD: etcdserver.EtcdServer | None = None  # the run's store, for its CPU time
 
 
 def write_cluster(path: Path, name: str, nodes: int) -> None:
@@ -136,11 +144,18 @@ async def accepted_offers(fleet: processes.LocalFleet) -> int:
     return int(max(accepted, running))
 
 
+def submit_urls(fleet: processes.LocalFleet) -> list[str]:
+    """Where the clients send their submits: the followers, if there are any (`fleet.url`
+    is the leader's), else the broker."""
+    return [url for url in fleet.urls if url != fleet.url] or [fleet.url]
+
+
 async def burst(
     fleet: processes.LocalFleet, jobs: int, pods: int, *, batch: int = 0, first: int = 0
 ) -> tuple[float, float]:
     """Submit `jobs` jobs (numbered from `first`): through the single route from 64 clients,
-    or (`batch` N) in batches of N from 8; returns (submits/s, pods placed/s)."""
+    or (`batch` N) in batches of N from 8, spread over `submit_urls`; returns (submits/s,
+    pods placed/s)."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     numbers = list(range(first, first + jobs))
     size = batch or 1
@@ -148,9 +163,15 @@ async def burst(
         queue.put_nowait(numbers[start : start + size])
     refused = 0
     placed_before = await accepted_offers(fleet)
-    async with fleet.client("bench") as api:
+    pids = processes_of(fleet)
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    async with contextlib.AsyncExitStack() as stack:
+        apis = [
+            await stack.enter_async_context(fleet.client("bench", url=url))
+            for url in submit_urls(fleet)
+        ]
 
-        async def worker() -> None:
+        async def worker(api: client.BrokerClient) -> None:
             nonlocal refused
             while not queue.empty():
                 chunk = queue.get_nowait()
@@ -161,7 +182,7 @@ async def burst(
                 refused += answer["failed"]
 
         started = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(8 if batch else 64)])
+        await asyncio.gather(*[worker(apis[n % len(apis)]) for n in range(8 if batch else 64)])
         submitted = time.perf_counter() - started
         while True:
             placed = await accepted_offers(fleet) - placed_before
@@ -172,11 +193,18 @@ async def burst(
                 break
             await asyncio.sleep(0.05)
         elapsed = time.perf_counter() - started
+    spent = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
     route = f"batches of {batch}" if batch else "single route"
     print(
         f"burst ({route}): {jobs} jobs x {pods} pods submitted in {submitted:.2f}s "
         f"({jobs / submitted:.0f} jobs/s{f', {refused} refused' if refused else ''}); "
         f"all {jobs * pods} pods placed in {elapsed:.2f}s = {jobs * pods / elapsed:.0f} pods/s"
+    )
+    print(
+        f"burst ({route}): CPU ms per job, submit to last placed: "
+        + ", ".join(f"{name} {s * 1000 / jobs:.2f}" for name, s in sorted(spent.items()))
+        + f" (all {sum(spent.values()) * 1000 / jobs:.2f}; {sum(spent.values()) / elapsed:.2f}"
+        " cores busy)"
     )
     return jobs / submitted, jobs * pods / elapsed
 
@@ -241,10 +269,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 def processes_of(fleet: processes.LocalFleet) -> dict[str, int]:
-    """Name -> pid of the fleet's broker and agents, and of this process (the client)."""
+    """Name -> pid of the fleet's broker (or replicas: `leader`, `follower-N`) and agents,
+    and of this process (the client)."""
     out = {"client": os.getpid()}
     if fleet.broker is not None:
         out["broker"] = fleet.broker.process.pid
+    followers = (b for b in fleet.brokers if b.url != fleet.url)
+    out.update({f"follower-{n}": b.process.pid for n, b in enumerate(followers, 1)})
+    out.update({"leader": b.process.pid for b in fleet.brokers if b.url == fleet.url})  # noqa: B035
+    if ETCD is not None and ETCD.process is not None:
+        out["etcd"] = ETCD.process.pid
     out.update({name: agent.process.pid for name, agent in fleet.agents.items()})
     return out
 
@@ -253,14 +287,18 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
     total = int(rate * seconds)
     pids = processes_of(fleet)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    async with fleet.client("bench") as api:
+    urls = submit_urls(fleet)
+    async with contextlib.AsyncExitStack() as stack:
+        apis = [await stack.enter_async_context(fleet.client("bench", url=u)) for u in urls]
+        api = apis[0]
         started = time.perf_counter()
         tasks = []
         for n in range(total):
             delay = started + n / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(api.submit(job_doc(PACED + n, 1))))
+            submit = apis[n % len(apis)].submit(job_doc(PACED + n, 1))
+            tasks.append(asyncio.create_task(submit))
         ids = {r["id"] for r in await asyncio.gather(*tasks)}
         achieved = total / (time.perf_counter() - started)
         await asyncio.sleep(1.0)  # the last offers placed
@@ -287,18 +325,25 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
 
 async def main(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="gpufed-bench-"))
-    server = etcdserver.EtcdServer.start() if args.store == "etcd" else None
+    global ETCD
+    server = ETCD = etcdserver.EtcdServer.start() if args.store == "etcd" else None
     fleet = processes.LocalFleet(workdir=workdir, store=server.url if server else "")
     try:
         fleet.write_tokens(tenants=["bench"], clusters=CLUSTERS)
-        await fleet.start_broker()
+        if args.replicas > 1:
+            await fleet.start_brokers(args.replicas)
+            leader = await fleet.leader()
+            fleet.port = int(leader.url.rsplit(":", 1)[1])  # fleet.url: the leader's /metrics
+        else:
+            await fleet.start_broker()
         for name in CLUSTERS:
             write_cluster(workdir / f"{name}.yaml", name, args.nodes)
             await fleet.start_agent(name, workdir / f"{name}.yaml")
         await fleet.wait_clusters_ready(CLUSTERS, timeout=120)
         print(
             f"store={args.store}, 3 clusters x {args.nodes} nodes x 8 GPUs, 2 cores shared by "
-            f"client, broker, agents{' and etcd' if server else ''}"
+            f"client, {f'{args.replicas} brokers' if args.replicas > 1 else 'broker'}, "
+            f"agents{' and etcd' if server else ''}"
         )
         if args.backlog:
             await backlog(fleet, args.backlog)
@@ -341,4 +386,16 @@ if __name__ == "__main__":
         metavar="N",
         help="first queue N gangs that fit nowhere, to measure the jobs that fit beside them",
     )
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N brokers on the etcd store; submits go to the followers, the leader schedules",
+    )
+    arguments = parser.parse_args()
+    if arguments.replicas > 1 and arguments.store != "etcd":
+        parser.error("--replicas needs --store etcd (SQLite is one replica)")
+    if arguments.replicas > 1 and arguments.backlog:
+        parser.error("--backlog measures one broker: leave out --replicas")
+    asyncio.run(main(arguments))
