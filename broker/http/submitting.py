@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
+import os
+import random
 import string
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -45,12 +46,16 @@ KEY_HEADER = "Idempotency-Key"
 ITEMS_PER_TURN = 100
 _ID_CHARS = string.ascii_lowercase + string.digits
 _ITEM_FIELDS = frozenset({"job", "idempotencyKey"})
+# a job id's random part: drawn from a generator seeded once from the OS (ids must not
+# repeat, and a tenant reads only its own jobs whatever their ids), not from `secrets`, a
+# system call each
+_IDS = random.Random(os.urandom(32))
 
 
 def new_job_id(name: str, *, length: int = 59) -> str:
     """A new id from a name: at most `length` characters, 8 random ones at the end."""
     head = name[: length - 9].rstrip("-")
-    number = secrets.randbelow(len(_ID_CHARS) ** 8)  # one draw, not one per character
+    number = _IDS.randrange(len(_ID_CHARS) ** 8)  # one draw, not one per character
     tail = []
     for _ in range(8):
         number, digit = divmod(number, len(_ID_CHARS))

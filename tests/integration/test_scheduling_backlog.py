@@ -5,6 +5,7 @@ cycle, exactly what one that plans every job every cycle dispatches."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -205,3 +206,30 @@ async def test_parking_dispatches_what_the_full_replan_dispatches(
     assert len(broker.dispatched()) >= 3
     assert most_parked >= 2
     assert twin.parked() == set()
+
+
+async def test_the_recount_of_holdings_takes_at_most_its_share_of_the_time(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Accounting.resync` walks every job holding GPUs: however many there are, the cycles
+    recount no more than `RESYNC_SHARE` of the time, and at least every `resync_every`."""
+    recounts: list[float] = []
+    clock = [1000.0]
+    counted = broker.jobs.accounts.resync
+
+    def slow_recount() -> None:  # as 20,000 holders would: 0.2 s of the clock
+        recounts.append(clock[0])
+        counted()
+        clock[0] += 0.2
+
+    monkeypatch.setattr(broker.jobs.accounts, "resync", slow_recount)
+    monkeypatch.setattr(scheduling.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scheduling.time, "perf_counter", lambda: clock[0])
+    broker.scheduler._resynced_at = clock[0]
+    for _ in range(700):  # cycles over 70 s of the clock
+        await broker.scheduler.run_cycle()
+        clock[0] += 0.1
+    gaps = [b - a for a, b in itertools.pairwise(recounts)]
+    assert recounts and recounts[0] == pytest.approx(1005.0, abs=0.15)  # after resync_every
+    assert len(gaps) >= 2 and all(g >= 0.2 / scheduling.RESYNC_SHARE for g in gaps), gaps
+    assert all(g <= 0.2 / scheduling.RESYNC_SHARE + 0.5 for g in gaps), gaps  # not starved
