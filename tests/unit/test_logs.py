@@ -172,3 +172,87 @@ def test_a_lines_time_is_written_as_isoformat_writes_it(created: float) -> None:
     expected = datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
     assert stamp(created) == expected
     assert stamp(created) == expected  # and again, from the cache
+
+
+class Writes(io.StringIO):
+    """A stream that keeps each write apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+@pytest.fixture
+def turns() -> Iterator[tuple[logging.Logger, Writes]]:
+    out = Writes()
+    handler = logs.TurnHandler(out)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("gpufed.test_logs.turns")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield logger, out
+    finally:
+        logger.removeHandler(handler)
+
+
+async def test_lines_of_one_turn_of_the_loop_are_written_together_at_its_end(
+    turns: tuple[logging.Logger, Writes],
+) -> None:
+    logger, out = turns
+    for n in range(3):
+        logger.info("line %d", n)
+    assert out.writes == []  # held until the turn ends
+    await asyncio.sleep(0)
+    assert out.writes == ["line 0\nline 1\nline 2\n"]
+    logger.info("line 3")
+    await asyncio.sleep(0)
+    assert out.getvalue().splitlines() == [f"line {n}" for n in range(4)]
+
+
+async def test_a_warning_is_written_at_once_after_the_lines_before_it(
+    turns: tuple[logging.Logger, Writes],
+) -> None:
+    logger, out = turns
+    logger.info("before")
+    logger.warning("the warning")
+    assert out.getvalue().splitlines() == ["before", "the warning"]  # no turn needed
+    await asyncio.sleep(0)
+    assert out.getvalue().splitlines() == ["before", "the warning"]  # nothing twice
+
+
+async def test_a_line_from_another_thread_is_written_at_once_in_order(
+    turns: tuple[logging.Logger, Writes],
+) -> None:
+    logger, out = turns
+    logger.info("from the loop")
+    await asyncio.to_thread(logger.info, "from a thread")  # the loop turns while it waits
+    logger.info("the loop again")
+
+    def log_and_read() -> str:
+        logger.info("thread 2")
+        return out.getvalue()  # written at once: no turn of the loop between
+
+    assert (await asyncio.to_thread(log_and_read)).splitlines() == [
+        "from the loop",
+        "from a thread",
+        "the loop again",
+        "thread 2",
+    ]
+
+
+async def test_lines_held_when_the_process_exits_are_written(
+    turns: tuple[logging.Logger, Writes],
+) -> None:
+    logger, out = turns
+    logger.info("the last line")
+    assert out.writes == []  # held: the turn has not ended
+    logging.shutdown([lambda: logger.handlers[0]])  # what the atexit hook does, first
+    assert out.getvalue().splitlines() == ["the last line"]
+    await asyncio.sleep(0)  # the turn's own write finds nothing more
+    assert out.getvalue().splitlines() == ["the last line"]
