@@ -10,6 +10,8 @@ Printed (no assertions; these machines are shared and noisy): sustained pods/s (
 Running to last Succeeded), submits/s, submit → Running p50/p99 (the broker's own event times,
 read back through the paged list, history included), broker RSS at start, peak and at the end
 once `--retain` has passed (then the history's idle time and a minute: the collector's trim),
+each agent's RSS at start, peak and end (its finished pods deleted `--retain` after their
+report, `--finished-pods-ttl`),
 CPU per job from the first submit to the last job finished (the broker, of it the
 garbage collector's pauses, the agents together: less noisy than pods/s on a shared
 machine), etcd's database size (compacted, in use) and key count, the history's size and
@@ -64,7 +66,7 @@ def event_time(job: dict[str, Any], state: str) -> datetime | None:
 
 
 class Sampler:
-    """The broker's RSS every half second: start, peak, latest."""
+    """A process's RSS every half second: start, peak, latest."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -169,11 +171,13 @@ async def run(args: argparse.Namespace) -> None:
         for name in CLUSTERS:
             nodes = work / f"{name}.yaml"
             bench_throughput.write_cluster(nodes, name, args.nodes)
-            await fleet.start_agent(name, nodes)
+            await fleet.start_agent(name, nodes, "--finished-pods-ttl", args.retain)
         await fleet.wait_clusters_ready(CLUSTERS, timeout=120)
         _, etcd_start, _ = await etcd_size(server.url)
         sampler = Sampler(broker.process.pid)
-        sampling = asyncio.create_task(sampler.run())
+        agent_samplers = {name: Sampler(fleet.agents[name].process.pid) for name in CLUSTERS}
+        samplers = [sampler, *agent_samplers.values()]
+        sampling = [asyncio.create_task(s.run()) for s in samplers]
         rand = random.Random(1)
         items = [job_item(n, rand) for n in range(args.jobs)]
         print(
@@ -209,7 +213,8 @@ async def run(args: argparse.Namespace) -> None:
             passes = 2 * min(60.0, max(0.5, retain / 10))
             idle = sqlite_history.IDLE_SECONDS
             await asyncio.sleep(retain + passes + idle + garbage.TRIM_EVERY_SECONDS + 5)
-        sampling.cancel()
+        for task in sampling:
+            task.cancel()
 
         count: int = args.jobs
 
@@ -232,6 +237,13 @@ async def run(args: argparse.Namespace) -> None:
             f"{percentile(waits, 0.99) * 1000:.0f} ms\n"
             f"broker RSS start {sampler.start:.0f} MiB, peak {sampler.peak:.0f} MiB, end "
             f"{bench_throughput.rss_mib(broker.process.pid):.0f} MiB (after retention)\n"
+            f"agents RSS start/peak/end: "
+            + ", ".join(
+                f"{name} {a.start:.0f}/{a.peak:.0f}/"
+                f"{bench_throughput.rss_mib(fleet.agents[name].process.pid):.0f} MiB"
+                for name, a in agent_samplers.items()
+            )
+            + "\n"
             f"CPU per job, submit to the last finished: broker {per_job(cpu['broker']):.2f} ms "
             f"(garbage collector pauses {per_job(gc_spent):.2f} ms), agents "
             f"{per_job(sum(v for n, v in cpu.items() if n in CLUSTERS)):.2f} ms\n"

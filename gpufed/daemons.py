@@ -224,6 +224,15 @@ def add_agent_parser(sub: Any) -> None:
         "(GPUs already unhealthy when the agent starts are not counted)",
     )
     agent.add_argument(
+        "--finished-pods-ttl",
+        type=duration_or_never,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long the pods of a finished job stay in the cluster (for their logs) after "
+        "the broker has its final report, then the agent deletes them (600: 10m; 0: at "
+        "once; never: left to the cluster's own terminated-pod collection)",
+    )
+    agent.add_argument(
         "--cordon-window",
         type=duration,
         default=3600.0,
@@ -315,6 +324,11 @@ def duration(text: str) -> float:
     if not 0 <= seconds < float("inf"):  # NaN fails both
         raise argparse.ArgumentTypeError(f"{text!r}: a duration of 0 or more")
     return seconds
+
+
+def duration_or_never(text: str) -> float | None:
+    """A `duration`, or None for `never`."""
+    return None if text.strip().lower() == "never" else duration(text)
 
 
 def key_value(text: str) -> tuple[str, str]:
@@ -562,6 +576,7 @@ def agent_settings(args: argparse.Namespace) -> Any:
             "gpu_health_conditions": args.gpu_health_conditions,
             "freeze_gc": True,
             "fence_after_seconds": args.fence_after,
+            "finished_pods_ttl_seconds": args.finished_pods_ttl,
             "journal_file": args.sim_journal,
             "proxy_url": args.proxy,
             "dcgm_urls": args.dcgm_urls or [],

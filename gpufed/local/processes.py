@@ -185,7 +185,7 @@ class LocalFleet:
 
     async def _spawn_broker(self, name: str, port: int) -> Service:
         # the C allocator, jemalloc where the system has it (`allocator`)
-        env = {**allocator.broker_env(os.environ), **(self.env or {})}
+        env = {**allocator.service_env(os.environ), **(self.env or {})}
         service = await spawn(name, self._broker_args(port), workdir=self.workdir, env=env)
         service.url = f"{self.scheme}://127.0.0.1:{port}"
         return service
@@ -280,7 +280,7 @@ class LocalFleet:
                 *extra,
             ],
             workdir=self.workdir,
-            env=self.env,
+            env={**allocator.service_env(os.environ), **(self.env or {})},  # as the broker's
         )
         self.agents[cluster] = service
         return service

@@ -107,6 +107,12 @@ class AgentSettings(BaseModel):
     failure_grace_seconds: Annotated[float, Field(ge=0)] = Field(
         30.0, description="grace of the pods deleted when a gang fails"
     )
+    finished_pods_ttl_seconds: Annotated[float, Field(ge=0)] | None = Field(
+        handling.FINISHED_PODS_TTL_SECONDS,
+        description="the pods of a finished job are deleted this long after the broker "
+        "acknowledged its final report (kept meanwhile for their logs); None: never (the "
+        "cluster's own terminated-pod collection only)",
+    )
     policy: str = "default"
     kubeconfig: str | None = Field(None, description="kubernetes backend; None: in-cluster")
     kube_context: str | None = None
@@ -365,6 +371,7 @@ async def run_agent(
             agent_limits=agent_limits,
             on_change=reporter.mark_dirty,
             failure_grace_seconds=settings.failure_grace_seconds,
+            finished_pods_ttl_seconds=settings.finished_pods_ttl_seconds,
             policy=settings.policy,
         )
         stack.push_async_callback(handler.close)

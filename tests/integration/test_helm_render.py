@@ -560,6 +560,31 @@ def test_the_agent_reports_the_cluster_labels_of_its_values(render: Render) -> N
     assert agent_settings(render("member-agent", {})).cluster_labels == {"region": "us-east"}
 
 
+def test_the_agent_deletes_finished_pods_after_the_ttl_of_its_values(render: Render) -> None:
+    assert agent_settings(render("member-agent", {})).finished_pods_ttl_seconds == 600.0
+    hour = agent_settings(render("member-agent", {"finishedPodsTTL": "1h"}))
+    assert hour.finished_pods_ttl_seconds == 3600.0
+    kept = agent_settings(render("member-agent", {"finishedPodsTTL": "never"}))
+    assert kept.finished_pods_ttl_seconds is None
+    with pytest.raises(jsonschema.ValidationError, match="'soon' does not match"):
+        render("member-agent", {"finishedPodsTTL": "soon"})
+
+
+def test_the_agent_preloads_jemalloc_as_the_broker_does(render: Render) -> None:
+    def env_of(values: dict[str, Any]) -> dict[str, Any]:
+        spec = render("member-agent", values).one("Deployment", AGENT)["spec"]["template"]["spec"]
+        [container] = spec["containers"]
+        return {e["name"]: e.get("value") for e in container["env"]}
+
+    broker_env = {e["name"]: e.get("value") for e in broker_container(render("broker", {}))["env"]}
+    agent_env = env_of({})  # the default: jemalloc
+    for name in ("PYTHONMALLOC", "LD_PRELOAD", "MALLOC_CONF"):
+        assert agent_env[name] == broker_env[name], name
+    assert not {"PYTHONMALLOC", "LD_PRELOAD", "MALLOC_CONF"} & env_of({"allocator": "glibc"}).keys()
+    with pytest.raises(jsonschema.ValidationError, match="'tcmalloc' is not one of"):
+        render("member-agent", {"allocator": "tcmalloc"})
+
+
 AGENT = "gpufed-member-agent"
 RESOURCE = "resource.k8s.io"
 EVENTS = "events.k8s.io"

@@ -1,9 +1,11 @@
 """The agent's job handler on the Kubernetes backend, against kmock's emulator over real HTTP:
-ResourceQuotas on GPUs refuse an offer before anything is created, and a restarted agent finds
-its jobs in the pods it created."""
+ResourceQuotas on GPUs refuse an offer before anything is created, a finished job's pods are
+deleted once their TTL after the broker's acknowledgement has passed, and a restarted agent
+finds its jobs in the pods it created."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +35,13 @@ class Agent:
         self, backend: k8s.KubernetesBackend, agent_limits: limits.AgentLimits | None = None
     ) -> None:
         self.sent: list[messages.Message] = []
+        self.now = 1000.0
         self.handler = handling.JobHandler(
-            backend, send=self._send, agent_limits=agent_limits, failure_grace_seconds=0
+            backend,
+            send=self._send,
+            agent_limits=agent_limits,
+            failure_grace_seconds=0,
+            clock=lambda: self.now,
         )
 
     def _send(
@@ -143,6 +150,41 @@ async def test_an_offer_within_the_quota_runs_and_then_counts_against_it(
     assert isinstance(second, messages.Rejected)
     assert "8 used, 4 left" in second.reasons[0]
     assert len(emulator.requests_of("create", "pods")) == 1
+
+
+# -- finished pods -------------------------------------------------------------------------
+
+
+async def test_a_finished_jobs_pod_is_deleted_once_its_ttl_has_passed(
+    kube: Kube, start: Start
+) -> None:
+    emulator, _ = kube
+    await emulator.add_node("n1", gpus=8)
+    backend = await start()
+    agent = Agent(backend)
+    handler = agent.handler
+    handler.finished_pods_ttl = 120.0
+    assert isinstance(await agent.offer("j1", gpus=1), messages.Accepted)
+    events = backend.events()
+    await emulator.set_pod_phase("default", "j1-worker-0", "Succeeded")
+    async with asyncio.timeout(10):
+        while not (record := handler.table.get("j1")) or not record.state.terminal:
+            handler.handle_event(await anext(events))
+    [final] = [m for m in agent.sent if isinstance(m, messages.JobUpdate) and m.state.terminal]
+    assert final.seq is not None
+    handler.updates.acknowledge([final.seq])
+    acked = agent.now
+    agent.now = acked + 119  # forgotten by the table (keep_reported), the pod kept for its logs
+    handler.housekeep()
+    await handler.deleter.close()
+    assert handler.table.get("j1") is None
+    assert emulator.pod("default", "j1-worker-0") is not None
+    assert emulator.requests_of("delete", "pods") == []
+    agent.now = acked + 121
+    handler.housekeep()
+    await handler.deleter.close()
+    assert emulator.pod("default", "j1-worker-0") is None
+    assert len(emulator.requests_of("delete", "pods")) == 1
 
 
 # -- a restarted agent ---------------------------------------------------------------------

@@ -6,7 +6,7 @@ from gpufed.local import allocator
 
 
 def test_with_jemalloc_found_the_broker_preloads_it_with_the_purging_settings() -> None:
-    env = allocator.broker_env({}, find=lambda: "libjemalloc.so.2")
+    env = allocator.service_env({}, find=lambda: "libjemalloc.so.2")
     assert env == {
         "PYTHONMALLOC": "malloc",
         "LD_PRELOAD": "libjemalloc.so.2",
@@ -15,17 +15,17 @@ def test_with_jemalloc_found_the_broker_preloads_it_with_the_purging_settings() 
 
 
 def test_without_jemalloc_the_broker_runs_on_the_c_library_allocator() -> None:
-    assert allocator.broker_env({}, find=lambda: None) == {"PYTHONMALLOC": "malloc"}
+    assert allocator.service_env({}, find=lambda: None) == {"PYTHONMALLOC": "malloc"}
 
 
 def test_a_preload_or_an_opt_out_leaves_the_allocator_alone() -> None:
     found = lambda: "libjemalloc.so.2"  # noqa: E731
-    assert "LD_PRELOAD" not in allocator.broker_env({"LD_PRELOAD": "libother.so"}, find=found)
-    assert "LD_PRELOAD" not in allocator.broker_env({"GPUFED_JEMALLOC": "0"}, find=found)
+    assert "LD_PRELOAD" not in allocator.service_env({"LD_PRELOAD": "libother.so"}, find=found)
+    assert "LD_PRELOAD" not in allocator.service_env({"GPUFED_JEMALLOC": "0"}, find=found)
 
 
 def test_the_operators_own_settings_win() -> None:
-    env = allocator.broker_env(
+    env = allocator.service_env(
         {"PYTHONMALLOC": "pymalloc", "MALLOC_CONF": "narenas:2"}, find=lambda: "libjemalloc.so.2"
     )
     assert env["PYTHONMALLOC"] == "pymalloc"

@@ -8,11 +8,23 @@ ones: it failed for its GPU, not because its workload ended, and may still run o
 deletion that fails is logged; each one ends with `on_change`, as the inventory changed.
 `close` waits for the background deletions still running. Cancels delete with the cancel's
 own grace and are not handled here.
+
+The pods of a finished job stay for their logs, as a Kubernetes Job's do, until
+`--finished-pods-ttl` after the broker acknowledged its final report: the handler `schedule`s
+them when its table forgets the job, and `sweep` (once a second, from the session's heartbeat
+too) deletes those due, one job after another in a single background task, so that a burst of
+thousands finished at once does not become thousands of concurrent API calls. Without it,
+every pod the agent ever created stayed in the cluster (Kubernetes' terminated-pod collection
+starts only past 12,500 of them, cluster-wide) and, in the simulated backend, in memory.
+A pod already gone counts as deleted; the schedule is the agent's memory only: after a
+restart, finished jobs are adopted from their pods, reported, and scheduled again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -37,6 +49,55 @@ class Deleter:
         self.grace_seconds = grace_seconds
         self.on_change = on_change
         self._tasks: set[asyncio.Task[None]] = set()
+        # (due, order, job id, namespace, pod names): finished jobs' pods, soonest first
+        self._finished: list[tuple[float, int, str, str, list[str]]] = []
+        self._order = itertools.count()
+        self._sweeping: asyncio.Task[None] | None = None
+
+    @property
+    def finished_waiting(self) -> int:
+        """Finished jobs whose pods are scheduled for deletion and not deleted yet."""
+        return len(self._finished)
+
+    def schedule(self, record: table.TrackedJob, *, due: float) -> None:
+        """Delete the pods of `record` (a finished job the table forgot) at `due`."""
+        names = [p.name for p in record.pods.values() if p.phase != status.PodPhase.DELETED]
+        if names:
+            item = (due, next(self._order), record.job_id, record.namespace, names)
+            heapq.heappush(self._finished, item)
+
+    def sweep(self, now: float) -> int:
+        """Start deleting the finished jobs' pods due by `now` (unless the last sweep is
+        still at it); returns how many jobs."""
+        if self._sweeping is not None and not self._sweeping.done():
+            return 0
+        due = []
+        while self._finished and self._finished[0][0] <= now:
+            _, _, job_id, namespace, names = heapq.heappop(self._finished)
+            due.append((job_id, namespace, names))
+        if due:
+            self._sweeping = asyncio.get_running_loop().create_task(self._delete_finished(due))
+            self._tasks.add(self._sweeping)
+            self._sweeping.add_done_callback(self._tasks.discard)
+        return len(due)
+
+    async def _delete_finished(self, due: Sequence[tuple[str, str, list[str]]]) -> None:
+        for job_id, namespace, names in due:
+            try:
+                failed = await binding.delete_pods(
+                    self.backend, ((namespace, name) for name in names), grace_seconds=0
+                )
+            except Exception:
+                logger.exception("deleting the %d finished pods of job %s", len(names), job_id)
+                continue
+            if failed:
+                logger.warning(
+                    "%d finished pods of job %s not deleted (kept): %s",
+                    len(failed),
+                    job_id,
+                    ", ".join(failed),
+                )
+        self.on_change()
 
     async def delete_live(self, record: table.TrackedJob) -> None:
         """The job's live pods, as they are when the deletion starts (and those failed

@@ -58,6 +58,9 @@ Reply = Callable[[messages.Message], None]
 CLUSTER_LOST = "ClusterLost"  # the reason of the jobs a fence stops
 PREEMPTED = "Preempted"  # a cancel's reason that preempts: notice, grace, then Cancelled
 STOP_MARGIN_SECONDS = 30.0  # past a preemption's grace: reported even if pods still show
+# a finished job's pods stay this long after the broker acknowledged its final report: for
+# their logs, as `ttlSecondsAfterFinished` keeps a Kubernetes Job's (`deleting.Deleter`)
+FINISHED_PODS_TTL_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class JobHandler:
         on_change: Callable[[], None] = _nothing,
         clock: Callable[[], float] = time.monotonic,
         failure_grace_seconds: float = 30.0,
+        finished_pods_ttl_seconds: float | None = FINISHED_PODS_TTL_SECONDS,
         policy: str = "default",
         jobs_table: table.JobTable | None = None,
     ) -> None:
@@ -141,6 +145,7 @@ class JobHandler:
             backend, grace_seconds=failure_grace_seconds, on_change=on_change
         )
         self._pruned = -math.inf
+        self.finished_pods_ttl = finished_pods_ttl_seconds  # None: never deleted
         self.fenced: str | None = None  # why, while the cluster lease has lapsed
         self.fences = 0
         self.fenced_jobs = 0  # jobs a fence stopped
@@ -191,11 +196,24 @@ class JobHandler:
             return self._reject(offer, record, reply=reply)
         return self._accept(record, reply)
 
+    def housekeep(self) -> None:
+        """What an idle agent does too (the session's heartbeat calls it): forget the
+        terminal jobs the broker has seen, as an offer would (once no offer is being
+        handled), and delete the finished pods due. Without it, the jobs finished in the
+        last `keep_reported` seconds before the last offer stayed in the table, and in
+        memory, until the next one came."""
+        if not self.lock.locked():
+            self._prune()
+
     def _prune(self) -> None:
-        """Forget the terminal jobs the broker has seen, at most once a second."""
+        """Forget the terminal jobs the broker has seen, at most once a second; their pods
+        are deleted `finished_pods_ttl` after the broker's acknowledgement."""
         now = self.clock()
         if now - self._pruned >= 1.0:
-            self.table.prune(now=now)
+            for record in self.table.prune(now=now):
+                if self.finished_pods_ttl is not None and record.acked_at is not None:
+                    self.deleter.schedule(record, due=record.acked_at + self.finished_pods_ttl)
+            self.deleter.sweep(now)
             self._pruned = now
 
     def _resend(self, offer: messages.Offer, held: table.TrackedJob, *, reply: Reply) -> str:

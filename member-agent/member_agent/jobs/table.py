@@ -202,15 +202,16 @@ class JobTable:
             if r.namespace == namespace and not r.state.terminal
         )
 
-    def prune(self, *, now: float) -> list[str]:
-        """Forget terminal records whose final report the broker acknowledged a while ago."""
+    def prune(self, *, now: float) -> list[TrackedJob]:
+        """Forget terminal records whose final report the broker acknowledged a while ago;
+        returns them."""
         gone = [
-            r.job_id
+            r
             for r in self.records.values()
             if r.state.terminal and r.acked_at is not None and now - r.acked_at > self.keep_reported
         ]
-        for job_id in gone:
-            del self.records[job_id]
+        for record in gone:
+            del self.records[record.job_id]
         return gone
 
     def for_hello(self, *, now: float) -> list[TrackedJob]:

@@ -466,6 +466,7 @@ class Connector:
             link.send(messages.Heartbeat(seq=seq))
             if link.acks:
                 self.handler.updates.resend_overdue()
+            self.handler.housekeep()
 
     async def _work(self, link: Link) -> None:
         """Offers and cancels of this session, one at a time, in arrival order."""

@@ -145,3 +145,60 @@ async def test_a_job_found_finished_at_start_is_reported_with_the_next_session(
     restarted.updates.acknowledge([1])
     assert restarted.hello_jobs() == []
     await restarted.close()
+
+
+async def test_an_idle_agent_forgets_acknowledged_jobs_without_another_offer(
+    harness: harnesses.Harness,
+) -> None:
+    """The heartbeat's housekeeping prunes as an offer does: the jobs of a burst, finished
+    and acknowledged, leave the table `keep_reported` seconds on, though no offer follows."""
+    handler = harness.handler
+    for job_id in ("a", "b"):
+        await finish(harness, job_id)
+    handler.updates.acknowledge([1, 2])
+    acked = harness.now
+    harness.now += handler.table.keep_reported / 2
+    handler.housekeep()
+    assert {"a", "b"} <= set(handler.table.records)  # kept: a re-sent offer stays idempotent
+    harness.now = acked + handler.table.keep_reported + 1
+    handler.housekeep()
+    assert handler.table.get("a") is None and handler.table.get("b") is None
+
+
+async def test_a_finished_jobs_pods_are_deleted_their_ttl_after_the_acknowledgement(
+    harness: harnesses.Harness,
+) -> None:
+    handler = harness.handler
+    handler.finished_pods_ttl = 300.0
+    await finish(harness, "a")
+    assert len(harness.backend.pods_of("a")) == 1  # a finished pod stays, for its logs
+    handler.updates.acknowledge([1])
+    acked = harness.now
+    harness.now = acked + handler.table.keep_reported + 1
+    handler.housekeep()
+    assert handler.table.get("a") is None
+    assert len(harness.backend.pods_of("a")) == 1  # forgotten, its pods kept for the TTL
+    assert handler.deleter.finished_waiting == 1
+    harness.now = acked + 299
+    handler.housekeep()
+    await handler.deleter.close()
+    assert len(harness.backend.pods_of("a")) == 1
+    harness.now = acked + 301
+    handler.housekeep()
+    await handler.deleter.close()  # the sweep's background deletion done
+    assert harness.backend.pods_of("a") == []
+    assert handler.deleter.finished_waiting == 0
+
+
+async def test_with_no_ttl_a_finished_jobs_pods_are_never_deleted(
+    harness: harnesses.Harness,
+) -> None:
+    handler = harness.handler
+    handler.finished_pods_ttl = None  # --finished-pods-ttl never
+    await finish(harness, "a")
+    handler.updates.acknowledge([1])
+    harness.now += 30 * 24 * 3600
+    handler.housekeep()
+    await handler.deleter.close()
+    assert handler.table.get("a") is None  # the record forgotten all the same
+    assert len(harness.backend.pods_of("a")) == 1
