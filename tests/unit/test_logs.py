@@ -21,19 +21,26 @@ TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
 SPAN_ID = 0x00F067AA0BA902B7
 
 
+@contextlib.contextmanager
+def attached(name: str, handler: logging.Handler) -> Iterator[logging.Logger]:
+    """Logger `name` at INFO, writing through `handler` only, for the block."""
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield logger
+    finally:
+        logger.removeHandler(handler)
+
+
 @pytest.fixture
 def lines() -> Iterator[tuple[logging.Logger, io.StringIO]]:
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(logs.JsonFormatter(service="gpufed-test"))
-    logger = logging.getLogger("gpufed.test_logs")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
+    with attached("gpufed.test_logs", handler) as logger:
         yield logger, out
-    finally:
-        logger.removeHandler(handler)
 
 
 def read_lines(out: io.StringIO) -> list[dict[str, Any]]:
@@ -191,14 +198,8 @@ def turns() -> Iterator[tuple[logging.Logger, Writes]]:
     out = Writes()
     handler = logs.TurnHandler(out)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("gpufed.test_logs.turns")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
+    with attached("gpufed.test_logs.turns", handler) as logger:
         yield logger, out
-    finally:
-        logger.removeHandler(handler)
 
 
 async def test_lines_of_one_turn_of_the_loop_are_written_together_at_its_end(
