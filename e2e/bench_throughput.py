@@ -274,9 +274,13 @@ def processes_of(fleet: processes.LocalFleet) -> dict[str, int]:
     out = {"client": os.getpid()}
     if fleet.broker is not None:
         out["broker"] = fleet.broker.process.pid
-    followers = (b for b in fleet.brokers if b.url != fleet.url)
-    out.update({f"follower-{n}": b.process.pid for n, b in enumerate(followers, 1)})
-    out.update({"leader": b.process.pid for b in fleet.brokers if b.url == fleet.url})  # noqa: B035
+    followers = 0
+    for replica in fleet.brokers:
+        if replica.url == fleet.url:
+            out["leader"] = replica.process.pid
+        else:
+            followers += 1
+            out[f"follower-{followers}"] = replica.process.pid
     if ETCD is not None and ETCD.process is not None:
         out["etcd"] = ETCD.process.pid
     out.update({name: agent.process.pid for name, agent in fleet.agents.items()})

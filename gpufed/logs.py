@@ -119,12 +119,9 @@ class TurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            line = self.format(record) + self.terminator
-            if record.levelno < self.immediate_level and self._schedule():
-                self._held.append(line)
-                return
-            self._held.append(line)
-            self.flush()
+            self._held.append(self.format(record) + self.terminator)
+            if record.levelno >= self.immediate_level or not self._schedule():
+                self.flush()
         except RecursionError:
             raise
         except Exception:

@@ -154,9 +154,9 @@ class Scheduler:
         self.reservations: dict[str, reservation.Reservation] = {}
         self.queue_gauges_every = queue_gauges_every
         self._queue_gauges_at = 0.0
-        # the holdings counted again from the jobs (`Accounting.resync`) this often at least,
-        # and never more than `RESYNC_SHARE` of the time: a recount of 20,000 jobs holding
-        # GPUs took about 0.2 s, 4% of the loop's time in a 20,000-job burst, every 5 s
+        # the holdings counted again from the jobs (`Accounting.resync`) at most this often,
+        # and less often when a recount would take over `RESYNC_SHARE` of the time: one of
+        # 20,000 jobs holding GPUs took about 0.2 s, 4% of the loop's time every 5 s
         self.resync_every = 5.0
         self._resync_due = self.resync_every
         self.last_plan_seconds = 0.0

@@ -7,8 +7,6 @@ waiting (queue, dispatch) are written when the wait ends, with their true start 
 
 from __future__ import annotations
 
-import os
-import random
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -18,10 +16,6 @@ from broker.api import status
 from broker.telemetry import tracing
 
 tracer = trace.get_tracer("gpufed.broker")
-# a job's trace and span ids: drawn as `tracing.PresetIdGenerator` draws the SDK's (ids must
-# not repeat, not be secret), not from `secrets`, a system call each (1% of a broker's CPU
-# at a thousand single submits a second)
-_IDS = random.Random(os.urandom(32))
 
 
 @dataclass
@@ -47,8 +41,10 @@ class JobSpans:
         request = None
         if current.is_valid:
             request = f"00-{current.trace_id:032x}-{current.span_id:016x}-01"
-        trace_id = current.trace_id if current.is_valid and not own else _IDS.getrandbits(128) or 1
-        return f"00-{trace_id:032x}-{_IDS.getrandbits(64) or 1:016x}-01", request
+        trace_id = (
+            current.trace_id if current.is_valid and not own else tracing.IDS.getrandbits(128) or 1
+        )
+        return f"00-{trace_id:032x}-{tracing.IDS.getrandbits(64) or 1:016x}-01", request
 
     def waiting(self, job_id: str, reasons: tuple[str, ...], *, now: datetime) -> None:
         if not tracing.records_spans():

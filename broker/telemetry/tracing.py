@@ -38,6 +38,11 @@ _PRESET: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar
 PROPAGATOR = TraceContextTextMapPropagator()
 
 
+# trace and span ids, the SDK's (`PresetIdGenerator`) and a job's (`jobspans`): drawn from a
+# generator seeded once from the OS, as the SDK's own `RandomIdGenerator` draws from `random`
+IDS = random.Random(os.urandom(32))
+
+
 class PresetIdGenerator(IdGenerator):
     """Random ids, except inside `preset_ids(...)`, where the next span takes the given ones.
 
@@ -46,7 +51,7 @@ class PresetIdGenerator(IdGenerator):
     spans and more a job) cost more than the rest of choosing it."""
 
     def __init__(self) -> None:
-        self._random = random.Random(os.urandom(32))
+        self._random = IDS
 
     def generate_span_id(self) -> int:
         preset = _PRESET.get()

@@ -49,8 +49,8 @@ class Deleter:
         self.grace_seconds = grace_seconds
         self.on_change = on_change
         self._tasks: set[asyncio.Task[None]] = set()
-        # (due, order, job id, namespace, pod names): finished jobs' pods, soonest first
-        self._finished: list[tuple[float, int, str, str, list[str]]] = []
+        # (due, order, job id, namespace, pods): finished jobs' pods, soonest first
+        self._finished: list[tuple[float, int, str, str, list[status.PodStatus]]] = []
         self._order = itertools.count()
         self._sweeping: asyncio.Task[None] | None = None
 
@@ -61,9 +61,9 @@ class Deleter:
 
     def schedule(self, record: table.TrackedJob, *, due: float) -> None:
         """Delete the pods of `record` (a finished job the table forgot) at `due`."""
-        names = [p.name for p in record.pods.values() if p.phase != status.PodPhase.DELETED]
-        if names:
-            item = (due, next(self._order), record.job_id, record.namespace, names)
+        pods = [p for p in record.pods.values() if p.phase != status.PodPhase.DELETED]
+        if pods:
+            item = (due, next(self._order), record.job_id, record.namespace, pods)
             heapq.heappush(self._finished, item)
 
     def sweep(self, now: float) -> int:
@@ -73,31 +73,19 @@ class Deleter:
             return 0
         due = []
         while self._finished and self._finished[0][0] <= now:
-            _, _, job_id, namespace, names = heapq.heappop(self._finished)
-            due.append((job_id, namespace, names))
+            _, _, job_id, namespace, pods = heapq.heappop(self._finished)
+            due.append((job_id, namespace, pods))
         if due:
             self._sweeping = asyncio.get_running_loop().create_task(self._delete_finished(due))
             self._tasks.add(self._sweeping)
             self._sweeping.add_done_callback(self._tasks.discard)
         return len(due)
 
-    async def _delete_finished(self, due: Sequence[tuple[str, str, list[str]]]) -> None:
-        for job_id, namespace, names in due:
-            try:
-                failed = await binding.delete_pods(
-                    self.backend, ((namespace, name) for name in names), grace_seconds=0
-                )
-            except Exception:
-                logger.exception("deleting the %d finished pods of job %s", len(names), job_id)
-                continue
-            if failed:
-                logger.warning(
-                    "%d finished pods of job %s not deleted (kept): %s",
-                    len(failed),
-                    job_id,
-                    ", ".join(failed),
-                )
-        self.on_change()
+    async def _delete_finished(
+        self, due: Sequence[tuple[str, str, list[status.PodStatus]]]
+    ) -> None:
+        for job_id, namespace, pods in due:  # one job after another
+            await self.delete(job_id, namespace, pods, grace_seconds=0)
 
     async def delete_live(self, record: table.TrackedJob) -> None:
         """The job's live pods, as they are when the deletion starts (and those failed
@@ -109,14 +97,23 @@ class Deleter:
         ]
         await self.delete(record.job_id, record.namespace, [*record.live_pods(), *gpu_failed])
 
-    async def delete(self, job_id: str, namespace: str, pods: Sequence[status.PodStatus]) -> None:
+    async def delete(
+        self,
+        job_id: str,
+        namespace: str,
+        pods: Sequence[status.PodStatus],
+        *,
+        grace_seconds: float | None = None,
+    ) -> None:
+        """Delete `pods` with `grace_seconds` (None: the failure grace); a failure is logged
+        (`binding.delete_pods` names each pod it could not delete)."""
         if not pods:
             return
         try:
             await binding.delete_pods(
                 self.backend,
                 ((namespace, p.name) for p in pods),
-                grace_seconds=self.grace_seconds,
+                grace_seconds=self.grace_seconds if grace_seconds is None else grace_seconds,
             )
         except Exception:
             logger.exception("deleting %d pods of job %s", len(pods), job_id)
