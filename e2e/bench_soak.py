@@ -13,8 +13,9 @@ once `--retain` has passed (then the history's idle time and a minute: the colle
 each agent's RSS at start, peak and end (its finished pods deleted `--retain` after their
 report, `--finished-pods-ttl`),
 CPU per job from the first submit to the last job finished (the broker, of it the
-garbage collector's pauses, the agents together: less noisy than pods/s on a shared
-machine), etcd's database size (compacted, in use) and key count, the history's size and
+garbage collector's pauses, the agents together, etcd, this client: less noisy than pods/s
+on a shared machine), the broker's scheduling cycles and store writes per job (its
+/metrics), etcd's database size (compacted, in use) and key count, the history's size and
 rows, and how long the whole run took.
 The job durations are 0.5–5 s (uniform).
 """
@@ -44,6 +45,8 @@ from gpufed.local import processes
 from tests import etcdserver
 
 CLUSTERS = bench_throughput.CLUSTERS
+import os
+EXTRA = os.environ.get("SOAK_EXTRA", "").split()
 
 
 def job_item(n: int, rand: random.Random) -> dict[str, Any]:
@@ -107,10 +110,11 @@ async def submit_all(api: client.BrokerClient, items: list[dict[str, Any]], *, b
 
 
 async def etcd_size(url: str) -> tuple[int, int, dict[str, int]]:
-    """(database bytes, bytes in use, keys per prefix: job records, idempotency entries, all)
-    of the etcd server at `url` (etcd://host:port), once its history is compacted to now, as
-    the chart's etcd compacts it every hour (`--auto-compaction-retention`): the test server
-    keeps every revision of the soak otherwise. The file itself does not shrink without a
+    """(database bytes, bytes in use, keys per prefix: job records, idempotency entries, all,
+    and the keys put and deleted and transactions so far: put, delete, txn) of the etcd
+    server at `url` (etcd://host:port), once its history is compacted to now, as the chart's
+    etcd compacts it every hour (`--auto-compaction-retention`): the test server keeps every
+    revision of the soak otherwise. The file itself does not shrink without a
     defragmentation; what is in use does."""
     endpoint = url.removeprefix("etcd://")
     async with aiohttp.ClientSession() as session:
@@ -131,23 +135,43 @@ async def etcd_size(url: str) -> tuple[int, int, dict[str, int]]:
         every = {"key": "AA==", "range_end": "AA==", "count_only": True}
         async with session.post(f"http://{endpoint}/v3/kv/range", json=every) as r:
             counts["all"] = int((await r.json()).get("count", 0))
+        async with session.get(f"http://{endpoint}/metrics") as r:
+            for line in (await r.text()).splitlines():
+                for name in ("put", "delete", "txn"):
+                    if line.startswith(f"etcd_mvcc_{name}_total "):
+                        counts[name] = int(float(line.split()[1]))
     return int(status.get("dbSize", 0)), int(status.get("dbSizeInUse", 0)), counts
 
 
-async def gc_pauses(fleet: processes.LocalFleet) -> float:
-    """Seconds the broker's garbage collector has paused it so far, every generation
-    (`gpufed_gc_pause_seconds`, read from its /metrics)."""
+async def broker_counts(fleet: processes.LocalFleet) -> dict[str, float]:
+    """The broker's counters this bench reads from its /metrics, so far: seconds its garbage
+    collector paused it (`gc`, every generation), scheduling cycles (`cycles`) and the time
+    they took (`cycle_seconds`), and store writes by operation (`store:<op>`)."""
     headers = {"Authorization": f"Bearer {fleet.tokens['metrics']}"}
     async with (
         aiohttp.ClientSession() as session,
         session.get(f"{fleet.url}/metrics", headers=headers) as r,
     ):
         text = await r.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("gpufed_gc_pause_seconds_sum")
-    )
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("gpufed_gc_pause_seconds_sum"):
+            key = "gc"
+        elif name == "gpufed_scheduling_cycles_total":
+            key = "cycles"
+        elif name == "gpufed_scheduling_cycle_duration_seconds_sum":
+            key = "cycle_seconds"
+        elif name.startswith("gpufed_store_operation_duration_seconds_count{"):
+            key = "store:" + name.split('op="', 1)[1].split('"', 1)[0]
+        else:
+            continue
+        counts[key] = counts.get(key, 0.0) + float(value)
+    return counts
+
+
+def counts_since(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
 
 
 def _b64(raw: bytes) -> str:
@@ -164,7 +188,7 @@ async def run(args: argparse.Namespace) -> None:
     history = work / "history.db"
     fleet.broker_args = ["--history", f"sqlite:///{history}", "--retain-finished",
                                args.retain, "--max-offers-in-flight",
-                               str(args.max_offers_in_flight)]  # fmt: skip
+                               str(args.max_offers_in_flight), *EXTRA]  # fmt: skip
     try:
         fleet.write_tokens(tenants=["team-a"], clusters=CLUSTERS)
         broker = await fleet.start_broker()
@@ -173,7 +197,7 @@ async def run(args: argparse.Namespace) -> None:
             bench_throughput.write_cluster(nodes, name, args.nodes)
             await fleet.start_agent(name, nodes, "--finished-pods-ttl", args.retain)
         await fleet.wait_clusters_ready(CLUSTERS, timeout=120)
-        _, etcd_start, _ = await etcd_size(server.url)
+        _, etcd_start, keys_start = await etcd_size(server.url)
         sampler = Sampler(broker.process.pid)
         agent_samplers = {name: Sampler(fleet.agents[name].process.pid) for name in CLUSTERS}
         samplers = [sampler, *agent_samplers.values()]
@@ -185,8 +209,10 @@ async def run(args: argparse.Namespace) -> None:
             f"{args.batch} from {args.clients} clients; broker RSS {sampler.start:.0f} MiB"
         )
         pids = bench_throughput.processes_of(fleet)
+        if server.process is not None:
+            pids["etcd"] = server.process.pid
         cpu_before = {name: bench_throughput.cpu_seconds(pid) for name, pid in pids.items()}
-        gc_before = await gc_pauses(fleet)
+        counts_before = await broker_counts(fleet)
         async with client.BrokerClient(fleet.url, fleet.tokens["team-a"], timeout=120) as api:
             started = time.perf_counter()
             refused = await submit_all(api, items, batch=args.batch, clients=args.clients)
@@ -205,7 +231,7 @@ async def run(args: argparse.Namespace) -> None:
                 await asyncio.sleep(5)
             finished = time.perf_counter() - started
             cpu = {n: bench_throughput.cpu_seconds(pid) - cpu_before[n] for n, pid in pids.items()}
-            gc_spent = await gc_pauses(fleet) - gc_before
+            counts = counts_since(await broker_counts(fleet), counts_before)
             jobs = await api.jobs(limit=None)
             print(f"all finished after {finished:.1f} s; waiting {retain:g} s of retention")
             # the retention, two retirement passes, the history's caches given back once it
@@ -245,12 +271,26 @@ async def run(args: argparse.Namespace) -> None:
             )
             + "\n"
             f"CPU per job, submit to the last finished: broker {per_job(cpu['broker']):.2f} ms "
-            f"(garbage collector pauses {per_job(gc_spent):.2f} ms), agents "
-            f"{per_job(sum(v for n, v in cpu.items() if n in CLUSTERS)):.2f} ms\n"
+            f"(garbage collector pauses {per_job(counts.get('gc', 0.0)):.2f} ms), agents "
+            f"{per_job(sum(v for n, v in cpu.items() if n in CLUSTERS)):.2f} ms, etcd "
+            f"{per_job(cpu.get('etcd', 0.0)):.2f} ms, this client {per_job(cpu['client']):.2f} ms\n"
+            f"broker's work per job: {counts.get('cycles', 0) / count:.3f} scheduling cycles "
+            f"({counts.get('cycle_seconds', 0) * 1000 / max(1.0, counts.get('cycles', 0)):.1f}"
+            f" ms each), store writes "
+            + ", ".join(
+                f"{key.removeprefix('store:')} {value / count:.3f}"
+                for key, value in sorted(counts.items())
+                if key.startswith("store:")
+            )
+            + "\n"
             f"etcd, compacted: {in_use / 2**20:.1f} MiB in use (start {etcd_start / 2**20:.1f}), "
             f"file {db_bytes / 2**20:.1f} MiB; {keys['all']} keys ({keys['jobs']} job records, "
             f"{keys['idempotency']} idempotency entries, kept for their window); history: "
             f"{history.stat().st_size / 2**20:.1f} MiB, {len(jobs)} jobs listed\n"
+            f"etcd per job: {(keys.get('put', 0) - keys_start.get('put', 0)) / count:.2f} "
+            f"keys put, {(keys.get('delete', 0) - keys_start.get('delete', 0)) / count:.2f} "
+            f"deleted, {(keys.get('txn', 0) - keys_start.get('txn', 0)) / count:.3f} "
+            "transactions\n"
             f"the whole run took {time.perf_counter() - began:.0f} s"
         )
     finally:

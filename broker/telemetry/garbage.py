@@ -22,15 +22,18 @@ down 4 s after the last one) and the watchdog take healthy agents for silent one
   A young pass over 20,000 surviving objects took 1.0 ms here (`gc.collect(0)`, median);
 - it measures every pass (`gc.callbacks`) in `gpufed_gc_pause_seconds{generation}` and logs
   a pass longer than `warn_seconds`;
-- every `freeze_every` seconds it collects the youngest generation and moves what survived,
-  and what the middle one holds, into the permanent generation (`gc.freeze`): automatic full
-  passes then look only at what survived since, two seconds' worth (with 10 s, passes over
-  what a busy broker kept in that time still took 0.3-0.7 s in the soak). Only the youngest:
-  collecting the middle one too (`gc.collect(1)`) took about 100 ms a time in a 20,000-job
-  soak, three quarters of the broker's collector time; with the youngest alone the broker
-  spent 0.12-0.17 ms per job in pauses instead of 0.24-0.29 and 2.5-3.6 ms of CPU per job
-  instead of 3.1-4.1 (three pairs), and ended 3 MiB lower to 16 MiB higher. What dies in a
-  cycle while in the middle generation is then frozen with the rest (that memory). Frozen
+- every `freeze_every` seconds it moves everything the generations hold into the permanent
+  generation (`gc.freeze`), with no pass first: automatic full passes then look only at
+  what survived since, two seconds' worth (with 10 s, passes over what a busy broker kept in
+  that time still took 0.3-0.7 s in the soak). No pass, not even of the youngest
+  generation: a young pass walks every object allocated since the last one, and the
+  youngest generation's count (allocations less deallocations of any age) stays near zero
+  while jobs retire as fast as new ones come, so no automatic young pass empties it between
+  two freezes. The `gc.collect(0)` a freeze began with walked two seconds of allocations:
+  up to 140 ms a time, 7% of the broker's samples holding the interpreter lock in a
+  20,000-job soak (`py-spy --gil`), collecting about 3 objects a time. Collecting the
+  middle generation too (`gc.collect(1)`) had taken about 100 ms a time. What dies in a
+  cycle before a freeze is then frozen with the rest (that memory). Frozen
   objects are still freed by reference counting when dropped (records, models: no cycles);
   only a cycle that dies while frozen, or is frozen dead, waits for the reclaiming pass:
   every `full_every` seconds, everything is unfrozen, fully
@@ -187,10 +190,9 @@ class Collector:
             )
 
     def freeze(self) -> None:
-        """Collect the youngest generation, then keep what survived, and the middle
-        generation, out of later full passes (a cycle dead in the middle one waits for the
-        full pass: see the module's docstring)."""
-        gc.collect(0)
+        """Keep every object the collector tracks now out of later passes, without a pass
+        of its own (a cycle dead by then waits for the full pass: see the module's
+        docstring). O(1): `gc.freeze` moves the generations' lists whole."""
         gc.freeze()
         self.freezes += 1
 
