@@ -5,6 +5,7 @@ retired to history as they age.
     .venv/bin/python -m e2e.bench_soak [--jobs 100000] [--nodes 1000] [--batch 1000]
                                        [--retain 30s] [--clients 4]
                                        [--max-offers-in-flight 1000]
+                                       [--broker-arg=--FLAG=VALUE ...]
 
 Printed (no assertions; these machines are shared and noisy): sustained pods/s (first
 Running to last Succeeded), submits/s, submit → Running p50/p99 (the broker's own event times,
@@ -45,8 +46,6 @@ from gpufed.local import processes
 from tests import etcdserver
 
 CLUSTERS = bench_throughput.CLUSTERS
-import os
-EXTRA = os.environ.get("SOAK_EXTRA", "").split()
 
 
 def job_item(n: int, rand: random.Random) -> dict[str, Any]:
@@ -188,7 +187,7 @@ async def run(args: argparse.Namespace) -> None:
     history = work / "history.db"
     fleet.broker_args = ["--history", f"sqlite:///{history}", "--retain-finished",
                                args.retain, "--max-offers-in-flight",
-                               str(args.max_offers_in_flight), *EXTRA]  # fmt: skip
+                               str(args.max_offers_in_flight), *args.broker_arg]  # fmt: skip
     try:
         fleet.write_tokens(tenants=["team-a"], clusters=CLUSTERS)
         broker = await fleet.start_broker()
@@ -305,6 +304,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--retain", default="30s", help="--retain-finished of the broker")
+    parser.add_argument(
+        "--broker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for the broker, e.g. --broker-arg=--cycle-interval=0.03 "
+        "(repeatable)",
+    )
     parser.add_argument(
         "--max-offers-in-flight", type=int, default=1000, help="the broker's (0: no limit)"
     )
