@@ -122,13 +122,20 @@ def decode_idempotency(key: str, value: bytes, revision: int) -> IdempotencyEntr
 _SPECS: memo.PerObject[jobs.GPUJob, str] = memo.PerObject()
 
 
+_TOP = frozenset({"job", "status"})  # the record's fields written apart (`encode`)
+
+
 def encode(record: status.JobRecord) -> bytes:
     """The stored bytes, without the fields at their defaults: a record of a job that uses no
     newer feature stays readable by the previous release (a rolling upgrade runs both).
-    The spec's part is written once per spec (`_SPECS`), the rest each time."""
-    rest = record.model_dump_json(by_alias=True, exclude_defaults=True, exclude={"job"})
+    The spec's part is written once per spec (`_SPECS`), the rest each time. The status is
+    dumped on its own: as a field of the record, `exclude_defaults` compared it with a new
+    default status first, 3 of a record's 11 us (it is written `{}` when at its defaults,
+    which reads back the same)."""
+    top = record.model_dump_json(by_alias=True, exclude_defaults=True, exclude=_TOP)
+    state = record.status.model_dump_json(by_alias=True, exclude_defaults=True)
     spec = _SPECS.get(record.job, _spec_json)
-    return f'{rest[:-1]},"job":{spec}}}'.encode()
+    return f'{top[:-1]},"status":{state},"job":{spec}}}'.encode()
 
 
 def _spec_json(job: jobs.GPUJob) -> str:
