@@ -415,6 +415,23 @@ class Fleet:
             return self.max_offers_in_flight
         return int(cluster.offer_window)
 
+    def free_offer_slots(self, *, now: float) -> int | None:
+        """How many more offers may go out now, every plannable cluster together (None: no
+        window). O(clusters): each cluster counts its unanswered offers."""
+        if self.max_offers_in_flight is None:
+            return None
+        free = 0
+        for cluster in self.clusters.values():
+            if cluster.summary is None or not cluster.plannable(
+                now=now, stale_after=self.stale_after
+            ):
+                continue
+            window = self.offer_window(cluster)
+            if window is None:
+                return None
+            free += max(0, window - cluster.inflight.unanswered)
+        return free
+
     def offers_answered(self, cluster: Cluster, count: int = 1) -> None:
         """`count` offers were answered (accepted or rejected): the window grows back."""
         if self.max_offers_in_flight is None or cluster.offer_window is None:

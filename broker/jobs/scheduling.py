@@ -170,6 +170,9 @@ class Scheduler:
         self.backlog = backlog.Backlog()  # the pending jobs, live or parked
         self.reference: cyclestart.Reference | None = None  # what parked jobs were checked on
         self.last_cycle: parking.BacklogPlan | None = None
+        # the last cycle's plan found no offer slot left: the next waits for one (`_run`)
+        self.busy = False
+        self.cycles_held = 0  # wakeups that ran no cycle, every agent's window still full
         self.waits = Waits()
         self.positions = positions.Positions(  # `why`'s position and ETA, read when asked
             self.backlog,
@@ -254,7 +257,9 @@ class Scheduler:
         if len(self.backlog):
             running = LazyRunning(self.accounts.running_jobs)
             releasing = self.victims.releasing()
-            fleet = self.fleet.snapshot(now=time.monotonic())
+            now = time.monotonic()
+            fleet = self.fleet.snapshot(now=now)
+            limit = self._slice_limit(now=now)
             plan_started = time.perf_counter()
             cycle = parking.plan_backlog(
                 self.backlog,
@@ -267,13 +272,14 @@ class Scheduler:
                 releasing=releasing,
                 now=status.utcnow(),
                 park=not self.full_replan,
-                limit=self.limit,
+                limit=limit,
                 array_holding=self.book.array_holding(),
             )
             self.backlog.settle(cycle.woken, cycle.parks)
             self.reference = cycle.reference
             self.last_cycle = cycle
             plan = cycle.plan
+            self.busy = plan.busy
             decided = time.perf_counter() - plan_started
             self.last_plan_seconds = decided
             if cycle.planned:
@@ -295,12 +301,24 @@ class Scheduler:
         else:
             self.reservations = {}
             self.reference = None
+            self.busy = False
         self._export_gauges()
         self._export_queue_gauges()
         self.cycles += 1
         self.meters.scheduling_cycles.inc()
         self.meters.cycle_duration.observe(time.perf_counter() - started)
         return offers
+
+    def _slice_limit(self, *, now: float) -> int | None:
+        """The jobs this cycle plans at most: the budget (`self.limit`), and no more than
+        the offers the agents may still be sent and `SLOT_SLACK` (the jobs told they fit
+        nowhere leave their slots to those behind them, planned by the next cycle, which
+        follows at once). Beyond that a job could only be told ClusterBusy: under a deep
+        backlog most cycles had a few slots and planned 500 jobs to send a few offers."""
+        free = self.fleet.free_offer_slots(now=now)
+        if free is None or self.limit is None:
+            return self.limit
+        return min(self.limit, free + SLOT_SLACK)
 
     def _note_set_aside(self, plan: planning.CyclePlan, planned: snapshot.FleetSnapshot) -> None:
         """Count and log what the cycle set aside; a cluster keeps its reason (shown by
@@ -373,19 +391,39 @@ class Scheduler:
         finally:
             self.close()
 
+    def _waits_for_slots(self, *, since: float) -> bool:
+        """Whether a wakeup runs no cycle: the last plan was `busy` (no agent had an offer
+        slot left), none has one now, and a cycle ran less than `max_interval` ago. Such a
+        cycle could send nothing: it planned its whole slice only to tell each job
+        ClusterBusy (in a 20,000-job soak, most cycles of the burst sent no offer, woken by
+        summaries and new jobs). An answer frees a slot and wakes the next; preemptions,
+        reservations and `why` wait for it, or for `max_interval` at most."""
+        if not self.busy:
+            return False
+        now = time.monotonic()
+        if now - since >= self.max_interval:
+            return False
+        return self.fleet.free_offer_slots(now=now) == 0
+
     async def _run(self) -> None:
         wakeups = (self.book.wakeup, self.fleet.changed)
+        ran_at = time.monotonic()
         while True:
+            timeout = self.max_interval
+            if self.busy:  # held cycles still run once `max_interval` has passed
+                timeout = max(0.0, ran_at + self.max_interval - time.monotonic())
             waiters = [asyncio.ensure_future(e.wait()) for e in wakeups]
             try:
-                await asyncio.wait(
-                    waiters, timeout=self.max_interval, return_when=asyncio.FIRST_COMPLETED
-                )
+                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for waiter in waiters:
                     waiter.cancel()
             for event in wakeups:
                 event.clear()
+            if self._waits_for_slots(since=ran_at):
+                self.cycles_held += 1
+                continue
+            ran_at = time.monotonic()
             self.last_plan_seconds = 0.0
             try:
                 await self.run_cycle()
@@ -403,6 +441,7 @@ class Scheduler:
 
 
 RESYNC_SHARE = 0.01  # of the scheduler's time the recount of holdings may take
+SLOT_SLACK = 50  # jobs a cycle plans past the offer slots free (`Scheduler._slice_limit`)
 STOP_SECONDS = 10.0  # a task cancelled and still running after this is left behind
 
 

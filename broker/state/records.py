@@ -122,7 +122,7 @@ def decode_idempotency(key: str, value: bytes, revision: int) -> IdempotencyEntr
 _SPECS: memo.PerObject[jobs.GPUJob, str] = memo.PerObject()
 
 
-_TOP = frozenset({"job", "status"})  # the record's fields written apart (`encode`)
+_TOP = {"job", "status"}  # the record's fields written apart (`encode`)
 
 
 def encode(record: status.JobRecord) -> bytes:
