@@ -17,26 +17,12 @@ from broker.api import messages, status
 from broker.jobs import fleet, scheduling, service
 from broker.state import errors, opening, records, sqlite, store
 from broker.telemetry import metrics
-from tests import etcdserver
+from tests import etcdserver, fakes
 from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 JOBS = 6
 State = status.JobState
-
-
-class RecordingLink:
-    """An agent session that keeps the offers the broker sends."""
-
-    def __init__(self) -> None:
-        self.offers: list[messages.Offer] = []
-
-    async def send(self, message: messages._Msg) -> None:
-        if isinstance(message, messages.Offer):
-            self.offers.append(message)
-
-    async def close(self, *, reason: str) -> None:
-        del reason
 
 
 class FailingStore:
@@ -126,7 +112,7 @@ class Broker:
     job_store: records.JobStore
     scheduler: scheduling.Scheduler
     cluster: fleet.Cluster
-    link: RecordingLink
+    link: fakes.RecordingLink
     ids: list[str]
 
 
@@ -144,7 +130,7 @@ async def broker(backend: Backend) -> Broker:
         victims=jobs.victims,
         meters=meters,
     )
-    link = RecordingLink()
+    link = fakes.RecordingLink()
     cluster = await clusters.attach("east", link, epoch=1)
     summary = make_summary("east", make_model_summary(H100, nodes_by_free=[0] * 8 + [JOBS]))
     cluster.apply_summary(messages.Summary(summary=summary, full=True))
@@ -223,7 +209,7 @@ async def test_dispatch_commits_are_split_to_fit_the_store_request_limit(
         victims=book.victims,
         meters=meters,
     )
-    link = RecordingLink()
+    link = fakes.RecordingLink()
     cluster = await clusters.attach("east", link, epoch=1)
     summary = make_summary("east", make_model_summary(H100, nodes_by_free=[0] * 8 + [jobs]))
     cluster.apply_summary(messages.Summary(summary=summary, full=True))

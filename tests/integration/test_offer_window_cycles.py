@@ -18,22 +18,11 @@ from broker.api import messages, status
 from broker.jobs import fleet, scheduling, service
 from broker.state import records, sqlite
 from broker.telemetry import metrics
+from tests import fakes
 from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 WINDOW = 2
-
-
-class RecordingLink:
-    def __init__(self) -> None:
-        self.offers: list[messages.Offer] = []
-
-    async def send(self, message: messages._Msg) -> None:
-        if isinstance(message, messages.Offer):
-            self.offers.append(message)
-
-    async def close(self, *, reason: str) -> None:
-        del reason
 
 
 @dataclass
@@ -41,7 +30,7 @@ class Broker:
     jobs: service.Jobs
     scheduler: scheduling.Scheduler
     clusters: fleet.Fleet
-    link: RecordingLink
+    link: fakes.RecordingLink
     seq: int = 1
 
     def summary(self) -> None:
@@ -78,7 +67,7 @@ async def broker() -> AsyncIterator[Broker]:
         meters=meters,
         max_interval=5.0,
     )
-    link = RecordingLink()
+    link = fakes.RecordingLink()
     await clusters.attach("east", link, epoch=1)
     made = Broker(jobs, scheduler, clusters, link)
     made.summary()

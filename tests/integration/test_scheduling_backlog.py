@@ -16,21 +16,10 @@ from broker.api.status import JobState
 from broker.jobs import fleet, scheduling, service
 from broker.state import records, sqlite
 from broker.telemetry import metrics
+from tests import fakes
 from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
-
-
-class RecordingLink:
-    def __init__(self) -> None:
-        self.offers: list[messages.Offer] = []
-
-    async def send(self, message: messages._Msg) -> None:
-        if isinstance(message, messages.Offer):
-            self.offers.append(message)
-
-    async def close(self, *, reason: str) -> None:
-        del reason
 
 
 @dataclass
@@ -38,7 +27,7 @@ class Broker:
     jobs: service.Jobs
     scheduler: scheduling.Scheduler
     clusters: fleet.Fleet
-    link: RecordingLink
+    link: fakes.RecordingLink
     seq: int = 1
 
     async def summary(self, free_nodes: int) -> None:
@@ -73,7 +62,7 @@ async def start(*, full_replan: bool = False) -> AsyncIterator[Broker]:
         meters=meters,
         full_replan=full_replan,
     )
-    link = RecordingLink()
+    link = fakes.RecordingLink()
     await clusters.attach("east", link, epoch=1)
     broker = Broker(jobs, scheduler, clusters, link)
     await broker.summary(free_nodes=2)
