@@ -415,9 +415,14 @@ class Fleet:
             return self.max_offers_in_flight
         return int(cluster.offer_window)
 
+    def offer_slots(self, cluster: Cluster) -> int | None:
+        """How many more offers the cluster's agent may be sent now (None: any number)."""
+        window = self.offer_window(cluster)
+        return None if window is None else max(0, window - cluster.inflight.unanswered)
+
     def free_offer_slots(self, *, now: float) -> int | None:
-        """How many more offers may go out now, every plannable cluster together (None: no
-        window). O(clusters): each cluster counts its unanswered offers."""
+        """`offer_slots` of every plannable cluster together (None: no window). O(clusters):
+        each cluster counts its unanswered offers."""
         if self.max_offers_in_flight is None:
             return None
         free = 0
@@ -426,10 +431,10 @@ class Fleet:
                 now=now, stale_after=self.stale_after
             ):
                 continue
-            window = self.offer_window(cluster)
-            if window is None:
+            slots = self.offer_slots(cluster)
+            if slots is None:
                 return None
-            free += max(0, window - cluster.inflight.unanswered)
+            free += slots
         return free
 
     def offers_answered(self, cluster: Cluster, count: int = 1) -> None:
@@ -484,10 +489,7 @@ class Fleet:
                 continue
             try:
                 capacity = cluster.capacity()
-                unanswered = cluster.inflight.unanswered
-                window = self.offer_window(cluster)
-                if window is not None:
-                    capacity.offer_slots = max(0, window - unanswered)
+                capacity.offer_slots = self.offer_slots(cluster)
             except Exception as exc:
                 cluster.planning_error = f"its capacity cannot be computed: {exc!r}"[:300]
                 logger.exception("cluster %s left out of planning", cluster.name)

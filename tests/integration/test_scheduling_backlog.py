@@ -1,10 +1,14 @@
 """The scheduler shell with a parked backlog, on a real job book (SQLite): jobs that do not
 fit sit out the cycles, still count as pending and keep the reasons `why` shows; capacity
 freed brings the ones it could admit back; and a broker that parks dispatches, cycle by
-cycle, exactly what one that plans every job every cycle dispatches."""
+cycle, exactly what one that plans every job every cycle dispatches. With the agent's offer
+window full, a cycle plans no more jobs than it could send offers for (and a slack), and a
+wakeup runs no cycle until an answer frees a slot or `max_interval` passes: before, most
+cycles of a 20,000-job soak's burst planned 500 jobs to send a few offers, or none."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -47,10 +51,17 @@ class Broker:
     def parked(self) -> set[str]:
         return set(self.scheduler.backlog.parked())
 
+    async def accept(self, offer: messages.Offer) -> None:
+        """The agent accepts `offer` (through `AgentReports`): a slot of its window is free."""
+        answer = messages.Accepted(job_id=offer.job_id, epoch=offer.epoch, pods=[])
+        await self.jobs.reports.accepted(self.clusters.clusters["east"], answer)
 
-async def start(*, full_replan: bool = False) -> AsyncIterator[Broker]:
+
+async def start(
+    *, full_replan: bool = False, max_offers_in_flight: int = fleet.MAX_OFFERS_IN_FLIGHT
+) -> AsyncIterator[Broker]:
     store = await sqlite.SqliteStore.open(":memory:")
-    clusters = fleet.Fleet()
+    clusters = fleet.Fleet(max_offers_in_flight=max_offers_in_flight)
     meters = metrics.BrokerMetrics()
     jobs = service.Jobs(records.JobStore(store), clusters, meters=meters)
     scheduler = scheduling.Scheduler(
@@ -82,6 +93,18 @@ async def broker() -> AsyncIterator[Broker]:
 @pytest.fixture
 async def twin() -> AsyncIterator[Broker]:
     async for item in start(full_replan=True):
+        yield item
+
+
+WINDOW = 2
+
+
+@pytest.fixture
+async def windowed() -> AsyncIterator[Broker]:
+    """An agent that may be sent `WINDOW` offers unanswered, its 8 nodes free."""
+    async for item in start(max_offers_in_flight=WINDOW):
+        item.scheduler.max_interval = 5.0
+        await item.summary(free_nodes=8)
         yield item
 
 
@@ -222,3 +245,72 @@ async def test_the_recount_of_holdings_takes_at_most_its_share_of_the_time(
     assert recounts and recounts[0] == pytest.approx(1005.0, abs=0.15)  # after resync_every
     assert len(gaps) >= 2 and all(g >= 0.2 / scheduling.RESYNC_SHARE for g in gaps), gaps
     assert all(g <= 0.2 / scheduling.RESYNC_SHARE + 0.5 for g in gaps), gaps  # not starved
+
+
+async def test_a_cycle_plans_the_jobs_its_offer_slots_could_take_and_a_slack(
+    windowed: Broker,
+) -> None:
+    for n in range(120):
+        await windowed.submit(f"j{n}", pods=1)
+    await windowed.scheduler.run_cycle()
+    assert len(windowed.link.offers) == WINDOW
+    cycle = windowed.scheduler.last_cycle
+    assert cycle is not None
+    assert len(cycle.planned) == WINDOW + scheduling.SLOT_SLACK  # not the budget's 500
+    assert cycle.deferred == 120 - WINDOW - scheduling.SLOT_SLACK
+    told = windowed.jobs.waiting(cycle.planned[-1].job_id)
+    assert told is not None and "ClusterBusy" in str(told.details)  # why says so
+    assert windowed.scheduler.busy  # every slot taken
+
+
+async def test_a_full_window_holds_cycles_until_an_answer_frees_a_slot(windowed: Broker) -> None:
+    for n in range(10):
+        await windowed.submit(f"j{n}", pods=1)
+    loop = asyncio.create_task(windowed.scheduler.run())
+    try:
+        async with asyncio.timeout(5):
+            while len(windowed.link.offers) < WINDOW or not windowed.scheduler.busy:
+                await asyncio.sleep(0.01)
+        cycles = windowed.scheduler.cycles
+        for n in range(10, 15):  # wakeups: new jobs, a summary
+            await windowed.submit(f"j{n}", pods=1)
+        await windowed.summary(free_nodes=8)
+        windowed.clusters.changed.set()
+        await asyncio.sleep(0.3)
+        assert windowed.scheduler.cycles == cycles  # nothing could be sent: no cycle ran
+        assert windowed.scheduler.cycles_held >= 1
+        assert len(windowed.link.offers) == WINDOW
+        await windowed.accept(windowed.link.offers[0])  # one slot free: the next cycle runs
+        async with asyncio.timeout(2):
+            while len(windowed.link.offers) < WINDOW + 1:
+                await asyncio.sleep(0.01)
+        assert windowed.scheduler.cycles > cycles
+        await asyncio.sleep(0.3)
+        assert len(windowed.link.offers) == WINDOW + 1  # the window is full again
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+
+async def test_a_held_cycle_still_runs_once_max_interval_has_passed(windowed: Broker) -> None:
+    windowed.scheduler.max_interval = 0.5
+    for n in range(3):
+        await windowed.submit(f"j{n}", pods=1)
+    loop = asyncio.create_task(windowed.scheduler.run())
+    try:
+        async with asyncio.timeout(5):
+            while not windowed.scheduler.busy:
+                await asyncio.sleep(0.01)
+        cycles = windowed.scheduler.cycles
+        await windowed.submit("j3", pods=1)  # a new job: it waits to be told why
+        await asyncio.sleep(0.1)
+        assert windowed.jobs.waiting("j3") is None
+        async with asyncio.timeout(3):  # within max_interval of the last cycle
+            while windowed.jobs.waiting("j3") is None:
+                await asyncio.sleep(0.02)
+        assert windowed.scheduler.cycles > cycles
+        told = windowed.jobs.waiting("j3")
+        assert told is not None and "ClusterBusy" in str(told.details)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
