@@ -39,7 +39,7 @@ import aiohttp
 from broker.state import records
 from broker.state.history import sqlite as sqlite_history
 from broker.telemetry import garbage
-from e2e import bench_throughput
+from e2e import bench_throughput, helpers
 from gpufed import client
 from gpufed.daemons import duration
 from gpufed.local import processes
@@ -142,37 +142,6 @@ async def etcd_size(url: str) -> tuple[int, int, dict[str, int]]:
     return int(status.get("dbSize", 0)), int(status.get("dbSizeInUse", 0)), counts
 
 
-async def broker_counts(fleet: processes.LocalFleet) -> dict[str, float]:
-    """The broker's counters this bench reads from its /metrics, so far: seconds its garbage
-    collector paused it (`gc`, every generation), scheduling cycles (`cycles`) and the time
-    they took (`cycle_seconds`), and store writes by operation (`store:<op>`)."""
-    headers = {"Authorization": f"Bearer {fleet.tokens['metrics']}"}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"{fleet.url}/metrics", headers=headers) as r,
-    ):
-        text = await r.text()
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name.startswith("gpufed_gc_pause_seconds_sum"):
-            key = "gc"
-        elif name == "gpufed_scheduling_cycles_total":
-            key = "cycles"
-        elif name == "gpufed_scheduling_cycle_duration_seconds_sum":
-            key = "cycle_seconds"
-        elif name.startswith("gpufed_store_operation_duration_seconds_count{"):
-            key = "store:" + name.split('op="', 1)[1].split('"', 1)[0]
-        else:
-            continue
-        counts[key] = counts.get(key, 0.0) + float(value)
-    return counts
-
-
-def counts_since(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {key: value - before.get(key, 0.0) for key, value in after.items()}
-
-
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
@@ -211,7 +180,7 @@ async def run(args: argparse.Namespace) -> None:
         if server.process is not None:
             pids["etcd"] = server.process.pid
         cpu_before = {name: bench_throughput.cpu_seconds(pid) for name, pid in pids.items()}
-        counts_before = await broker_counts(fleet)
+        counts_before = await helpers.broker_counts(fleet)
         async with client.BrokerClient(fleet.url, fleet.tokens["team-a"], timeout=120) as api:
             started = time.perf_counter()
             refused = await submit_all(api, items, batch=args.batch, clients=args.clients)
@@ -230,7 +199,7 @@ async def run(args: argparse.Namespace) -> None:
                 await asyncio.sleep(5)
             finished = time.perf_counter() - started
             cpu = {n: bench_throughput.cpu_seconds(pid) - cpu_before[n] for n, pid in pids.items()}
-            counts = counts_since(await broker_counts(fleet), counts_before)
+            counts = helpers.counts_since(await helpers.broker_counts(fleet), counts_before)
             jobs = await api.jobs(limit=None)
             print(f"all finished after {finished:.1f} s; waiting {retain:g} s of retention")
             # the retention, two retirement passes, the history's caches given back once it

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m e2e.bench_throughput [--store etcd|sqlite] [--jobs 2000] [--rate 200]
                                              [--batch N] [--backlog N] [--replicas N]
+                                             [--broker-arg=--FLAG=VALUE ...]
 
 Two runs, figures printed (no assertions; these machines are shared and noisy):
 1. burst: submit `--jobs` gang jobs (`--pods` pods of 1 GPU each) as fast as 64 clients can,
@@ -165,6 +166,7 @@ async def burst(
     placed_before = await accepted_offers(fleet)
     pids = processes_of(fleet)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    counts_before = await helpers.broker_counts(fleet)
     async with contextlib.AsyncExitStack() as stack:
         apis = [
             await stack.enter_async_context(fleet.client("bench", url=url))
@@ -194,6 +196,7 @@ async def burst(
             await asyncio.sleep(0.05)
         elapsed = time.perf_counter() - started
     spent = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+    counts = helpers.counts_since(await helpers.broker_counts(fleet), counts_before)
     route = f"batches of {batch}" if batch else "single route"
     print(
         f"burst ({route}): {jobs} jobs x {pods} pods submitted in {submitted:.2f}s "
@@ -205,6 +208,12 @@ async def burst(
         + ", ".join(f"{name} {s * 1000 / jobs:.2f}" for name, s in sorted(spent.items()))
         + f" (all {sum(spent.values()) * 1000 / jobs:.2f}; {sum(spent.values()) / elapsed:.2f}"
         " cores busy)"
+    )
+    writes = {k.removeprefix("store:"): v for k, v in counts.items() if k.startswith("store:")}
+    print(
+        f"burst ({route}): per job, the {'leader' if len(fleet.urls) > 1 else 'broker'}'s "
+        f"scheduling cycles {counts.get('cycles', 0) / jobs:.3f}, store writes "
+        + ", ".join(f"{op} {n / jobs:.3f}" for op, n in sorted(writes.items()) if n)
     )
     return jobs / submitted, jobs * pods / elapsed
 
@@ -332,6 +341,7 @@ async def main(args: argparse.Namespace) -> None:
     global ETCD
     server = ETCD = etcdserver.EtcdServer.start() if args.store == "etcd" else None
     fleet = processes.LocalFleet(workdir=workdir, store=server.url if server else "")
+    fleet.broker_args = list(args.broker_arg)
     try:
         fleet.write_tokens(tenants=["bench"], clusters=CLUSTERS)
         if args.replicas > 1:
@@ -396,6 +406,14 @@ if __name__ == "__main__":
         default=1,
         metavar="N",
         help="N brokers on the etcd store; submits go to the followers, the leader schedules",
+    )
+    parser.add_argument(
+        "--broker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for every broker, e.g. --broker-arg=--cycle-interval=0.02 "
+        "(repeatable)",
     )
     arguments = parser.parse_args()
     if arguments.replicas > 1 and arguments.store != "etcd":

@@ -27,6 +27,31 @@ async def scrape(fleet: processes.LocalFleet) -> str:
         return await response.text()
 
 
+async def broker_counts(fleet: processes.LocalFleet) -> dict[str, float]:
+    """The broker's counters the benchmarks read from its /metrics, so far: seconds its garbage
+    collector paused it (`gc`, every generation), scheduling cycles (`cycles`) and the time
+    they took (`cycle_seconds`), and store writes by operation (`store:<op>`)."""
+    counts: dict[str, float] = {}
+    for line in (await scrape(fleet)).splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("gpufed_gc_pause_seconds_sum"):
+            key = "gc"
+        elif name == "gpufed_scheduling_cycles_total":
+            key = "cycles"
+        elif name == "gpufed_scheduling_cycle_duration_seconds_sum":
+            key = "cycle_seconds"
+        elif name.startswith("gpufed_store_operation_duration_seconds_count{"):
+            key = "store:" + name.split('op="', 1)[1].split('"', 1)[0]
+        else:
+            continue
+        counts[key] = counts.get(key, 0.0) + float(value)
+    return counts
+
+
+def counts_since(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
 async def wait_for(
     api: client.BrokerClient, job_id: str, states: str | set[str] | frozenset[str], *,
     timeout: float = 30.0,

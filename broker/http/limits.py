@@ -189,6 +189,8 @@ async def body_middleware(request: web.Request, handler: Handler) -> web.StreamR
     timeout = request.app.get(BODY_TIMEOUT)
     if timeout is None or request.method not in BODY_METHODS or not request.body_exists:
         return await handler(request)
+    if request.content.is_eof():  # all of it came with the head (a small body): no wait
+        return await handler(request)
     # a timer rather than reading the body here: each route reads its own, with its own
     # size limit (a batch's is larger)
     late = BodyLate(f"the request's body did not arrive within {timeout:g} s")
