@@ -216,6 +216,7 @@ class Sessions:
                     break
                 if cluster.link is link:
                     cluster.unapplied += 1
+                    self._heard(cluster, message)
                 if inbox.full():
                     self._fall_behind(cluster, link)
                     try:
@@ -231,6 +232,14 @@ class Sessions:
                 working.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await working
+
+    def _heard(self, cluster: fleet.Cluster, message: messages.Message) -> None:
+        """An answer to an offer, read: a slot of the agent's offer window is free now,
+        before the answer is applied (a cycle held for one may run: `fleet.changed`)."""
+        if not isinstance(message, messages.Accepted | messages.Rejected):
+            return
+        if cluster.inflight.hear(message.job_id, message.attempt):
+            self.fleet.changed.set()
 
     async def _work(
         self, inbox: Inbox, link: SocketLink, cluster: fleet.Cluster, *, epoch: int

@@ -140,7 +140,9 @@ class Dispatcher:
             chosen = committed
             sent_at = time.monotonic()
             for draft, fit, cluster in chosen:
-                cluster.inflight[draft.id] = fleet.InFlight(fit=fit, sent_at=sent_at)
+                cluster.inflight[draft.id] = fleet.InFlight(
+                    fit=fit, sent_at=sent_at, attempt=transitions.attempt_of(draft)
+                )
         sent = 0
         for draft, _, cluster in chosen:
             offer = messages.Offer(

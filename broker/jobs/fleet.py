@@ -52,42 +52,62 @@ class InFlight:
     fit: fitting.Fit
     sent_at: float = 0.0  # monotonic: when the offer went out
     accepted: bool = False
+    attempt: int = 1  # the job's attempt the offer is of (an answer names it)
+    heard: bool = False  # its answer was read, not applied yet (`Offers.hear`)
+
+    @property
+    def answered(self) -> bool:
+        return self.accepted or self.heard
 
 
 class Offers(dict[str, InFlight]):
     """A cluster's offers in flight, by job id, in the order sent: a dict that counts what
     leaves it (`removals`: an offer popped, deleted, replaced or cleared), so that a kept
     capacity knows in O(1) whether it still holds only offers deducted once; and how many
-    of them the agent accepted (`accepted`), so the unanswered ones are counted in O(1)."""
+    of them the agent answered (`answered`: accepted, or an answer read and not applied
+    yet), so the unanswered ones are counted in O(1)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.removals = 0
-        self.accepted = 0
+        self.answered = 0
 
     @property
     def unanswered(self) -> int:
-        return len(self) - self.accepted
+        """Offers the agent has not answered, as far as the broker has read: what its offer
+        window bounds. An answer waiting in the broker's inbox is the broker's lag, not the
+        agent's (the inbox and TCP hold a broker that falls behind)."""
+        return len(self) - self.answered
+
+    def hear(self, job_id: str, attempt: int) -> bool:
+        """The agent's answer to the job's offer (of `attempt`) was read: no longer
+        unanswered. False if no such offer waits for one."""
+        flight = self.get(job_id)
+        if flight is None or flight.answered or flight.attempt != attempt:
+            return False
+        flight.heard = True
+        self.answered += 1
+        return True
 
     def accept(self, job_id: str) -> bool:
         """Mark the job's offer accepted; False if it is not here or was already."""
         flight = self.get(job_id)
         if flight is None or flight.accepted:
             return False
+        self.answered += not flight.heard
         flight.accepted = True
-        self.accepted += 1
         return True
 
     def _left(self, flight: InFlight) -> None:
         self.removals += 1
-        self.accepted -= flight.accepted
+        self.answered -= flight.answered
 
     def __setitem__(self, job_id: str, flight: InFlight) -> None:
         old = self.get(job_id)
         if old is not None:  # replaced: it keeps its old place, so it counts as gone
             self._left(old)
         super().__setitem__(job_id, flight)
-        self.accepted += flight.accepted
+        self.answered += flight.answered
 
     def __delitem__(self, job_id: str) -> None:
         self._left(self[job_id])
@@ -104,7 +124,7 @@ class Offers(dict[str, InFlight]):
         if self:
             self.removals += 1
         super().clear()
-        self.accepted = 0
+        self.answered = 0
 
     def popitem(self) -> tuple[str, InFlight]:
         job_id, flight = super().popitem()

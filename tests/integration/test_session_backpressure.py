@@ -211,6 +211,48 @@ async def test_an_agent_is_sent_at_most_its_window_of_offers_unanswered(tmp_path
             assert len(offers()) == 4
 
 
+async def test_answers_waiting_on_the_broker_free_the_agents_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--max-offers-in-flight 3, an agent that accepts at once, a broker that takes 1.5 s to
+    apply each run of answers: the window counts what the agent has not answered, so offers
+    keep going out while its answers wait in the broker's inbox (the broker's lag held every
+    window full in the soak, and cost a fifth of its throughput)."""
+    apply = reports.AgentReports.apply
+    applied: list[str] = []
+
+    async def slow_apply(self: reports.AgentReports, cluster: Any, run: Any, **kw: Any) -> None:
+        await asyncio.sleep(SLOW)
+        await apply(self, cluster, run, **kw)
+        applied.extend(m.job_id for m in run)
+
+    def accept(message: messages.Message) -> messages._Msg | None:
+        if not isinstance(message, messages.Offer):
+            return None
+        pod = status.PodPlacement(name="p0", task="main", node="n0")
+        return messages.Accepted(
+            job_id=message.job_id, epoch=message.epoch, pods=[pod], attempt=message.attempt
+        )
+
+    monkeypatch.setattr(reports.AgentReports, "apply", slow_apply)
+    async with started(tmp_path, max_offers_in_flight=3) as made:
+        ws = await session(made)
+        async with following(ws, answer=accept) as received:
+            for n in range(8):
+                body = make_job(f"j{n}", gpus=1).document()
+                assert (await made.post("/v1/jobs", json=body, headers=TEAM_A)).status == 202
+            async with asyncio.timeout(SLOW - 0.3):
+                while len([m for m in received if isinstance(m, messages.Offer)]) < 8:
+                    await asyncio.sleep(0.02)
+            assert not applied  # every answer still waits on the broker
+            async with asyncio.timeout(4 * SLOW):
+                while len(applied) < 8:
+                    await asyncio.sleep(0.05)
+            listed = await (await made.get("/v1/jobs", headers=TEAM_A)).json()
+            assert {job["status"]["state"] for job in listed["items"]} == {"Dispatched"}
+            assert len([m for m in received if isinstance(m, messages.Offer)]) == 8
+
+
 async def test_an_offer_answered_is_not_overdue_while_its_answer_waits_on_the_broker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -70,3 +70,27 @@ def test_the_snapshot_gives_what_is_left_of_the_window_as_offer_slots() -> None:
     assert cluster.accept("j0")  # answered: out of the window
     (capacity,) = clusters.snapshot(now=1.0).clusters.values()
     assert capacity.offer_slots == 50 - 6
+
+
+def test_an_answer_read_frees_its_slot_before_it_is_applied() -> None:
+    clusters, cluster = made(10)
+    fit = fitting.Fit(cluster="a", takes=(), leftover=0)
+    for n in range(4):
+        cluster.inflight[f"j{n}"] = fleet.InFlight(fit=fit, sent_at=3.0, attempt=2)
+    assert clusters.offer_slots(cluster) == 6
+    assert not cluster.inflight.hear("j0", 1)  # an answer to an earlier attempt
+    assert not cluster.inflight.hear("nobody", 2)
+    assert cluster.inflight.hear("j0", 2)
+    assert not cluster.inflight.hear("j0", 2)  # read twice: one slot
+    assert clusters.offer_slots(cluster) == 7
+    # applied later: accepted (still deducted from capacity until the next summary), the
+    # slot counted once; or rejected (the offer leaves)
+    assert cluster.accept("j0") and clusters.offer_slots(cluster) == 7
+    assert cluster.inflight.hear("j1", 2)
+    cluster.inflight.pop("j1")
+    assert clusters.offer_slots(cluster) == 8
+    assert cluster.inflight.unanswered == 2 and len(cluster.inflight) == 3  # j0 accepted
+    # accepted without being heard first (a test, an older path): counted as before
+    assert cluster.accept("j2") and cluster.inflight.unanswered == 1
+    cluster.inflight.clear()
+    assert cluster.inflight.unanswered == 0 and cluster.inflight.answered == 0
