@@ -22,6 +22,16 @@ from any replica, are plain compare-and-swap (`fenced=False`). Changes another r
 committed reach the book through `jobs.watching` (`apply_remote`, under the lock, so no
 collaborator sees a record change between its draft and its commit); a job the watch has not
 delivered yet is read from the store (`fetch`): a submitter reads its own write anywhere.
+
+The lock: collaborators hold it from their draft to their commit, so what they decided on
+does not change under them. The group commit (`run_flusher`) writes without it: it writes
+only drafts of `commit_soon`, which `latest` showed, so whatever a collaborator drafted of
+those jobs builds on them. A commit of a job waits for this replica's writes of it in flight
+(its compare-and-swap is against the revision they make); a draft given to `commit_soon`
+meanwhile goes with the next flush; after a conflict the group commit reads the records
+again only once the lock is free. In a 20,000-job soak the lock had been held by the group
+commit's store round trips for half the run, the event loop idle while agents' reports
+waited for it (920-940 -> 993-1,017 pods/s; submit -> Running p50 9.6 -> 6.2 s).
 """
 
 from __future__ import annotations
@@ -98,7 +108,7 @@ class JobBook(creating.Creating):
         self.store = job_store
         self.idempotency_window = idempotency_window
         self.leadership = leadership  # None: no fence (one replica, tests)
-        self.lock = asyncio.Lock()  # one writer at a time: collaborators hold it to decide
+        self.lock = asyncio.Lock()  # collaborators hold it to decide (the group commit: not)
         self.wakeup = asyncio.Event()  # a job became queued
         self.flush_needed = asyncio.Event()
         self._entries: dict[str, records.Stored] = {}
@@ -264,6 +274,18 @@ class JobBook(creating.Creating):
         lead it is NotLeaderError, and nothing is tried. A submit or a cancel, which any
         replica takes, is `fenced=False`.
         """
+        await self._commit(drafts, fenced=fenced, grouped=False, locked=True)
+
+    async def _commit(
+        self, drafts: Sequence[status.JobRecord], *, fenced: bool, grouped: bool, locked: bool
+    ) -> None:
+        """`commit`; `grouped`: the drafts of `commit_soon`, which `flush` may write while
+        another holds the lock (`locked`: the caller holds it). Each transaction first waits
+        for this replica's writes in flight of its jobs (its compare-and-swap is against the
+        revision they make); a grouped draft that a collaborator's commit superseded meanwhile
+        (built on it) is not written again. After a conflict the records are read again under
+        the lock: never between a collaborator's draft and its commit, whose compare-and-swap
+        must fail against the other writer's record, not pass against it once read."""
         fence = None
         if fenced and self.leadership is not None:
             try:
@@ -273,7 +295,13 @@ class JobBook(creating.Creating):
                 raise
         failure: errors.StoreError | None = None
         encoded = [records.Encoded(d, records.encode(d)) for d in drafts]
-        for batch in self.store.batches(encoded):
+        for planned in self.store.batches(encoded):
+            await self._after_writes_of(item.record.id for item in planned)
+            batch = planned
+            if grouped:  # what a collaborator's commit superseded meanwhile is not written
+                batch = [item for item in planned if self._soon.get(item.record.id) is item.record]
+                if not batch:
+                    continue
             changes = [(item, self._revision(item.record.id)) for item in batch]
             ids = [item.record.id for item in batch]
             try:
@@ -286,18 +314,39 @@ class JobBook(creating.Creating):
                 if leadership is not None and leadership.lost_fence(exc):  # deposed
                     self._drop(d.id for d in drafts)
                     raise errors.NotLeaderError(str(exc), revisions=exc.revisions) from exc
-                await self.refresh(item.record.id for item in batch)
+                if locked:
+                    await self.refresh(item.record.id for item in batch)
+                else:
+                    async with self.lock:
+                        await self.refresh(item.record.id for item in batch)
                 failure = failure or exc
                 continue
             except errors.StoreError as exc:
                 failure = failure or exc
                 continue
             for item in batch:
-                self._soon.pop(item.record.id, None)
+                job_id = item.record.id
+                # a draft given to `commit_soon` while a grouped write of the job was in
+                # flight builds on it and waits for the next group commit, with the
+                # callbacks given since (`after_commit`): they wait for that one
+                pending = self._soon.get(job_id)
+                newer = grouped and pending is not None and pending is not item.record
+                if not newer:
+                    self._soon.pop(job_id, None)
                 self._apply(item.record, revision)
-                self._committed(item.record.id)
+                if not newer:
+                    self._committed(job_id)
         if failure is not None:
             raise failure
+
+    async def _after_writes_of(self, job_ids: Iterable[str]) -> None:
+        """Until no write of these jobs is in flight (and each has been applied)."""
+        ids = list(job_ids)
+        while True:
+            pending = {done for job_id in ids for done in self._writes.get(job_id, ())}
+            if not pending:
+                return
+            await asyncio.wait(pending)
 
     def commit_soon(self, draft: status.JobRecord) -> None:
         """Write `draft` with the next group commit (`flush`): for what agents report, many
@@ -329,11 +378,17 @@ class JobBook(creating.Creating):
             except Exception:  # a callback's bug must not undo a commit
                 logger.exception("after-commit callback of job %s failed", job_id)
 
-    async def flush(self) -> None:
-        """Commit every draft of `commit_soon`. On a temporary store error they stay for the
-        next flush; on a conflict they are dropped and the records read again."""
+    async def flush(self, *, locked: bool = True) -> None:
+        """Commit every draft of `commit_soon`, the caller holding the lock (`locked`), or
+        not (the flusher's own: `run_flusher`). On a temporary store error they stay for the
+        next flush; on a conflict they are dropped and the records read again.
+
+        Without the lock the store's round trip holds up no collaborator (agents' reports,
+        the scheduler): one waits for it only to write a job it writes. A draft given
+        meanwhile builds on the one in flight (`latest` shows it until it is applied) and
+        goes with the next flush."""
         if self._soon:
-            await self.commit(list(self._soon.values()))
+            await self._commit(list(self._soon.values()), fenced=True, grouped=True, locked=locked)
 
     async def run_flusher(
         self, *, gather_seconds: float = 0.002, on_error: Callable[[], None] | None = None
@@ -344,19 +399,18 @@ class JobBook(creating.Creating):
             await self.flush_needed.wait()
             self.flush_needed.clear()
             await asyncio.sleep(gather_seconds)
-            async with self.lock:
-                try:
-                    await self.flush()
-                except errors.ConflictError as exc:
-                    logger.warning("group commit conflicted, records read again: %s", exc)
-                    if self._soon:  # the drafts of the transactions not tried yet
-                        self.flush_needed.set()
-                except Exception as exc:  # the store, or a bug: the drafts wait, retried
-                    logger.warning("group commit of %d jobs failed: %s", len(self._soon), exc)
-                    if on_error is not None:
-                        on_error()
+            try:
+                await self.flush(locked=False)
+            except errors.ConflictError as exc:
+                logger.warning("group commit conflicted, records read again: %s", exc)
+                if self._soon:  # the drafts of the transactions not tried yet
                     self.flush_needed.set()
-                    await asyncio.sleep(0.5)
+            except Exception as exc:  # the store, or a bug: the drafts wait, retried
+                logger.warning("group commit of %d jobs failed: %s", len(self._soon), exc)
+                if on_error is not None:
+                    on_error()
+                self.flush_needed.set()
+                await asyncio.sleep(0.5)
 
     async def refresh(self, job_ids: Iterable[str]) -> None:
         """Read records again from the store (after a conflict: another writer won)."""
