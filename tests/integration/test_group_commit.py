@@ -73,6 +73,19 @@ async def jobs() -> AsyncIterator[tuple[book.JobBook, Gate]]:
         await backing.close()
 
 
+async def held_flush(
+    made: book.JobBook, gate: Gate, *, running: str | None = None
+) -> asyncio.Task[None]:
+    """The flusher's group commit (without the lock), held at the closed gate; with job
+    `running`'s report that it runs given to it first."""
+    if running is not None:
+        report(made, running, State.RUNNING)
+    gate.open.clear()
+    flushing = asyncio.create_task(made.flush(locked=False))
+    await gate.held()
+    return flushing
+
+
 def report(jobs: book.JobBook, job_id: str, state: State) -> status.JobRecord:
     draft = jobs.draft(job_id)
     assert draft is not None
@@ -85,10 +98,7 @@ async def test_a_collaborator_commits_while_the_group_commit_waits_on_the_store(
     jobs: tuple[book.JobBook, Gate],
 ) -> None:
     made, gate = jobs
-    report(made, "a", State.RUNNING)
-    gate.open.clear()
-    flushing = asyncio.create_task(made.flush(locked=False))
-    await gate.held()
+    flushing = await held_flush(made, gate, running="a")
     async with asyncio.timeout(2), made.lock:  # while the group commit's round trip lasts
         draft = made.draft("b")
         assert draft is not None
@@ -108,9 +118,7 @@ async def test_a_report_while_its_job_is_being_written_waits_for_the_next_flush(
     first = report(made, "a", State.RUNNING)
     acked: list[str] = []
     made.after_commit("a", lambda: acked.append("running"))
-    gate.open.clear()
-    flushing = asyncio.create_task(made.flush(locked=False))
-    await gate.held()
+    flushing = await held_flush(made, gate)
     async with made.lock:  # an agent's next report: it builds on the one in flight
         assert made.latest("a") is first
         second = report(made, "a", State.SUCCEEDED)
@@ -133,10 +141,7 @@ async def test_a_commit_of_a_job_in_flight_waits_and_builds_on_it(
     jobs: tuple[book.JobBook, Gate],
 ) -> None:
     made, gate = jobs
-    report(made, "a", State.RUNNING)
-    gate.open.clear()
-    flushing = asyncio.create_task(made.flush(locked=False))
-    await gate.held()
+    flushing = await held_flush(made, gate, running="a")
     sent = len(gate.updates)
     async with made.lock:
         draft = made.draft("a")  # a cancel, drafted from the report in flight
@@ -161,11 +166,8 @@ async def test_a_conflicting_group_commit_reads_again_only_once_the_lock_is_free
     its compare-and-swap must fail against the other writer's record, not pass once the
     record is read again."""
     made, gate = jobs
-    report(made, "a", State.RUNNING)
-    gate.open.clear()
     gate.conflict_next = True
-    flushing = asyncio.create_task(made.flush(locked=False))
-    await gate.held()
+    flushing = await held_flush(made, gate, running="a")
     async with made.lock:
         draft = made.draft("b")
         assert draft is not None

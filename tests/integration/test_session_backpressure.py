@@ -88,6 +88,16 @@ async def following(
         await ws.close()
 
 
+def accept_at_once(message: messages.Message) -> messages._Msg | None:
+    """An agent's answer to an offer: accepted, its pod on node n0."""
+    if not isinstance(message, messages.Offer):
+        return None
+    pod = status.PodPlacement(name="p0", task="main", node="n0")
+    return messages.Accepted(
+        job_id=message.job_id, epoch=message.epoch, pods=[pod], attempt=message.attempt
+    )
+
+
 async def session(client: TestClient[Any, Any], *, jobs: int = 0) -> Any:
     ws = await client.ws_connect(
         "/v1/agents/connect", headers={"Authorization": "Bearer dev-agent-h100"}
@@ -226,18 +236,10 @@ async def test_answers_waiting_on_the_broker_free_the_agents_window(
         await apply(self, cluster, run, **kw)
         applied.extend(m.job_id for m in run)
 
-    def accept(message: messages.Message) -> messages._Msg | None:
-        if not isinstance(message, messages.Offer):
-            return None
-        pod = status.PodPlacement(name="p0", task="main", node="n0")
-        return messages.Accepted(
-            job_id=message.job_id, epoch=message.epoch, pods=[pod], attempt=message.attempt
-        )
-
     monkeypatch.setattr(reports.AgentReports, "apply", slow_apply)
     async with started(tmp_path, max_offers_in_flight=3) as made:
         ws = await session(made)
-        async with following(ws, answer=accept) as received:
+        async with following(ws, answer=accept_at_once) as received:
             for n in range(8):
                 body = make_job(f"j{n}", gpus=1).document()
                 assert (await made.post("/v1/jobs", json=body, headers=TEAM_A)).status == 202
@@ -265,18 +267,10 @@ async def test_an_offer_answered_is_not_overdue_while_its_answer_waits_on_the_br
             await asyncio.sleep(SLOW)
         await apply(self, cluster, run, **kw)
 
-    def accept(message: messages.Message) -> messages._Msg | None:
-        if not isinstance(message, messages.Offer):
-            return None
-        pod = status.PodPlacement(name="p0", task="main", node="n0")
-        return messages.Accepted(
-            job_id=message.job_id, epoch=message.epoch, pods=[pod], attempt=message.attempt
-        )
-
     monkeypatch.setattr(reports.AgentReports, "apply", slow_apply)
     async with started(tmp_path, offer_timeout_seconds=0.5) as made:
         ws = await session(made)
-        async with following(ws, answer=accept) as received:
+        async with following(ws, answer=accept_at_once) as received:
             body = make_job("j", gpus=1).document()
             answer = await made.post("/v1/jobs", json=body, headers=TEAM_A)
             job_id = (await answer.json())["id"]
