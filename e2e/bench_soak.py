@@ -244,13 +244,7 @@ async def run(args: argparse.Namespace) -> None:
             f"{per_job(cpu.get('etcd', 0.0)):.2f} ms, this client {per_job(cpu['client']):.2f} ms\n"
             f"broker's work per job: {counts.get('cycles', 0) / count:.3f} scheduling cycles "
             f"({counts.get('cycle_seconds', 0) * 1000 / max(1.0, counts.get('cycles', 0)):.1f}"
-            f" ms each), store writes "
-            + ", ".join(
-                f"{key.removeprefix('store:')} {value / count:.3f}"
-                for key, value in sorted(counts.items())
-                if key.startswith("store:")
-            )
-            + "\n"
+            f" ms each), store writes {helpers.writes_per_job(counts, count)}\n"
             f"etcd, compacted: {in_use / 2**20:.1f} MiB in use (start {etcd_start / 2**20:.1f}), "
             f"file {db_bytes / 2**20:.1f} MiB; {keys['all']} keys ({keys['jobs']} job records, "
             f"{keys['idempotency']} idempotency entries, kept for their window); history: "

@@ -209,11 +209,10 @@ async def burst(
         + f" (all {sum(spent.values()) * 1000 / jobs:.2f}; {sum(spent.values()) / elapsed:.2f}"
         " cores busy)"
     )
-    writes = {k.removeprefix("store:"): v for k, v in counts.items() if k.startswith("store:")}
     print(
         f"burst ({route}): per job, the {'leader' if len(fleet.urls) > 1 else 'broker'}'s "
         f"scheduling cycles {counts.get('cycles', 0) / jobs:.3f}, store writes "
-        + ", ".join(f"{op} {n / jobs:.3f}" for op, n in sorted(writes.items()) if n)
+        f"{helpers.writes_per_job(counts, jobs)}"
     )
     return jobs / submitted, jobs * pods / elapsed
 
