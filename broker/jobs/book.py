@@ -24,14 +24,19 @@ collaborator sees a record change between its draft and its commit); a job the w
 delivered yet is read from the store (`fetch`): a submitter reads its own write anywhere.
 
 The lock: collaborators hold it from their draft to their commit, so what they decided on
-does not change under them. The group commit (`run_flusher`) writes without it: it writes
-only drafts of `commit_soon`, which `latest` showed, so whatever a collaborator drafted of
-those jobs builds on them. A commit of a job waits for this replica's writes of it in flight
-(its compare-and-swap is against the revision they make); a draft given to `commit_soon`
-meanwhile goes with the next flush; after a conflict the group commit reads the records
-again only once the lock is free. In a 20,000-job soak the lock had been held by the group
-commit's store round trips for half the run, the event loop idle while agents' reports
-waited for it (920-940 -> 993-1,017 pods/s; submit -> Running p50 9.6 -> 6.2 s).
+does not change under them. Two writers let it go for the store's round trip. The group
+commit (`run_flusher`) writes only drafts of `commit_soon`, which `latest` showed, so
+whatever a collaborator drafted of those jobs builds on them. The dispatch drafts under the
+lock and writes without it (`launch`, `land`): `latest` shows its drafts while they are
+written, and a draft built on one that does not land is refused (ConflictError). A commit of
+a job waits for this replica's writes of it in flight (its compare-and-swap is against the
+revision they make); a draft given to `commit_soon` meanwhile goes with the next flush;
+after a conflict the group commit reads the records again only once the lock is free. In a
+20,000-job soak the lock had been held by the group commit's store round trips for half the
+run, the event loop idle while agents' reports waited for it (920-940 -> 993-1,017 pods/s;
+submit -> Running p50 9.6 -> 6.2 s). The dispatch's round trip held it for a fifth of such a
+run: written without it, submit -> Running fell from p50 6.6-7.2 s, p99 11.5-12.1 s to p50
+3.8-4.2 s, p99 5.9-6.9 s (pods/s unchanged: the broker's CPU bounds them).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from typing import TypeVar
 
 from broker.api import status, tables
 from broker.api.status import JobState
-from broker.jobs import aging, creating
+from broker.jobs import aging, creating, launching
 from broker.planning import planning
 from broker.state import electing, errors, records
 from broker.state.history import held
@@ -95,7 +100,7 @@ def draft_of(record: status.JobRecord) -> status.JobRecord:
     return record.model_copy(update={"status": copied})
 
 
-class JobBook(creating.Creating):
+class JobBook(creating.Creating, launching.Launching):
     """Records and revisions, indices, and the commits that change them."""
 
     def __init__(
@@ -120,6 +125,10 @@ class JobBook(creating.Creating):
         self._by_cluster: dict[str, set[str]] = {}
         self._array_holding: dict[str, set[str]] = {}  # array id -> its jobs holding GPUs
         self._soon: dict[str, status.JobRecord] = {}  # drafts waiting for the group commit
+        self._flying: dict[str, status.JobRecord] = {}  # drafts of a `launch` being written
+        # per job, the last event of a launched draft that did not land: what was drafted on
+        # it (what `latest` showed meanwhile) must not land either (`_built_on_lost`)
+        self._lost: dict[str, status.JobEvent] = {}
         self._after: dict[str, list[Callable[[], None]]] = {}  # see `after_commit`
         self._creating: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]] = []
         self._committer: asyncio.Task[None] | None = None
@@ -202,8 +211,9 @@ class JobBook(creating.Creating):
         return self._revision(job_id)
 
     def latest(self, job_id: str) -> status.JobRecord | None:
-        """The job with the changes waiting for the group commit (what it will be)."""
-        return self._soon.get(job_id) or self.get(job_id)
+        """The job with the changes being written (`launch`) or waiting for the group commit
+        (what it will be)."""
+        return self._soon.get(job_id) or self._flying.get(job_id) or self.get(job_id)
 
     def __iter__(self) -> Iterator[status.JobRecord]:
         return (entry.record for entry in self._entries.values())
@@ -277,7 +287,13 @@ class JobBook(creating.Creating):
         await self._commit(drafts, fenced=fenced, grouped=False, locked=True)
 
     async def _commit(
-        self, drafts: Sequence[status.JobRecord], *, fenced: bool, grouped: bool, locked: bool
+        self,
+        drafts: Sequence[status.JobRecord],
+        *,
+        fenced: bool,
+        grouped: bool,
+        locked: bool,
+        own: launching.Launch | None = None,
     ) -> None:
         """`commit`; `grouped`: the drafts of `commit_soon`, which `flush` may write while
         another holds the lock (`locked`: the caller holds it). Each transaction first waits
@@ -285,7 +301,9 @@ class JobBook(creating.Creating):
         revision they make); a grouped draft that a collaborator's commit superseded meanwhile
         (built on it) is not written again. After a conflict the records are read again under
         the lock: never between a collaborator's draft and its commit, whose compare-and-swap
-        must fail against the other writer's record, not pass against it once read."""
+        must fail against the other writer's record, not pass against it once read. `own`:
+        the launch these drafts are (its own writes are not waited for). A draft built on a
+        launched one that did not land is not written (ConflictError)."""
         fence = None
         if fenced and self.leadership is not None:
             try:
@@ -296,12 +314,20 @@ class JobBook(creating.Creating):
         failure: errors.StoreError | None = None
         encoded = [records.Encoded(d, records.encode(d)) for d in drafts]
         for planned in self.store.batches(encoded):
-            await self._after_writes_of(item.record.id for item in planned)
+            await self._after_writes_of((item.record.id for item in planned), own=own)
             batch = planned
             if grouped:  # what a collaborator's commit superseded meanwhile is not written
                 batch = [item for item in planned if self._soon.get(item.record.id) is item.record]
-                if not batch:
-                    continue
+            if self._lost:
+                lost = [item.record.id for item in batch if self._built_on_lost(item.record)]
+                if lost:
+                    self._drop(job_id for job_id in lost if grouped)
+                    batch = [item for item in batch if item.record.id not in lost]
+                    failure = failure or errors.ConflictError(
+                        f"drafted on a write that did not land: {', '.join(lost)}"
+                    )
+            if not batch:
+                continue
             changes = [(item, self._revision(item.record.id)) for item in batch]
             ids = [item.record.id for item in batch]
             try:
@@ -310,6 +336,7 @@ class JobBook(creating.Creating):
                 else:
                     revision = await self._writing(ids, self.store.update(changes, fence=fence))
             except errors.ConflictError as exc:
+                self._settle(own, ids)  # before any wait: a collaborator may wait for them
                 leadership = self.leadership if fence is not None else None
                 if leadership is not None and leadership.lost_fence(exc):  # deposed
                     self._drop(d.id for d in drafts)
@@ -322,6 +349,7 @@ class JobBook(creating.Creating):
                 failure = failure or exc
                 continue
             except errors.StoreError as exc:
+                self._settle(own, ids)
                 failure = failure or exc
                 continue
             for item in batch:
@@ -336,14 +364,18 @@ class JobBook(creating.Creating):
                 self._apply(item.record, revision)
                 if not newer:
                     self._committed(job_id)
+            self._settle(own, ids)
         if failure is not None:
             raise failure
 
-    async def _after_writes_of(self, job_ids: Iterable[str]) -> None:
-        """Until no write of these jobs is in flight (and each has been applied)."""
+    async def _after_writes_of(
+        self, job_ids: Iterable[str], *, own: launching.Launch | None
+    ) -> None:
+        """Until no write of these jobs is in flight (and each has been applied), but `own`."""
         ids = list(job_ids)
+        mine = set(own.done.values()) if own is not None else set()
         while True:
-            pending = {done for job_id in ids for done in self._writes.get(job_id, ())}
+            pending = {done for job_id in ids for done in self._writes.get(job_id, ())} - mine
             if not pending:
                 return
             await asyncio.wait(pending)
@@ -484,6 +516,7 @@ class JobBook(creating.Creating):
             return False
         self._drop([job_id])
         del self._entries[job_id]
+        self._lost.pop(job_id, None)
         self.held.drop(job_id)
         self._queued.discard(job_id)
         self._holding.discard(job_id)
@@ -492,7 +525,8 @@ class JobBook(creating.Creating):
         self._index_array(entry.record, holding=False)
         if entry.record.status.cluster:
             self._by_cluster.get(entry.record.status.cluster, set()).discard(job_id)
-        for table in (self._entries, self._queued, self._holding, self._finished, self._waiting):
+        indices = (self._entries, self._queued, self._holding, self._finished, self._waiting)
+        for table in (*indices, self._lost):
             tables.shrink(table)
         return True
 

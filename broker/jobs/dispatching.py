@@ -1,10 +1,11 @@
 """A cycle's plan made real: the queued jobs as the planner sees them, and the dispatch of
 its assignments. Called by `scheduling.Scheduler`.
 
-`dispatch` drafts every assignment as Dispatched (a new attempt, the cluster's epoch),
-commits them with compare-and-swap, and only then records the offers in flight and sends
-them. A commit that fails changes nothing: the jobs stay Queued in the book as in the store,
-their GPUs are not taken from any cluster, and the next cycle plans them again.
+`dispatch` drafts every assignment as Dispatched (a new attempt, the cluster's epoch) under
+the book's lock, commits them with compare-and-swap once it let the lock go
+(`JobBook.launch`), and only then records the offers in flight and sends them. A commit that
+fails changes nothing: the jobs stay Queued in the book as in the store, their GPUs are not
+taken from any cluster, and the next cycle plans them again.
 """
 
 from __future__ import annotations
@@ -105,14 +106,24 @@ class Dispatcher:
             self.spans.waiting(miss.job_id, miss.reasons, now=now)
 
     async def dispatch(self, plan: planning.CyclePlan) -> Dispatched:
-        """Commit a cycle's assignments (Dispatched) and send the offers."""
+        """Commit a cycle's assignments (Dispatched) and send the offers.
+
+        The drafts are made under the book's lock and written without it (`JobBook.launch`):
+        agents' reports, cancels and the group commit go on during the store's round trip,
+        and whatever touches one of these jobs meanwhile waits for its write. A job with a
+        write pending (a report's draft, a commit in flight) is left to the next cycle."""
         self.note_unplaced(plan)
         async with self.book.lock:
             chosen: list[tuple[status.JobRecord, fitting.Fit, fleet.Cluster]] = []
             for assignment in plan.assignments:
-                record = self.book.latest(assignment.job_id)
+                record = self.book.get(assignment.job_id)
                 cluster = self.fleet.clusters.get(assignment.cluster)
-                if record is None or record.status.state != JobState.QUEUED or cluster is None:
+                if (
+                    record is None
+                    or record.status.state != JobState.QUEUED
+                    or cluster is None
+                    or not self.book.settled(record.id)
+                ):
                     continue
                 draft = book.draft_of(record)
                 transitions.dispatch(draft, cluster=cluster.name, epoch=cluster.epoch)
@@ -121,28 +132,29 @@ class Dispatcher:
                 chosen.append((draft, fit, cluster))
             if not chosen:
                 return Dispatched()
-            failed = None
-            try:
-                await self.book.commit([draft for draft, _, _ in chosen])
-            except errors.StoreError as exc:
-                failed = str(exc) or type(exc).__name__
-            # the transactions that went through (all of them, unless one failed)
-            committed = [item for item in chosen if self.book.get(item[0].id) is item[0]]
-            if failed is not None:
-                logger.warning(
-                    "dispatch of %d of %d jobs not committed, they stay queued: %s",
-                    len(chosen) - len(committed),
-                    len(chosen),
-                    failed,
-                )
-                for draft, _, _ in chosen:
-                    self.accounts.forget(draft.id)
-            chosen = committed
-            sent_at = time.monotonic()
-            for draft, fit, cluster in chosen:
-                cluster.inflight[draft.id] = fleet.InFlight(
-                    fit=fit, sent_at=sent_at, attempt=transitions.attempt_of(draft)
-                )
+            launch = self.book.launch([draft for draft, _, _ in chosen])
+        failed = None
+        try:
+            await self.book.land(launch)
+        except errors.StoreError as exc:
+            failed = str(exc) or type(exc).__name__
+        # the transactions that went through (all of them, unless one failed)
+        committed = [item for item in chosen if self.book.get(item[0].id) is item[0]]
+        if failed is not None:
+            logger.warning(
+                "dispatch of %d of %d jobs not committed, they stay queued: %s",
+                len(chosen) - len(committed),
+                len(chosen),
+                failed,
+            )
+            for draft, _, _ in chosen:
+                self.accounts.forget(draft.id)
+        chosen = committed
+        sent_at = time.monotonic()
+        for draft, fit, cluster in chosen:
+            cluster.inflight[draft.id] = fleet.InFlight(
+                fit=fit, sent_at=sent_at, attempt=transitions.attempt_of(draft)
+            )
         sent = 0
         for draft, _, cluster in chosen:
             offer = messages.Offer(

@@ -1,6 +1,7 @@
-"""The group commit writes without the book's lock (`JobBook.flush(locked=False)`, the
-flusher's): its store round trip holds up no collaborator, and a job it is writing is still
-written in order. On a real SQLite store, its writes held at the gate on purpose."""
+"""Two writers let the book's lock go for the store's round trip: the group commit
+(`JobBook.flush(locked=False)`, the flusher's) and the dispatch (`JobBook.launch`, `land`).
+Their round trip holds up no collaborator, and a job one of them is writing is still written
+in order. On a real SQLite store, its writes held at the gate on purpose."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class Gate:
         self.waiting = 0
         self.updates: list[list[str]] = []
         self.conflict_next = False
+        self.fail_next = False  # a store error: the write's outcome unknown, nothing read again
         update = job_store.update
 
         async def gated(changes: Any, **kwargs: Any) -> int:
@@ -41,6 +43,9 @@ class Gate:
             if self.conflict_next:
                 self.conflict_next = False
                 raise errors.ConflictError("injected: another writer won")
+            if self.fail_next:
+                self.fail_next = False
+                raise errors.TemporaryStoreError("injected: the store timed out")
             return await update(changes, **kwargs)
 
         job_store.update = gated  # type: ignore[method-assign]
@@ -67,6 +72,9 @@ async def jobs() -> AsyncIterator[tuple[book.JobBook, Gate]]:
         draft.record(State.DISPATCHED, "Dispatched")
         draft.status.cluster = "east"
         await made.commit([draft])
+    queued = status.JobRecord(id="c", tenant="team-a", job=make_job("c").build())
+    queued.record(State.QUEUED, "Submitted")
+    await made.create(queued)
     try:
         yield made, gate
     finally:
@@ -180,3 +188,115 @@ async def test_a_conflicting_group_commit_reads_again_only_once_the_lock_is_free
     got = made.get("a")
     assert got is not None and got.status.state == State.DISPATCHED  # read again: unchanged
     assert made.pending_writes == 0
+
+
+async def held_launch(
+    made: book.JobBook, gate: Gate
+) -> tuple[status.JobRecord, asyncio.Task[None]]:
+    """Job c dispatched as the scheduler does (drafted under the lock, written without it),
+    its write held at the closed gate."""
+    gate.hold = {"c"}
+    gate.open.clear()
+    async with made.lock:
+        assert made.settled("c")
+        draft = made.draft("c")
+        assert draft is not None
+        draft.status.cluster = "east"
+        draft.record(State.DISPATCHED, "Dispatched")
+        launch = made.launch([draft])
+    landing = asyncio.create_task(made.land(launch))
+    await gate.held()
+    return draft, landing
+
+
+async def test_a_dispatch_in_flight_holds_up_no_report_of_another_job(
+    jobs: tuple[book.JobBook, Gate],
+) -> None:
+    made, gate = jobs
+    dispatched, landing = await held_launch(made, gate)
+    assert not made.settled("c") and made.latest("c") is dispatched
+    got = made.get("c")
+    assert got is not None and got.status.state == State.QUEUED  # not landed: not shown
+    async with asyncio.timeout(2), made.lock:  # while the dispatch's round trip lasts
+        draft = made.draft("a")
+        assert draft is not None
+        draft.record(State.RUNNING, "Running")
+        await made.commit([draft])
+    assert not landing.done()
+    gate.open.set()
+    await landing
+    assert made.get("c") is dispatched and made.settled("c")
+    got = made.get("a")
+    assert got is not None and got.status.state == State.RUNNING
+
+
+async def test_a_cancel_drafted_while_its_dispatch_is_in_flight_builds_on_it(
+    jobs: tuple[book.JobBook, Gate],
+) -> None:
+    made, gate = jobs
+    _, landing = await held_launch(made, gate)
+    sent = len(gate.updates)
+    async with made.lock:
+        draft = made.draft("c")  # what `latest` shows: the dispatch being written
+        assert draft is not None and draft.status.state == State.DISPATCHED
+        draft.status.cancel_requested = True
+        committing = asyncio.create_task(made.commit([draft], fenced=False))
+        await asyncio.sleep(0.05)
+        assert not committing.done() and len(gate.updates) == sent  # it waits: not sent
+        gate.open.set()
+        await committing
+    await landing
+    got = made.get("c")
+    assert got is not None and got.status.cancel_requested
+    assert got.status.state == State.DISPATCHED and got.status.cluster == "east"
+    assert gate.updates[-2:] == [["c"], ["c"]]  # the dispatch, then the cancel
+
+
+async def test_what_was_drafted_on_a_dispatch_that_did_not_land_does_not_land(
+    jobs: tuple[book.JobBook, Gate],
+) -> None:
+    """The dispatch loses a race while a cancel drafted on it waits (holding the lock): the
+    cancel is refused, not written over the record as if the job had been dispatched; drafted
+    again, it cancels the queued job."""
+    made, gate = jobs
+    gate.conflict_next = True
+    _, landing = await held_launch(made, gate)
+    async with asyncio.timeout(2), made.lock:
+        draft = made.draft("c")
+        assert draft is not None and draft.status.state == State.DISPATCHED
+        draft.status.cancel_requested = True
+        committing = asyncio.create_task(made.commit([draft], fenced=False))
+        await asyncio.sleep(0.01)
+        gate.open.set()
+        with pytest.raises(errors.ConflictError, match="did not land"):
+            await committing
+        again = made.draft("c")
+        assert again is not None and again.status.state == State.QUEUED
+        again.record(State.CANCELLED, "Cancelled")
+        await made.commit([again], fenced=False)
+    with pytest.raises(errors.ConflictError):
+        await landing
+    got = made.get("c")
+    assert got is not None and got.status.state == State.CANCELLED
+    assert [e.state for e in got.status.events] == [State.QUEUED, State.CANCELLED]
+    assert made.settled("c") and made.latest("c") is got
+
+
+async def test_a_report_drafted_on_a_dispatch_that_did_not_land_is_dropped(
+    jobs: tuple[book.JobBook, Gate],
+) -> None:
+    """After a store error (nothing read again), a report drafted on the dispatch that waits
+    for the group commit is not written: the job is queued, as the store has it."""
+    made, gate = jobs
+    gate.fail_next = True
+    _, landing = await held_launch(made, gate)
+    async with made.lock:
+        report(made, "c", State.RUNNING)  # waits for the group commit, built on the dispatch
+    gate.open.set()
+    with pytest.raises(errors.TemporaryStoreError):
+        await landing
+    assert made.pending_writes == 1
+    with pytest.raises(errors.ConflictError, match="did not land"):
+        await made.flush(locked=False)
+    got = made.get("c")
+    assert got is not None and got.status.state == State.QUEUED and made.pending_writes == 0
