@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
+from e2e import helpers
 from gpufed.local import processes
 
 MODELS = [("NVIDIA-H100-80GB-HBM3", 8), ("NVIDIA-A100-SXM4-80GB", 8), ("NVIDIA-L4", 4)]
@@ -49,8 +49,7 @@ def write_cluster(path: Path, name: str, nodes: int) -> None:
     path.write_text(yaml.safe_dump({"cluster": name, "pools": pools}))
 
 
-async def main(args: argparse.Namespace) -> None:
-    workdir = Path(tempfile.mkdtemp(prefix="gpufed-mem-"))
+async def main(args: argparse.Namespace, workdir: Path) -> None:
     fleet = processes.LocalFleet(workdir=workdir, heartbeat=5.0, lost_after=600.0)
     names = [f"c{i:03d}" for i in range(args.clusters)]
     try:
@@ -117,4 +116,6 @@ if __name__ == "__main__":
     parser.add_argument("--clusters", type=int, default=10)
     parser.add_argument("--nodes", type=int, default=10000)
     parser.add_argument("--jobs", type=int, default=20000)
-    asyncio.run(main(parser.parse_args()))
+    arguments = parser.parse_args()
+    with helpers.workdir("gpufed-mem-") as workdir:
+        asyncio.run(main(arguments, workdir))

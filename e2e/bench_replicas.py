@@ -20,13 +20,13 @@ import itertools
 import os
 import random
 import statistics
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
 import aiohttp
 
+from e2e import helpers
 from e2e import test_chaos_ha as chaos
 from gpufed.local import processes
 from tests import etcdcluster
@@ -55,8 +55,7 @@ async def phases(flood: chaos.Flood) -> dict[str, list[float]]:
     return out
 
 
-async def main(args: argparse.Namespace) -> None:
-    workdir = Path(tempfile.mkdtemp(prefix="gpufed-replicas-"))
+async def main(args: argparse.Namespace, workdir: Path) -> None:
     etcd = await asyncio.to_thread(etcdcluster.EtcdCluster.start, 3)
     fleet = processes.LocalFleet(workdir=workdir, heartbeat=0.5, lost_after=chaos.GRACE)
     fleet.store = etcd.url
@@ -103,4 +102,6 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=3000)
-    asyncio.run(main(parser.parse_args()))
+    arguments = parser.parse_args()
+    with helpers.workdir("gpufed-replicas-") as workdir:
+        asyncio.run(main(arguments, workdir))

@@ -28,7 +28,6 @@ import asyncio
 import base64
 import random
 import statistics
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -146,9 +145,8 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, work: Path) -> None:
     began = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="gpufed-soak-"))
     server = etcdserver.EtcdServer.start()
     retain = duration(args.retain)
     fleet = processes.LocalFleet(workdir=work, heartbeat=1.0, lost_after=30.0)
@@ -278,7 +276,9 @@ def main() -> None:
     parser.add_argument(
         "--max-offers-in-flight", type=int, default=1000, help="the broker's (0: no limit)"
     )
-    asyncio.run(run(parser.parse_args()))
+    arguments = parser.parse_args()
+    with helpers.workdir("gpufed-soak-") as work:
+        asyncio.run(run(arguments, work))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import os
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -335,8 +334,7 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
     )
 
 
-async def main(args: argparse.Namespace) -> None:
-    workdir = Path(tempfile.mkdtemp(prefix="gpufed-bench-"))
+async def main(args: argparse.Namespace, workdir: Path) -> None:
     global ETCD
     server = ETCD = etcdserver.EtcdServer.start() if args.store == "etcd" else None
     fleet = processes.LocalFleet(workdir=workdir, store=server.url if server else "")
@@ -419,4 +417,5 @@ if __name__ == "__main__":
         parser.error("--replicas needs --store etcd (SQLite is one replica)")
     if arguments.replicas > 1 and arguments.backlog:
         parser.error("--backlog measures one broker: leave out --replicas")
-    asyncio.run(main(arguments))
+    with helpers.workdir("gpufed-bench-") as workdir:
+        asyncio.run(main(arguments, workdir))

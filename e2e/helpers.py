@@ -4,9 +4,14 @@ real `gpufed` CLI."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,6 +20,20 @@ from gpufed import client
 from gpufed.local import processes
 
 FINAL = frozenset({"Succeeded", "Failed", "Cancelled"})
+
+
+@contextlib.contextmanager
+def workdir(prefix: str) -> Iterator[Path]:
+    """A benchmark's directory (processes' logs, tokens, the history file): removed when the
+    run ends well, kept (and named on stderr) when it fails, for its logs. A soak's is about
+    50 MB: left behind after every run, they filled the machine's /tmp."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    except BaseException:
+        print(f"the run's processes' logs are kept in {path}", file=sys.stderr)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
 
 
 async def scrape(fleet: processes.LocalFleet) -> str:
