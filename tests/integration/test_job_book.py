@@ -185,6 +185,36 @@ async def test_a_failed_dispatch_commit_leaves_memory_as_the_store_has_it(
     await assert_memory_is_the_store(broker)
 
 
+async def test_a_queued_job_with_a_write_pending_is_dispatched_once_it_is_written(
+    broker: Broker,
+) -> None:
+    """The dispatch drafts only jobs as the store has them (`JobBook.settled`): a job with a
+    change waiting for the group commit waits for the next cycle, the others go now."""
+    book = broker.jobs.book
+    waiting = broker.ids[0]
+    draft = book.draft(waiting)
+    assert draft is not None
+    draft.record(State.QUEUED, "Noted", "a change waiting for the group commit")
+    book.commit_soon(draft)
+    assert not book.settled(waiting)
+    await broker.scheduler.run_cycle()
+    offered = {o.job_id for o in broker.link.offers}
+    assert offered == set(broker.ids[1:])
+    assert record_of(broker, waiting).status.state == State.QUEUED
+    await book.flush()
+    assert book.settled(waiting)
+    for _ in range(20):
+        await broker.scheduler.run_cycle()
+        if len(broker.link.offers) >= JOBS:
+            break
+    assert sorted(o.job_id for o in broker.link.offers) == sorted(broker.ids)
+    dispatched = record_of(broker, waiting)
+    assert dispatched.status.state == State.DISPATCHED
+    # the dispatch built on the change once written
+    assert [e.reason for e in dispatched.status.events][-2:] == ["Noted", "Dispatched"]
+    await assert_memory_is_the_store(broker)
+
+
 @pytest.mark.parametrize(
     ("jobs", "annotation_kib"),
     [
