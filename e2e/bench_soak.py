@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import os
 import random
 import statistics
 import time
@@ -237,9 +238,11 @@ async def run(args: argparse.Namespace, work: Path) -> None:
             )
             + "\n"
             f"CPU per job, submit to the last finished: broker {per_job(cpu['broker']):.2f} ms "
-            f"(garbage collector pauses {per_job(counts.get('gc', 0.0)):.2f} ms), agents "
+            f"(garbage collector pauses {per_job(counts.get('gc', 0.0)):.2f} ms; "
+            f"{cpu['broker'] / finished:.0%} of one core), agents "
             f"{per_job(sum(v for n, v in cpu.items() if n in CLUSTERS)):.2f} ms, etcd "
-            f"{per_job(cpu.get('etcd', 0.0)):.2f} ms, this client {per_job(cpu['client']):.2f} ms\n"
+            f"{per_job(cpu.get('etcd', 0.0)):.2f} ms, this client {per_job(cpu['client']):.2f} ms"
+            f" ({sum(cpu.values()) / finished:.2f} of the {os.cpu_count()} cores busy)\n"
             f"broker's work per job: {counts.get('cycles', 0) / count:.3f} scheduling cycles "
             f"({counts.get('cycle_seconds', 0) * 1000 / max(1.0, counts.get('cycles', 0)):.1f}"
             f" ms each), store writes {helpers.writes_per_job(counts, count)}\n"
