@@ -35,8 +35,10 @@ after a conflict the group commit reads the records again only once the lock is 
 20,000-job soak the lock had been held by the group commit's store round trips for half the
 run, the event loop idle while agents' reports waited for it (920-940 -> 993-1,017 pods/s;
 submit -> Running p50 9.6 -> 6.2 s). The dispatch's round trip held it for a fifth of such a
-run: written without it, submit -> Running fell from p50 6.6-7.2 s, p99 11.5-12.1 s to p50
-3.8-4.2 s, p99 5.9-6.9 s (pods/s unchanged: the broker's CPU bounds them).
+run. Written without it: in the 100,000-job soak 864-874 against 734 pods/s, submit ->
+Running p50 11-12 s against 49 s (the backlog stays shallow while submits come in); in the
+20,000-job soak p50 3.8-5.3 s against 6.6-7.8 s, but 6% fewer pods/s (876 against 934, means
+of five pairs: reports now come between dispatches, in smaller group commits).
 """
 
 from __future__ import annotations
