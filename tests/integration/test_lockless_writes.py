@@ -94,6 +94,32 @@ async def held_flush(
     return flushing
 
 
+async def commit_running(made: book.JobBook, job_id: str) -> None:
+    """A collaborator's commit (under the lock, at once) that the job runs: within 2 s, or
+    the test fails (held up by a write in flight of other jobs)."""
+    async with asyncio.timeout(2), made.lock:
+        draft = made.draft(job_id)
+        assert draft is not None
+        draft.record(State.RUNNING, "Running")
+        await made.commit([draft])
+
+
+async def cancel_behind(made: book.JobBook, gate: Gate, job_id: str, state: State) -> None:
+    """A cancel of the job, drafted (under the lock) on what `latest` shows while a write of
+    it waits at the closed gate (in `state`): its commit waits, not sent, until the gate
+    opens; then it is written after that write."""
+    sent = len(gate.updates)
+    async with made.lock:
+        draft = made.draft(job_id)
+        assert draft is not None and draft.status.state == state
+        draft.status.cancel_requested = True
+        committing = asyncio.create_task(made.commit([draft], fenced=False))
+        await asyncio.sleep(0.05)
+        assert not committing.done() and len(gate.updates) == sent  # it waits: not sent
+        gate.open.set()
+        await committing
+
+
 def report(jobs: book.JobBook, job_id: str, state: State) -> status.JobRecord:
     draft = jobs.draft(job_id)
     assert draft is not None
@@ -107,11 +133,7 @@ async def test_a_collaborator_commits_while_the_group_commit_waits_on_the_store(
 ) -> None:
     made, gate = jobs
     flushing = await held_flush(made, gate, running="a")
-    async with asyncio.timeout(2), made.lock:  # while the group commit's round trip lasts
-        draft = made.draft("b")
-        assert draft is not None
-        draft.record(State.RUNNING, "Running")
-        await made.commit([draft])
+    await commit_running(made, "b")  # while the group commit's round trip lasts
     assert not flushing.done()
     gate.open.set()
     await flushing
@@ -150,16 +172,7 @@ async def test_a_commit_of_a_job_in_flight_waits_and_builds_on_it(
 ) -> None:
     made, gate = jobs
     flushing = await held_flush(made, gate, running="a")
-    sent = len(gate.updates)
-    async with made.lock:
-        draft = made.draft("a")  # a cancel, drafted from the report in flight
-        assert draft is not None
-        draft.status.cancel_requested = True
-        committing = asyncio.create_task(made.commit([draft]))
-        await asyncio.sleep(0.05)
-        assert not committing.done() and len(gate.updates) == sent  # it waits: not sent
-        gate.open.set()
-        await committing
+    await cancel_behind(made, gate, "a", State.RUNNING)  # drafted from the report in flight
     await flushing
     got = made.get("a")
     assert got is not None and got.status.cancel_requested
@@ -217,11 +230,7 @@ async def test_a_dispatch_in_flight_holds_up_no_report_of_another_job(
     assert not made.settled("c") and made.latest("c") is dispatched
     got = made.get("c")
     assert got is not None and got.status.state == State.QUEUED  # not landed: not shown
-    async with asyncio.timeout(2), made.lock:  # while the dispatch's round trip lasts
-        draft = made.draft("a")
-        assert draft is not None
-        draft.record(State.RUNNING, "Running")
-        await made.commit([draft])
+    await commit_running(made, "a")  # while the dispatch's round trip lasts
     assert not landing.done()
     gate.open.set()
     await landing
@@ -235,16 +244,8 @@ async def test_a_cancel_drafted_while_its_dispatch_is_in_flight_builds_on_it(
 ) -> None:
     made, gate = jobs
     _, landing = await held_launch(made, gate)
-    sent = len(gate.updates)
-    async with made.lock:
-        draft = made.draft("c")  # what `latest` shows: the dispatch being written
-        assert draft is not None and draft.status.state == State.DISPATCHED
-        draft.status.cancel_requested = True
-        committing = asyncio.create_task(made.commit([draft], fenced=False))
-        await asyncio.sleep(0.05)
-        assert not committing.done() and len(gate.updates) == sent  # it waits: not sent
-        gate.open.set()
-        await committing
+    # what `latest` shows: the dispatch being written
+    await cancel_behind(made, gate, "c", State.DISPATCHED)
     await landing
     got = made.get("c")
     assert got is not None and got.status.cancel_requested
