@@ -196,12 +196,16 @@ class JobBook(creating.Creating, launching.Launching):
             return await write
         finally:
             for job_id in ids:
-                waiting = self._writes.get(job_id)
-                if waiting is not None:
-                    waiting.discard(done)
-                    if not waiting:
-                        del self._writes[job_id]
+                self._write_over(job_id, done)
             done.set_result(None)
+
+    def _write_over(self, job_id: str, done: asyncio.Future[None]) -> None:
+        """A write of the job (known by `done`) is no longer in flight."""
+        waiting = self._writes.get(job_id)
+        if waiting is not None:
+            waiting.discard(done)
+            if not waiting:
+                del self._writes[job_id]
 
     def writes_in_flight(self, job_id: str) -> list[asyncio.Future[None]]:
         """Futures done when this replica's writes of `job_id` in flight now have returned:

@@ -50,6 +50,8 @@ class _Book(Protocol):
 
     def _settle(self, launch: Launch | None, job_ids: Iterable[str]) -> None: ...
 
+    def _write_over(self, job_id: str, done: asyncio.Future[None]) -> None: ...
+
 
 class Launching:
     """Commits written without the lock (mixed into `book.JobBook`, which sets these up)."""
@@ -68,12 +70,12 @@ class Launching:
         scheduler's dispatch writes without holding agents' reports and cancels up for the
         store's round trip."""
         loop = asyncio.get_running_loop()
-        done = {}
+        launch = Launch({}, {})
         for draft in drafts:
-            self._flying[draft.id] = draft
-            done[draft.id] = future = loop.create_future()
+            self._flying[draft.id] = launch.drafts[draft.id] = draft
+            launch.done[draft.id] = future = loop.create_future()
             self._writes.setdefault(draft.id, set()).add(future)
-        return Launch({draft.id: draft for draft in drafts}, done)
+        return launch
 
     async def land(self: _Book, launch: Launch) -> None:
         """Write what `launch` started, without the lock; as `commit` (fenced), errors and
@@ -96,11 +98,7 @@ class Launching:
             if self._flying.get(job_id) is draft:
                 del self._flying[job_id]
                 tables.shrink(self._flying)
-            waiting = self._writes.get(job_id)
-            if waiting is not None:
-                waiting.discard(future)
-                if not waiting:
-                    del self._writes[job_id]
+            self._write_over(job_id, future)
             if self.get(job_id) is not draft and draft.status.events:
                 self._lost[job_id] = draft.status.events[-1]
             future.set_result(None)
