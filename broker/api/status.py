@@ -6,7 +6,14 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.json_schema import SkipJsonSchema
 
@@ -105,6 +112,8 @@ class JobStatus(_Model):
 
 
 STORED_ONLY = frozenset({"trace_parent"})  # JobRecord fields the API does not show
+# validation context: the GPUJob a record read with `"job": null` has (`records.decode_record`)
+KNOWN_JOB = "gpufed.known-job"
 
 
 class JobRecord(_Model):
@@ -123,6 +132,19 @@ class JobRecord(_Model):
     idempotency_key: str | None = Field(None, alias="idempotencyKey")
     # the array the job is one index of (spec.array); left out for a job of no array
     array: arrays.ArrayMember | None = Field(None, exclude_if=lambda value: value is None)
+
+    @field_validator("job", mode="wrap")
+    @classmethod
+    def _known_job(
+        cls, value: object, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> jobs.GPUJob:
+        """The job a reader already has (context `KNOWN_JOB`) for a record read without it."""
+        if value is None and isinstance(info.context, dict):
+            known = info.context.get(KNOWN_JOB)
+            if isinstance(known, jobs.GPUJob):
+                return known
+        job: jobs.GPUJob = handler(value)
+        return job
 
     def api_json(self) -> dict[str, Any]:
         """The job as the API shows it: as stored, less what only the store keeps."""

@@ -365,13 +365,30 @@ def _forgetting(entries: Sequence[IdempotencyEntry]) -> store.Txn:
     )
 
 
-def decode_record(key: str, value: bytes) -> status.JobRecord:
+def decode_record(
+    key: str, value: bytes, *, known: status.JobRecord | None = None
+) -> status.JobRecord:
     """The job record stored under `key`; ValueError (pydantic's is one) if it does not
-    parse or names another job."""
-    record = status.JobRecord.model_validate_json(value)
+    parse or names another job. `known`: the job's record as the reader holds it; a value
+    whose spec is the same bytes (a dispatch, a report: the spec never changes after submit)
+    shares its GPUJob, not validated again. A follower reads each job's every change: the job
+    was 37 of a record's 45 us here."""
+    record = _with_known_job(value, known) if known is not None else None
+    if record is None:
+        record = status.JobRecord.model_validate_json(value)
     if job_key(record.id) != key:
         raise ValueError(f"the record's id {record.id!r} does not match its key")
     return record
+
+
+def _with_known_job(value: bytes, known: status.JobRecord) -> status.JobRecord | None:
+    """`value` read with `known`'s GPUJob, if it ends with that job's spec as `encode` writes
+    it (the same bytes: the same spec); None if not (another spec, another writer's format)."""
+    tail = f',"job":{_SPECS.get(known.job, _spec_json)}}}'.encode()
+    if not value.endswith(tail):
+        return None
+    head = value[: -len(tail)] + b',"job":null}'
+    return status.JobRecord.model_validate_json(head, context={status.KNOWN_JOB: known.job})
 
 
 def _decode(entry: store.Entry) -> status.JobRecord:

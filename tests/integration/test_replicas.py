@@ -381,10 +381,12 @@ async def test_the_book_follows_another_replicas_writes_and_relists_after_a_comp
         assert draft is not None
         draft.status.cancel_requested = True
         draft.record(status.JobState.QUEUED, "CancelRequested")
+        held = reader.get("w-0")
         await writer.commit([draft])
         await asyncio.wait_for(follower.sync(), 5)
         got = reader.get("w-0")
         assert got is not None and got.status.cancel_requested
+        assert held is not None and got.job is held.job  # the spec read once (`known`)
         assert seen[-1].before is not None and not seen[-1].before.status.cancel_requested
     finally:
         task.cancel()

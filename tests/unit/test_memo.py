@@ -1,9 +1,12 @@
-"""memo.PerObject and its two users: a job's gang read once, a job's spec written once."""
+"""memo.PerObject and its users: a job's gang read once, a job's spec written once and read
+once by a replica that follows it."""
 
 from __future__ import annotations
 
 import gc
 import json
+
+import pytest
 
 from broker.api import gangs, memo, status
 from broker.jobs import book
@@ -58,3 +61,47 @@ def test_a_record_written_with_its_spec_known_is_what_it_was_written_as_before()
     assert json.loads(records.encode(draft)) == json.loads(whole)
     assert records.decode_record(records.job_key("w-1"), records.encode(draft)) == draft
     assert [e["reason"] for e in json.loads(first)["status"]["events"]] == ["Submitted"]
+
+
+def queued_and_dispatched() -> tuple[status.JobRecord, status.JobRecord]:
+    record = status.JobRecord(id="w-1", tenant="t", job=make_job("w", gpus=1).build())
+    record.record(status.JobState.QUEUED, "Submitted", "accepted by the broker")
+    draft = book.draft_of(record)
+    draft.record(status.JobState.DISPATCHED, "Dispatched", "to east")
+    draft.status.cluster = "east"
+    return record, draft
+
+
+def test_a_change_read_by_a_replica_that_holds_the_job_shares_its_spec() -> None:
+    """A follower reads each of a job's changes from the store: the spec, the same bytes each
+    time, is taken from the record it holds, and the record read is the one written."""
+    record, draft = queued_and_dispatched()
+    key = records.job_key("w-1")
+    held = records.decode_record(key, records.encode(record))  # as a follower first read it
+    read = records.decode_record(key, records.encode(draft), known=held)
+    assert read.job is held.job
+    assert read == draft == records.decode_record(key, records.encode(draft))
+    assert read.status.state == status.JobState.DISPATCHED and read.status.cluster == "east"
+
+
+def test_a_change_with_another_spec_or_format_is_read_whole() -> None:
+    record, draft = queued_and_dispatched()
+    key = records.job_key("w-1")
+    other = status.JobRecord(id="w-1", tenant="t", job=make_job("w", gpus=2).build())
+    read = records.decode_record(key, records.encode(draft), known=other)
+    assert read.job is not other.job and read == draft
+    assert read.job.spec.tasks[0].template.shape == draft.job.spec.tasks[0].template.shape
+    # a writer that put the spec elsewhere in the document (a whole dump: "job" not last)
+    whole = draft.model_dump_json(by_alias=True, exclude_defaults=True).encode()
+    assert list(json.loads(whole))[-1] != "job"
+    read = records.decode_record(key, whole, known=record)
+    assert read.job is not record.job and read == draft
+
+
+def test_a_record_without_its_job_is_refused_unless_the_reader_has_it() -> None:
+    _, draft = queued_and_dispatched()
+    data = json.loads(records.encode(draft))
+    data["job"] = None
+    headless = json.dumps(data).encode()
+    with pytest.raises(ValueError, match="job"):
+        records.decode_record(records.job_key("w-1"), headless)
