@@ -37,9 +37,9 @@ run, the event loop idle while agents' reports waited for it (920-940 -> 993-1,0
 submit -> Running p50 9.6 -> 6.2 s). The dispatch's round trip held it for a fifth of such a
 run. Written without it: in the 100,000-job soak 864-874 against 734 pods/s, submit ->
 Running p50 11-12 s against 49 s (the backlog stays shallow while submits come in); in the
-20,000-job soak p50 3.8-5.3 s against 6.6-7.8 s, but the run takes 12% longer end to end
-(29.6-30.5 s against 26.7 s; submits come in at 990-1,025 against 1,200 a second while
-reports and dispatches go on beside them).
+20,000-job soak p50 3.8-5.5 s against 6.6-8.6 s, but the run takes 7-12% longer end to end
+(26.0-26.5 s against 24.4-24.8 s in three later pairs): submits come in more slowly while
+reports and dispatches go on beside them, and the tail after the last submit is no shorter.
 """
 
 from __future__ import annotations
