@@ -1,5 +1,5 @@
 """A task's pod template held as JSON (`jobs.PodTemplate`): it reads, dumps and compares as
-the model it was, and a validated job holds no parsed template."""
+the model it was, a validated job holds no parsed template, and jobs of one template hold one."""
 
 from __future__ import annotations
 
@@ -97,3 +97,34 @@ def test_a_validated_jobs_shapes_are_read_without_parsing_its_templates(
 def test_jobs_of_one_template_hold_one_shape() -> None:
     first, second = jobs.validate_submitted(document()), jobs.validate_submitted(document())
     assert first.spec.tasks[0].template._shape is second.spec.tasks[0].template._shape
+
+
+def test_jobs_of_one_template_hold_one_template_and_others_their_own() -> None:
+    first, second = jobs.validate_submitted(document()), jobs.validate_submitted(document())
+    assert first.spec.tasks[0].template is second.spec.tasks[0].template
+    stored = jobs.GPUJob.model_validate_json(first.model_dump_json(by_alias=True))
+    assert stored.spec.tasks[0].template is first.spec.tasks[0].template  # read back: the same
+    changed = document()
+    changed["spec"]["tasks"][0]["template"]["metadata"]["labels"] = {"team": "b"}
+    other = jobs.validate_submitted(changed).spec.tasks[0].template
+    template = first.spec.tasks[0].template
+    assert other is not template
+    assert other.metadata.labels == {"team": "b"} and other.shape == template.shape
+
+
+def test_a_template_read_leniently_first_is_still_held_to_a_submits_rules() -> None:
+    """A stored record is read leniently (a duration past the bound is no error there); the
+    same template submitted after is refused: the one object was never checked by those rules."""
+    long = document()
+    long["spec"]["tasks"][0]["template"]["metadata"]["annotations"] = {
+        "gpufed.io/sim-duration": "2000000000"
+    }
+    lenient = jobs.GPUJob.model_validate(long)
+    assert lenient.spec.tasks[0].template.shape is not None
+    assert not lenient.spec.tasks[0].template.checked
+    with pytest.raises(ValidationError, match="sim-duration"):
+        jobs.validate_submitted(long)
+    submitted = jobs.validate_submitted(document())  # and one submitted first stays checked
+    again = jobs.GPUJob.model_validate(document())
+    assert again.spec.tasks[0].template is submitted.spec.tasks[0].template
+    assert again.spec.tasks[0].template.checked
