@@ -199,6 +199,8 @@ class PodTemplateSpec(_Open):
 # one template), forgotten wholesale past `MAX_TEMPLATES` kinds
 _TEMPLATES: dict[str, PodTemplate] = {}
 MAX_TEMPLATES = 4096
+# their dumps without defaults (the store's: each job's spec is written so once), by their JSON
+_LEAN: dict[str, str] = {}
 
 
 class PodTemplate:
@@ -309,12 +311,25 @@ class PodTemplate:
         )
 
     def _dump(self, info: core_schema.SerializationInfo) -> object:
-        # the API's and the store's usual dump (JSON, by alias, nothing left out) is the JSON
-        # held: a page of 500 jobs costs no 500 parses; any other goes through the model
-        plain = not (info.exclude_defaults or info.exclude_none or info.exclude_unset)
-        if plain and info.mode_is_json() and info.by_alias and not info.round_trip:
-            return json.loads(self._json)
+        # the API's usual dump (JSON, by alias, nothing left out) is the JSON held: a page of
+        # 500 jobs costs no 500 parses; the store's (without defaults) is kept per template
+        # (`_LEAN`): a sweep's jobs cost one parse; any other goes through the model
+        if info.mode_is_json() and info.by_alias and not info.round_trip:
+            if not (info.exclude_defaults or info.exclude_none or info.exclude_unset):
+                return json.loads(self._json)
+            if info.exclude_defaults and not (info.exclude_none or info.exclude_unset):
+                if info.include is None and info.exclude is None:
+                    return json.loads(self._lean())
         return self.model()
+
+    def _lean(self) -> str:
+        lean = _LEAN.get(self._json)
+        if lean is None:
+            lean = self.model().model_dump_json(by_alias=True, exclude_defaults=True)
+            if len(_LEAN) >= MAX_TEMPLATES:
+                _LEAN.clear()
+            _LEAN[self._json] = lean
+        return lean
 
     @classmethod
     def __get_pydantic_json_schema__(

@@ -4,6 +4,7 @@ the model it was, a validated job holds no parsed template, and jobs of one temp
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -128,3 +129,20 @@ def test_a_template_read_leniently_first_is_still_held_to_a_submits_rules() -> N
     again = jobs.GPUJob.model_validate(document())
     assert again.spec.tasks[0].template is submitted.spec.tasks[0].template
     assert again.spec.tasks[0].template.checked
+
+
+def test_the_stores_dump_of_a_sweep_parses_its_template_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, second = jobs.validate_submitted(document()), jobs.validate_submitted(document())
+    lean = first.model_dump_json(by_alias=True, exclude_defaults=True)
+
+    def no_parse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the template was parsed")
+
+    monkeypatch.setattr(jobs.PodTemplateSpec, "model_validate_json", no_parse)
+    assert second.model_dump_json(by_alias=True, exclude_defaults=True) == lean
+    template = jobs.PodTemplateSpec.model_validate(document()["spec"]["tasks"][0]["template"])
+    assert json.loads(lean)["spec"]["tasks"][0]["template"] == template.model_dump(
+        mode="json", by_alias=True, exclude_defaults=True
+    )
