@@ -317,9 +317,9 @@ class PodTemplate:
         if info.mode_is_json() and info.by_alias and not info.round_trip:
             if not (info.exclude_defaults or info.exclude_none or info.exclude_unset):
                 return json.loads(self._json)
-            if info.exclude_defaults and not (info.exclude_none or info.exclude_unset):
-                if info.include is None and info.exclude is None:
-                    return json.loads(self._lean())
+            lean = info.exclude_defaults and not (info.exclude_none or info.exclude_unset)
+            if lean and info.include is None and info.exclude is None:
+                return json.loads(self._lean())
         return self.model()
 
     def _lean(self) -> str:
