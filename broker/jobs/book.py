@@ -52,7 +52,7 @@ from typing import TypeVar
 
 from broker.api import status, tables
 from broker.api.status import JobState
-from broker.jobs import aging, creating, launching
+from broker.jobs import aging, creating, grouping, launching
 from broker.planning import planning
 from broker.state import electing, errors, records
 from broker.state.history import held
@@ -103,7 +103,7 @@ def draft_of(record: status.JobRecord) -> status.JobRecord:
     return record.model_copy(update={"status": copied})
 
 
-class JobBook(creating.Creating, launching.Launching):
+class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
     """Records and revisions, indices, and the commits that change them."""
 
     def __init__(
@@ -386,70 +386,6 @@ class JobBook(creating.Creating, launching.Launching):
             if not pending:
                 return
             await asyncio.wait(pending)
-
-    def commit_soon(self, draft: status.JobRecord) -> None:
-        """Write `draft` with the next group commit (`flush`): for what agents report, many
-        updates share one transaction. Until then `latest` shows it and `get` does not; a
-        broker that crashes first learns it again from the agent's hello."""
-        self._soon[draft.id] = draft
-        self.flush_needed.set()
-
-    def after_commit(self, job_id: str, callback: Callable[[], None]) -> None:
-        """Call `callback` once the job as `latest` shows it is in the store: now if nothing of
-        it waits for the group commit, else after the commit that writes it; never if that
-        write is dropped (a conflict: the record is read again). How agents' reports are
-        acknowledged only once committed."""
-        if job_id in self._soon:
-            self._after.setdefault(job_id, []).append(callback)
-        else:
-            self._call(job_id, [callback])
-
-    def _committed(self, job_id: str) -> None:
-        callbacks = self._after.pop(job_id, None)
-        if callbacks:
-            self._call(job_id, callbacks)
-
-    @staticmethod
-    def _call(job_id: str, callbacks: list[Callable[[], None]]) -> None:
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # a callback's bug must not undo a commit
-                logger.exception("after-commit callback of job %s failed", job_id)
-
-    async def flush(self, *, locked: bool = True) -> None:
-        """Commit every draft of `commit_soon`, the caller holding the lock (`locked`), or
-        not (the flusher's own: `run_flusher`). On a temporary store error they stay for the
-        next flush; on a conflict they are dropped and the records read again.
-
-        Without the lock the store's round trip holds up no collaborator (agents' reports,
-        the scheduler): one waits for it only to write a job it writes. A draft given
-        meanwhile builds on the one in flight (`latest` shows it until it is applied) and
-        goes with the next flush."""
-        if self._soon:
-            await self._commit(list(self._soon.values()), fenced=True, grouped=True, locked=locked)
-
-    async def run_flusher(
-        self, *, gather_seconds: float = 0.002, on_error: Callable[[], None] | None = None
-    ) -> None:
-        """Group commit of what agents report, until cancelled; store errors are retried
-        (`on_error` counts each)."""
-        while True:
-            await self.flush_needed.wait()
-            self.flush_needed.clear()
-            await asyncio.sleep(gather_seconds)
-            try:
-                await self.flush(locked=False)
-            except errors.ConflictError as exc:
-                logger.warning("group commit conflicted, records read again: %s", exc)
-                if self._soon:  # the drafts of the transactions not tried yet
-                    self.flush_needed.set()
-            except Exception as exc:  # the store, or a bug: the drafts wait, retried
-                logger.warning("group commit of %d jobs failed: %s", len(self._soon), exc)
-                if on_error is not None:
-                    on_error()
-                self.flush_needed.set()
-                await asyncio.sleep(0.5)
 
     async def refresh(self, job_ids: Iterable[str]) -> None:
         """Read records again from the store (after a conflict: another writer won)."""

@@ -28,15 +28,10 @@ class Launch:
     done: dict[str, asyncio.Future[None]]
 
 
-class _Book(Protocol):
-    """What `Launching` uses of the book it is part of."""
+class Committing(Protocol):
+    """The book's `_commit`, as the parts of the book that write through it see it."""
 
     _soon: dict[str, status.JobRecord]
-    _flying: dict[str, status.JobRecord]
-    _lost: dict[str, status.JobEvent]
-    _writes: dict[str, set[asyncio.Future[None]]]
-
-    def get(self, job_id: str) -> status.JobRecord | None: ...
 
     async def _commit(
         self,
@@ -47,6 +42,16 @@ class _Book(Protocol):
         locked: bool,
         own: Launch | None = None,
     ) -> None: ...
+
+
+class _Book(Committing, Protocol):
+    """What `Launching` uses of the book it is part of."""
+
+    _flying: dict[str, status.JobRecord]
+    _lost: dict[str, status.JobEvent]
+    _writes: dict[str, set[asyncio.Future[None]]]
+
+    def get(self, job_id: str) -> status.JobRecord | None: ...
 
     def _settle(self, launch: Launch | None, job_ids: Iterable[str]) -> None: ...
 
