@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from broker.api import memo
+from broker.api import memo, tables
 from broker.api.jobs import NO_TOPOLOGY, GPUJob, PodShape, Topology, shape_of
 
 
@@ -71,11 +71,7 @@ MAX_SHAPES = 4096
 
 def _read(job_id: str, job: GPUJob, *, attempt: int) -> GangRequest:
     read = tuple((t.name, t.replicas, shape_of(t)) for t in job.spec.tasks)
-    tasks = _ALIKE.get(read)
-    if tasks is None:
-        if len(_ALIKE) >= MAX_SHAPES:
-            _ALIKE.clear()
-        tasks = _ALIKE[read] = read
+    tasks = tables.remember(_ALIKE, read, read, limit=MAX_SHAPES)
     total = sum(r for _, r, _ in tasks)
     return GangRequest(
         job_id=job_id,

@@ -31,7 +31,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
-from broker.api import affinity, arrays, clusterchoice, dependencies, policies, shapes
+from broker.api import affinity, arrays, clusterchoice, dependencies, policies, shapes, tables
 
 # the policies live in `policies`; their names here too, as `jobs.ClusterLostPolicy` is read
 ClusterLostPolicy = policies.ClusterLostPolicy
@@ -232,13 +232,7 @@ class PodTemplate:
     def of(cls, model: PodTemplateSpec) -> PodTemplate:
         """The template of `model`: the one object of its JSON (`_TEMPLATES`)."""
         template = cls(model)
-        found = _TEMPLATES.get(template._json)
-        if found is not None:
-            return found
-        if len(_TEMPLATES) >= MAX_TEMPLATES:
-            _TEMPLATES.clear()
-        _TEMPLATES[template._json] = template
-        return template
+        return tables.remember(_TEMPLATES, template._json, template, limit=MAX_TEMPLATES)
 
     def model(self) -> PodTemplateSpec:
         """The template parsed (the same object until `compact`, a fresh one after)."""
@@ -326,9 +320,7 @@ class PodTemplate:
         lean = _LEAN.get(self._json)
         if lean is None:
             lean = self.model().model_dump_json(by_alias=True, exclude_defaults=True)
-            if len(_LEAN) >= MAX_TEMPLATES:
-                _LEAN.clear()
-            _LEAN[self._json] = lean
+            tables.remember(_LEAN, self._json, lean, limit=MAX_TEMPLATES)
         return lean
 
     @classmethod

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from broker.api import affinity, mig
+from broker.api import affinity, mig, tables
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = affinity.GPU_PRODUCT_LABEL
@@ -245,12 +245,7 @@ MAX_SHAPES = 4096
 
 def interned(shape: PodShape) -> PodShape:
     """The one object of this kind of shape (see `_SHAPES`)."""
-    found = _SHAPES.get(shape)
-    if found is None:
-        if len(_SHAPES) >= MAX_SHAPES:
-            _SHAPES.clear()
-        found = _SHAPES[shape] = shape
-    return found
+    return tables.remember(_SHAPES, shape, shape, limit=MAX_SHAPES)
 
 
 def shape_of(task: TaskLike, *, where: str = "task", strict: bool = False) -> PodShape:

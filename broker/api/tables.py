@@ -4,12 +4,16 @@ each (a dozen of them: the records, the queued, the order lists keep, the planne
 set) for the few jobs left. `shrink`, called where entries leave, rebuilds a table in place
 (same object, so every holder keeps it) once it is at least 8 times the size a table of its
 entries needs and over 64 KiB: each rebuild costs its live entries once and comes only
-after many more deletions than that, so an entry's share stays constant."""
+after many more deletions than that, so an entry's share stays constant. `remember` keeps
+one object per kind in a table bounded by a count (shapes, templates read alike)."""
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 SMALLEST = 64 * 1024  # bytes: tables below this are never rebuilt
 SLACK = 8  # rebuilt once this many times larger than needed
@@ -24,3 +28,16 @@ def shrink(table: dict[Any, Any] | set[Any]) -> None:
     kept = list(table.items()) if isinstance(table, dict) else list(table)
     table.clear()
     table.update(kept)  # a dict takes back its pairs, a set its members
+
+
+def remember(table: dict[K, V], key: K, value: V, *, limit: int) -> V:
+    """`table[key]` if it is there, else `value`, put there: a table of one object per kind
+    (shapes, templates read alike), forgotten wholesale past `limit` kinds (a bound, never a
+    leak: the objects live on with whatever holds them)."""
+    found = table.get(key)
+    if found is not None:
+        return found
+    if len(table) >= limit:
+        table.clear()
+    table[key] = value
+    return value

@@ -48,3 +48,12 @@ def test_deleting_entry_after_entry_rebuilds_a_few_times_only() -> None:
         tables.shrink(table)
         rebuilt += sys.getsizeof(table) < before
     assert 1 <= rebuilt <= 4  # each rebuild waits for the table to be 8x too big again
+
+
+def test_a_remembered_table_keeps_one_object_per_kind_and_starts_over_at_its_bound() -> None:
+    table: dict[str, list[int]] = {}
+    first = tables.remember(table, "a", [1], limit=2)
+    assert tables.remember(table, "a", [1], limit=2) is first
+    tables.remember(table, "b", [2], limit=2)
+    again = tables.remember(table, "c", [3], limit=2)  # full: forgotten wholesale first
+    assert table == {"c": again} and tables.remember(table, "a", [1], limit=2) is not first
