@@ -11,6 +11,11 @@ The gaps of kmock 0.8 (see DEPENDENCIES.md) closed here, in a subclass:
   dropped that version;
 - `break_watches()` ends every open watch stream, as a proxy or an API server restart would;
 - `fail(...)` makes the n-th matching request fail before it changes anything;
+- `inject(...)` makes matching requests meet a `Fault` the way a real API server, etcd or the
+  network between them does: a write that commits and then fails (a reset connection, a 504),
+  429 with `Retry-After`, 5xx, 409 Conflict, 410 on an expired `continue`;
+- a create of an object that exists is 409 `AlreadyExists` (kmock says "Object Already
+  Exists"), naming the object in `details` as the API server does;
 - `v1/resourcequotas` is declared from the start (the backend lists them in every allowed
   namespace, and a kind nobody declared is 404 on kmock, never on a real API server), and so
   is `events.k8s.io/v1/events` (the agent records Events on Nodes; `events()` reads them).
@@ -35,14 +40,16 @@ same watch events the API server would.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import datetime
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp.web
 import attrs
@@ -72,6 +79,119 @@ class _Failure:
     countdown: int  # matching requests to let through first
     times: int
     status: int
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What an injected request meets (`Emulator.inject`):
+
+    - `Fault.commit_then_reset`: the write is stored (and watchers see it), then the connection
+      is dropped without an answer: the client sees a reset (a timed-out write looks the same);
+    - `Fault.commit_then_error(504)`: the write is stored, then the answer is that Status (the
+      API server's "Timeout: request did not complete within requested timeout" is a 504);
+    - `Fault.throttle(retry_after=1)`: 429 TooManyRequests with `Retry-After`, nothing stored;
+    - `Fault.server_error(503)`: that 5xx, nothing stored;
+    - `Fault.conflict`: 409 Conflict ("the object has been modified"), nothing stored;
+    - `Fault.expired_continue`: 410 Expired, for a list carrying a `continue` token only (other
+      requests pass and do not count).
+    """
+
+    kind: str  # "reset" | "error"
+    status: int = 0
+    reason: str = ""
+    message: str = ""
+    commits: bool = False
+    retry_after: int | None = None
+    paged_only: bool = False
+
+    commit_then_reset: ClassVar[Fault]
+    conflict: ClassVar[Fault]
+    expired_continue: ClassVar[Fault]
+
+    @staticmethod
+    def commit_then_error(status: int = 504) -> Fault:
+        message = "Timeout: request did not complete within requested timeout"
+        reason = "Timeout" if status == 504 else "InternalError"
+        return Fault("error", status, reason, message, commits=True)
+
+    @staticmethod
+    def throttle(retry_after: int = 1) -> Fault:
+        message = "Too many requests, please try again later."
+        return Fault("error", 429, "TooManyRequests", message, retry_after=retry_after)
+
+    @staticmethod
+    def server_error(status: int = 500) -> Fault:
+        reason = {503: "ServiceUnavailable", 504: "Timeout"}.get(status, "InternalError")
+        return Fault("error", status, reason, f"injected {status}")
+
+    def answer(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """The Status response of this fault, as the API server writes it."""
+        details: dict[str, Any] = {}
+        if request.name:
+            details["name"] = request.name
+        if request.resource is not None:
+            details["kind"] = request.resource.plural
+        if self.retry_after is not None:
+            details["retryAfterSeconds"] = self.retry_after
+        body = {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "details": details,
+            "code": self.status,
+        }
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return aiohttp.web.json_response(body, status=self.status, headers=headers)
+
+
+Fault.commit_then_reset = Fault("reset", commits=True)
+Fault.conflict = Fault(
+    "error",
+    409,
+    "Conflict",
+    "Operation cannot be fulfilled: the object has been modified; "
+    "please apply your changes to the latest version and try again",
+)
+Fault.expired_continue = Fault(
+    "error",
+    410,
+    "Expired",
+    "The provided continue parameter is too old to display a consistent list result. "
+    "You can start a new list without the continue parameter.",
+    paged_only=True,
+)
+
+
+@dataclass
+class _Injection:
+    method: str
+    plural: str
+    namespace: str | None
+    name: str | None
+    subresource: str | None
+    watch: bool | None
+    countdown: int  # matching requests to let through first
+    times: int
+    fault: Fault
+    hits: int = 0
+
+    def matches(self, request: kmock.Request) -> bool:
+        if self.times <= 0 or request.resource is None:
+            return False
+        if request.method.value.upper() != self.method or request.resource.plural != self.plural:
+            return False
+        if self.namespace is not None and request.namespace != self.namespace:
+            return False
+        if self.name is not None and request.name != self.name:
+            return False
+        if self.subresource is not None and request.subresource != self.subresource:
+            return False
+        if self.watch is not None and (request.action == kmock.action.WATCH) != self.watch:
+            return False
+        return not self.fault.paged_only or bool(request.params.get("continue"))
 
 
 class _Recorder:
@@ -105,6 +225,7 @@ class Emulator(kmock.KubernetesEmulator):
         factory=list, init=False
     )
     _failures: list[_Failure] = attrs.field(factory=list, init=False)
+    _injections: list[_Injection] = attrs.field(factory=list, init=False)
     dra_versions: tuple[str, ...] = attrs.field(default=(), init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -132,6 +253,19 @@ class Emulator(kmock.KubernetesEmulator):
             self._requests[index] = request = watch
         if request.resource is not None and request.action is not None:
             self._maybe_fail(request)
+        fault = self._take_fault(request)
+        if fault is not None and not fault.commits:
+            return fault.answer(request)
+        response = await self._serve(request)
+        if fault is not None and fault.kind == "reset":
+            raw = request._raw_request
+            if raw is not None and raw.transport is not None:
+                raw.transport.abort()
+        elif fault is not None:
+            return fault.answer(request)
+        return response
+
+    async def _serve(self, request: kmock.Request) -> Any:
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             meta.setdefault("uid", str(uuid.uuid4()))
@@ -139,7 +273,20 @@ class Emulator(kmock.KubernetesEmulator):
             meta.setdefault("creationTimestamp", stamp)
             if request.resource is not None and request.resource.plural == "pods":
                 request.data.setdefault("status", {}).setdefault("phase", "Pending")
-        response = await super()._handle(request)
+        try:
+            response = await super()._handle(request)
+        except kmock.KubernetesError as exc:
+            if exc.status != 409 or request.action != kmock.action.CREATE:
+                raise
+            # kmock's "Object Already Exists", as the API server says it
+            meta = (request.data.get("metadata") or {}) if isinstance(request.data, dict) else {}
+            plural = request.resource.plural if request.resource is not None else ""
+            raise kmock.KubernetesError(
+                status=409,
+                reason="AlreadyExists",
+                message=f'{plural} "{meta.get("name")}" already exists',
+                details={"name": meta.get("name"), "kind": plural},
+            ) from exc
         deleted = request.resource.plural if request.resource is not None else ""
         if request.action == kmock.action.DELETE and deleted in ("pods", "resourceclaims"):
             await self._release_claims()
@@ -256,6 +403,18 @@ class Emulator(kmock.KubernetesEmulator):
                 status=failure.status, reason="Injected", message=f"injected {failure.status}"
             )
 
+    def _take_fault(self, request: kmock.Request) -> Fault | None:
+        for injection in self._injections:
+            if not injection.matches(request):
+                continue
+            if injection.countdown > 0:
+                injection.countdown -= 1
+                continue
+            injection.times -= 1
+            injection.hits += 1
+            return injection.fault
+        return None
+
     def _record(self, resource: Any, event: dict[str, Any]) -> None:
         """One change (under kmock's lock): give it a resourceVersion, keep it, fan it out."""
         self._version += 1
@@ -281,10 +440,31 @@ class Emulator(kmock.KubernetesEmulator):
         ]
 
     async def _serve_list(self, request: kmock.Request) -> Any:
+        """A list, in pages when asked (`limit`, `continue`): the pages after the first are read
+        from the objects as they are then, not from a snapshot, and carry the first page's
+        resourceVersion."""
         async with self._lock:
             items = self._matching(request)
             version = self._version
-        return {"kind": "List", "metadata": {"resourceVersion": str(version)}, "items": items}
+        token = str(request.params.get("continue") or "")
+        after: tuple[str, str] | None = None
+        if token:
+            decoded = json.loads(base64.urlsafe_b64decode(token))
+            version, after = int(decoded["rv"]), (decoded["ns"], decoded["name"])
+        limit = int(request.params.get("limit") or 0)
+        meta: dict[str, Any] = {"resourceVersion": str(version)}
+        if token or limit:
+            items.sort(key=_list_key)
+            if after is not None:
+                items = [item for item in items if _list_key(item) > after]
+            if limit and len(items) > limit:
+                last = _list_key(items[limit - 1])
+                meta["remainingItemCount"] = len(items) - limit
+                meta["continue"] = base64.urlsafe_b64encode(
+                    json.dumps({"rv": version, "ns": last[0], "name": last[1]}).encode()
+                ).decode()
+                items = items[:limit]
+        return {"kind": "List", "metadata": meta, "items": items}
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
         yield b""  # send the headers now
@@ -346,6 +526,37 @@ class Emulator(kmock.KubernetesEmulator):
 
     def clear_failures(self) -> None:
         self._failures.clear()
+        self._injections.clear()
+
+    def inject(
+        self,
+        method: str,
+        resource: str,
+        fault: Fault,
+        *,
+        namespace: str | None = None,
+        name: str | None = None,
+        subresource: str | None = None,
+        watch: bool | None = None,
+        nth: int = 1,
+        times: int = 1,
+    ) -> _Injection:
+        """Make the `nth` (1-based, counted from now) request of the HTTP `method` on the
+        resource `resource` (its plural), and the `times - 1` after it, meet `fault`. Narrow it
+        with `namespace`, `name`, `subresource`, `watch` (GETs: True only watches, False only
+        lists and reads). Returns the injection: its `hits` counts the faults served.
+
+            emulator.inject("POST", "pods", Fault.commit_then_reset)
+            emulator.inject("PATCH", "pods", Fault.throttle(retry_after=1), times=2)
+            emulator.inject("DELETE", "pods", Fault.server_error(503), namespace="team-a")
+            emulator.inject("PATCH", "resourceclaims", Fault.conflict, subresource="status")
+            emulator.inject("GET", "pods", Fault.expired_continue)  # a paged list's 2nd page
+        """
+        injection = _Injection(
+            method.upper(), resource, namespace, name, subresource, watch, nth - 1, times, fault
+        )
+        self._injections.append(injection)
+        return injection
 
     def requests_of(self, action: str, plural: str) -> list[kmock.Request]:
         return [
@@ -524,6 +735,11 @@ class Emulator(kmock.KubernetesEmulator):
         if reason:
             status["reason"] = reason
         await self._send("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", {"status": status})
+
+
+def _list_key(item: Mapping[str, Any]) -> tuple[str, str]:
+    meta = item.get("metadata") or {}
+    return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
 
 def _group_path(request: kmock.Request) -> str | None:
