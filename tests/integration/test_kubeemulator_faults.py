@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import aiohttp
 import pytest
 from kubernetes_asyncio import client
@@ -16,23 +19,25 @@ async def test_a_write_that_commits_then_resets_is_stored_and_the_client_sees_a_
 ) -> None:
     emulator, api = kube
     core = client.CoreV1Api(api)
+    body: Any = pod_body("team-a", "p1")
     injection = emulator.inject("POST", "pods", Fault.commit_then_reset, namespace="team-a")
     with pytest.raises(aiohttp.ClientError):
-        await core.create_namespaced_pod("team-a", pod_body("team-a", "p1"))
+        await core.create_namespaced_pod("team-a", body)
     assert emulator.pod("team-a", "p1") is not None
     assert injection.hits == 1
     # the retry meets the stored pod, as a real API server answers it
     with pytest.raises(k8s_exceptions.ApiException) as caught:
-        await core.create_namespaced_pod("team-a", pod_body("team-a", "p1"))
+        await core.create_namespaced_pod("team-a", body)
     assert caught.value.status == 409
-    assert '"reason":"AlreadyExists"' in caught.value.body.replace(" ", "")
+    assert json.loads(caught.value.body or "{}")["reason"] == "AlreadyExists"
 
 
 async def test_a_write_that_commits_then_times_out_is_stored(kube: Kube) -> None:
     emulator, api = kube
     emulator.inject("POST", "pods", Fault.commit_then_error(504))
+    body: Any = pod_body("ns", "p1")
     with pytest.raises(k8s_exceptions.ApiException) as caught:
-        await client.CoreV1Api(api).create_namespaced_pod("ns", pod_body("ns", "p1"))
+        await client.CoreV1Api(api).create_namespaced_pod("ns", body)
     assert caught.value.status == 504
     assert emulator.pod("ns", "p1") is not None
 
@@ -55,6 +60,7 @@ async def test_a_refused_write_stores_nothing(kube: Kube, fault: Fault, status: 
         await core.patch_namespaced_pod("p1", "ns", {"metadata": {"labels": {"a": "2"}}})
     assert caught.value.status == status
     if status == 429:
+        assert caught.value.headers is not None
         assert caught.value.headers["Retry-After"] == "3"
     pod = emulator.pod("ns", "p1")
     assert pod is not None and pod["metadata"]["labels"] == {"a": "1"}
