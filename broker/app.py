@@ -329,6 +329,10 @@ def create_app(settings: BrokerSettings) -> web.Application:
             app[keys.READY]["store"] = up
             meters.store_up.set(1 if up else 0)
 
+        def store_alarms(raised: set[str]) -> None:
+            for alarm in {*metrics.STORE_ALARMS, *raised}:
+                meters.store_alarm.labels(alarm=alarm).set(1 if alarm in raised else 0)
+
         def synced(up: bool) -> None:
             app[keys.READY]["synced"] = up
             meters.cache_synced.set(1 if up else 0)
@@ -356,7 +360,15 @@ def create_app(settings: BrokerSettings) -> web.Application:
         meters.store_up.set(1)
         tasks = [
             asyncio.create_task(stalls.LoopMonitor(meters.loop_lag).run(), name="loop-monitor"),
-            asyncio.create_task(probing.probe_store(backing, store_answers), name="store-probe"),
+            asyncio.create_task(
+                probing.probe_store(
+                    backing,
+                    store_answers,
+                    alarms=backing.alarms if isinstance(backing, etcd.EtcdStore) else None,
+                    on_alarms=store_alarms,
+                ),
+                name="store-probe",
+            ),
             asyncio.create_task(book.run_flusher(), name="group-commit"),
             asyncio.create_task(queue_registry.follow(backing), name="queues-watch"),
         ]

@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,8 +108,10 @@ class EtcdServer:
         peer_port: int,
         tls: ServerTls | None = None,
         metrics_port: int | None = None,
+        flags: Sequence[str] = (),
     ) -> None:
         self.binary = binary
+        self.flags = list(flags)
         self.root = root
         self.client_port = client_port
         self.peer_port = peer_port
@@ -118,9 +120,12 @@ class EtcdServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def start(cls, *, root: Path | None = None, tls: ServerTls | None = None) -> EtcdServer:
+    def start(
+        cls, *, root: Path | None = None, tls: ServerTls | None = None, flags: Sequence[str] = ()
+    ) -> EtcdServer:
         """Start a server with a fresh data dir under `root` (default: tmpfs or tmp); with
-        `tls`, its clients connect over TLS."""
+        `tls`, its clients connect over TLS; `flags` are passed to etcd as they are (e.g.
+        `--quota-backend-bytes=...`)."""
         client_port, peer_port, metrics_port = pick_free_ports(3)
         server = cls(
             binary=find_etcd_binary(),
@@ -129,6 +134,7 @@ class EtcdServer:
             peer_port=peer_port,
             tls=tls,
             metrics_port=metrics_port if tls is not None else None,
+            flags=flags,
         )
         server.launch()
         return server
@@ -173,6 +179,7 @@ class EtcdServer:
                     "--election-timeout=100",
                     "--log-level=warn",
                     *secure,
+                    *self.flags,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -13,7 +13,8 @@ compaction (CompactedError) the jobs are listed again and the book reconciled wi
 watched prefix, outside the jobs) and waits until the watch delivers it; etcd delivers events
 in revision order, so by then every job change committed before the marker is in the book.
 `synced` (`/readyz`, `GET /v1/status`) is set once the first barrier passed, and cleared while
-the watch is broken or a barrier does not come back in time (every `check_every` seconds).
+the watch is broken or a barrier does not come back in time (every `check_every` seconds); a
+barrier refused because the store is full (etcd's space alarm) leaves it as it was.
 The new leader passes a barrier before it decides anything or accepts an agent.
 """
 
@@ -110,6 +111,11 @@ class BookWatch:
                 await self.sync()
             except asyncio.CancelledError:
                 raise
+            except errors.StoreFullError as exc:
+                # The marker cannot be written, and neither can any job change (etcd refuses
+                # every write while its space alarm is raised): a book that was synced stays
+                # so, and this replica keeps serving reads. Writes answer 507 meanwhile.
+                logger.warning("the job cache cannot check its sync: %s", exc)
             except Exception as exc:
                 self._set_synced(False)
                 logger.warning("the job cache did not sync: %s", str(exc) or type(exc).__name__)

@@ -48,6 +48,7 @@ FAILOVER_EVERY = 1.0  # seconds between two attempts to find another member
 LIST_PAGE_SIZE = 1_000
 WATCH_BACKOFF_INITIAL = 0.05
 WATCH_BACKOFF_MAX = 2.0
+ALARM_NAMES = {1: "NOSPACE", 2: "CORRUPT"}  # etcdserverpb.AlarmType
 CHANNEL_OPTIONS: dict[str, int] = {
     # Reconnect quickly after etcd restarts (gRPC's default first backoff is 1 s).
     "grpc.initial_reconnect_backoff_ms": 100,
@@ -65,6 +66,13 @@ TEMPORARY_CODES = frozenset(
         rpc.StatusCode.RESOURCE_EXHAUSTED,
         rpc.StatusCode.ABORTED,
     }
+)
+# etcd's answer to a write while its space quota alarm (NOSPACE) is raised. Not temporary: every
+# member refuses writes and lease grants until an operator frees space and disarms the alarm
+# (reads, deletes and lease renewals keep working).
+NO_SPACE_DETAIL = "database space exceeded"
+NO_SPACE_ADVICE = (
+    "etcd's space quota alarm is raised: compact and defragment etcd, then disarm the alarm"
 )
 # etcd's answers to a token it does not know (it restarted; a JWT expired) or that predates a
 # change of users or roles: authenticating again is the cure.
@@ -96,6 +104,8 @@ def translate_error(exc: BaseException, what: str) -> errors.StoreError:
         return errors.LeaseExpiredError(message)
     if any(text in details for text in REFUSED_TOKEN_DETAILS):
         return AuthTokenRefusedError(message)
+    if NO_SPACE_DETAIL in details:  # before the codes: etcd answers it as RESOURCE_EXHAUSTED
+        return errors.StoreFullError(f"{message} ({NO_SPACE_ADVICE})")
     if isinstance(exc, TEMPORARY_CLIENT_ERRORS):
         return errors.TemporaryStoreError(message)
     if isinstance(rpc_error, rpc.AioRpcError) and rpc_error.code() in TEMPORARY_CODES:
@@ -405,6 +415,18 @@ class EtcdStore(store.Shortcuts):
         self._check_open("revoke lease")
         with contextlib.suppress(errors.LeaseExpiredError), translating_errors("revoke lease"):
             await self._client.revoke_lease(lease)
+
+    async def alarms(self) -> set[str]:
+        """The names of etcd's raised alarms (`NOSPACE`, `CORRUPT`), of every member."""
+
+        async def read(client: aetcd.Client) -> set[str]:
+            with translating_errors("list alarms"):
+                return {ALARM_NAMES.get(a.alarm_type, str(a.alarm_type)) async for a in
+                        client.list_alarms()}  # fmt: skip
+
+        self._check_open("list alarms")
+        found: set[str] = await self._call("list alarms", read, retry=True)
+        return found
 
     async def compact(self, revision: int) -> None:
         self._check_open("compact")

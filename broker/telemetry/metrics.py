@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from broker.api import queues
 
+STORE_ALARMS = ("NOSPACE", "CORRUPT")  # etcd's; exported at 0 from the start
 # the states `fleet.Cluster.health` gives an agent session, exported one-hot
 SESSION_STATES = ("Connecting", "Ready", "Degraded", "Unreachable", "Lost")
 
@@ -249,6 +250,14 @@ class BrokerMetrics:
         self.store_up = Gauge(
             "gpufed_store_up", "1 while the broker's store answers its probe", registry=r
         )
+        self.store_alarm = Gauge(
+            "gpufed_store_alarm",
+            "1 while the store has this alarm raised (etcd NOSPACE: writes refused)",
+            ["alarm"],
+            registry=r,
+        )
+        for alarm in STORE_ALARMS:
+            self.store_alarm.labels(alarm=alarm).set(0)
         self.background_errors = Counter(
             "gpufed_background_errors",
             "Errors a background task survived (retried with backoff)",

@@ -50,3 +50,15 @@ def test_a_compacted_revision_is_its_own_error() -> None:
         "watch",
     )
     assert isinstance(found, errors.CompactedError)
+
+
+def test_a_write_refused_for_etcds_space_alarm_is_a_full_store_not_a_temporary_fault() -> None:
+    """etcd answers RESOURCE_EXHAUSTED, a code otherwise temporary: retrying cannot help until
+    an operator frees space, so it is the store-full error (507), with what to do."""
+    found = etcd.translate_error(
+        rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: mvcc: database space exceeded"),
+        "commit",
+    )
+    assert isinstance(found, errors.StoreFullError)
+    assert not isinstance(found, errors.TemporaryStoreError)
+    assert "space quota alarm" in str(found) and "disarm" in str(found)
