@@ -91,6 +91,11 @@ def member_name(name: str, index: int) -> str:
     return f"{name}-{index}"
 
 
+def member_id(array_id: str, index: int) -> str:
+    """The id of the array's job of `index`."""
+    return f"{array_id}-{index}"
+
+
 def name_problem(name: str, count: int) -> str | None:
     """Why `<name>-<count-1>` would not be a job name (a DNS label of at most 63), or None."""
     longest = member_name(name, count - 1)

@@ -9,8 +9,12 @@ no longer be met, or names no job, the job fails with reason `DependencyFailed`.
 the record keeps what it resolved to (`status.dependencies`): a job (or array) of the same
 request (single or batch) by that name first, else a job id, else the newest job of that
 name the broker holds live (not yet moved to history), else, when no job has that name,
-every job of the newest array of that name (`arrays`). A job in history is found by its id
-only. A job naming itself is a cycle. What a
+the newest array of that name (`arrays`). A job in history is found by its id only. A job
+naming itself is a cycle. An array is kept as a reference (`Resolved.array`: its id and
+count), not as its jobs' ids, so that a dependent's record is as small for an array of
+10,000 as for one job; it is resolved against the array's jobs when it is decided (`<id>-0`
+to `<id>-<count-1>`, `member_ids`). Records that list an array's jobs in `ids`, as earlier
+brokers wrote them, are read and decided as they were. What a
 name resolved to never changes afterwards, so jobs can only depend on jobs that existed
 before them or came with them: a cycle is possible only within one request, and a submit
 that makes one is refused (422 naming the field, `planning.dependencies.find_cycle`).
@@ -27,7 +31,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from broker.api import policies
+from broker.api import arrays, policies
 
 MAX_DEPENDENCIES = 64
 DEPENDENCY_FAILED = "DependencyFailed"
@@ -98,6 +102,25 @@ class Resolved(BaseModel):
     condition: Condition = Condition.SUCCEEDED
     ids: list[str] = Field(
         default_factory=list,
-        description="the job ids it names (an array's name: all its jobs); empty: none "
-        "was found, and the job fails with DependencyFailed",
+        description="the job id it names (records of earlier brokers: each job of an "
+        "array); empty, and no array: none was found, and the job fails with DependencyFailed",
     )
+    array: str | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="the array it names: its id (its jobs are `<array>-0` to `<array>-<count-1>`)",
+    )
+    count: int | None = Field(
+        None, exclude_if=lambda value: value is None, description="the array's count of jobs"
+    )
+
+    def member_ids(self) -> list[str]:
+        """The job ids the entry names: its array's jobs, or `ids`."""
+        if self.array is None:
+            return list(self.ids)
+        return [arrays.member_id(self.array, index) for index in range(self.count or 0)]
+
+    @property
+    def found(self) -> bool:
+        """Whether it names any job (none: the job fails with DependencyFailed)."""
+        return bool(self.ids) or (self.array is not None and bool(self.count))

@@ -1,21 +1,26 @@
 """Jobs that wait for others (`spec.dependsOn`): resolved at submit, queued or failed by the
 leader as their dependencies end.
 
-At submit (`resolve`, before the job is stored) each `dependsOn` entry is resolved once to
-job ids (`api.dependencies`: a job of the same request by that name, an id, the newest live
-job of that name, the newest array of that name) and the record keeps them
-(`status.dependencies`); a request whose jobs would close a cycle is refused, naming the
+At submit (`resolve`, before the job is stored) each `dependsOn` entry is resolved once
+(`api.dependencies`: a job of the same request by that name, an id, the newest live job of
+that name, the newest array of that name) and the record keeps what it found
+(`status.dependencies`): a job id, or a reference to an array (its id and count), never the
+array's jobs one by one; a request whose jobs would close a cycle is refused, naming the
 entry (`planning.dependencies.find_cycle`). The job is stored `Waiting` (`requests.submit`).
 
-`Dependents` is a book observer on every replica (the waiting jobs and, per job, the waiting
-jobs that depend on it: O(waiting jobs)) and, on the leader (`dispatch.leading`), a task: a
-waiting job is decided when it is stored and again whenever a job it depends on ends
+`Dependents` is a book observer on every replica (the waiting jobs and, per job or array
+they name, the waiting jobs naming it: O(waiting jobs × entries), whatever the arrays'
+sizes) and, on the leader (`dispatch.leading`), a task: a waiting job is decided when it is
+stored and again whenever what it waits for may have changed its verdict
 (`planning.dependencies.decide`): met, it is committed `Queued` (`DependenciesMet`); one can
 never be met (it ended Failed or Cancelled for `Succeeded`, or names no job), it is committed
-`Failed` (`DependencyFailed`), which decides the jobs waiting for it in turn. A dependency
-the book no longer holds is read from the store, then from history (`book.find`), so one
-retired meanwhile still counts by its final state. A new term decides every waiting job
-once. Store errors back off; the task never dies of one.
+`Failed` (`DependencyFailed`), which decides the jobs waiting for it in turn. An array some
+waiting job names has a tally (`_Tally`: its jobs' states, kept by the observer), so the
+jobs waiting for it are decided when one of its jobs ends otherwise than Succeeded or the
+last one ends, not on every end, and the array's jobs are read once per change of them, not
+once per job waiting. A dependency the book no longer holds is read from the store, then
+from history (`book.find`), so one retired meanwhile still counts by its final state. A new
+term decides every waiting job once. Store errors back off; the task never dies of one.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from broker.api import dependencies, errors, status
 from broker.api.status import JobState
@@ -39,14 +45,54 @@ BATCH = 500  # waiting jobs decided per commit, at most
 MAX_BACKOFF_SECONDS = 30.0
 
 
+ARRAY_NODE = "array:"  # an array some waiting job names, among job ids (no id holds ':')
+
+
+def _node(entry: dependencies.Resolved) -> list[str]:
+    """What an entry waits for: its array (one node), or its job ids."""
+    return [ARRAY_NODE + entry.array] if entry.array is not None else list(entry.ids)
+
+
+def _nodes(record: status.JobRecord) -> list[str]:
+    return [n for d in record.status.dependencies or () for n in _node(d)]
+
+
+class _Tally:
+    """The states of the jobs of one array that waiting jobs name, kept by the observer;
+    `ends` sums them up once per change."""
+
+    def __init__(self, member_ids: list[str]) -> None:
+        self.member_ids = member_ids
+        self.states: dict[str, JobState | None] = {}
+        self.unfinished: set[str] = set()
+        self.complete = False  # every job's state read once
+        self._ends: deciding.ArrayEnds | None = None
+
+    def put(self, job_id: str, state: JobState | None) -> None:
+        if self.states.get(job_id, "absent") == state:
+            return
+        self.states[job_id] = state
+        if state is not None and not state.terminal:
+            self.unfinished.add(job_id)
+        else:
+            self.unfinished.discard(job_id)
+        self._ends = None
+
+    def ends(self) -> deciding.ArrayEnds:
+        if self._ends is None:
+            self._ends = deciding.summarize(self.member_ids, self.states)
+        return self._ends
+
+
 class Dependents:
     """The waiting jobs and what they wait for, and the leader's task that releases them."""
 
     def __init__(self, jobs: book.JobBook, *, meters: metrics.BrokerMetrics) -> None:
         self.book = jobs
         self.meters = meters
-        self.waiting: dict[str, tuple[str, ...]] = {}  # waiting job -> the ids it names
-        self.dependents: dict[str, set[str]] = {}  # job id -> waiting jobs naming it
+        self.waiting: dict[str, tuple[str, ...]] = {}  # waiting job -> the ids, arrays it names
+        self.dependents: dict[str, set[str]] = {}  # job id, array node -> waiting jobs naming it
+        self.tallies: dict[str, _Tally] = {}  # array id (named by a waiting job) -> its tally
         self._noted: set[str] = set()
         self._wake = asyncio.Event()
         self.released = 0  # queued by this replica
@@ -58,17 +104,37 @@ class Dependents:
         record = change.after
         if record.status.state == JobState.WAITING:
             if record.id not in self.waiting:
-                ids = tuple(i for d in record.status.dependencies or () for i in d.ids)
-                self.waiting[record.id] = ids
-                for job_id in ids:
-                    self.dependents.setdefault(job_id, set()).add(record.id)
+                nodes = tuple(dict.fromkeys(_nodes(record)))
+                self.waiting[record.id] = nodes
+                for node in nodes:
+                    self.dependents.setdefault(node, set()).add(record.id)
             self._note(record.id)
         elif record.id in self.waiting:
             self._forget(record.id)
         self.meters.waiting_jobs.set(len(self.waiting))  # every replica's book has them all
         before = change.before
-        if record.status.state.terminal and (before is None or not before.status.state.terminal):
+        ended = record.status.state.terminal and (
+            before is None or not before.status.state.terminal
+        )
+        if ended:
             for waiting in self.dependents.get(record.id, ()):
+                self._note(waiting)
+        if record.array is not None and ARRAY_NODE + record.array.id in self.dependents:
+            self._count(record, ended=ended)
+
+    def _count(self, record: status.JobRecord, *, ended: bool) -> None:
+        """A job of an array that waiting jobs name changed: its tally follows, and they are
+        decided again if that may change their verdict."""
+        assert record.array is not None
+        state = record.status.state
+        tally = self.tallies.get(record.array.id)
+        if tally is not None:
+            tally.put(record.id, state)
+        if not ended:
+            return
+        telling = tally is None or not tally.complete or not tally.unfinished
+        if telling or state != JobState.SUCCEEDED:
+            for waiting in self.dependents.get(ARRAY_NODE + record.array.id, ()):
                 self._note(waiting)
 
     def _note(self, job_id: str) -> None:
@@ -76,12 +142,14 @@ class Dependents:
         self._wake.set()
 
     def _forget(self, job_id: str) -> None:
-        for dep in self.waiting.pop(job_id, ()):
-            named = self.dependents.get(dep)
+        for node in self.waiting.pop(job_id, ()):
+            named = self.dependents.get(node)
             if named is not None:
                 named.discard(job_id)
                 if not named:
-                    del self.dependents[dep]
+                    del self.dependents[node]
+                    if node.startswith(ARRAY_NODE):
+                        self.tallies.pop(node.removeprefix(ARRAY_NODE), None)
         self._noted.discard(job_id)
 
     # ---- deciding -------------------------------------------------------------------
@@ -98,11 +166,48 @@ class Dependents:
             out[job_id] = record.status.state if record is not None else None
         return out
 
+    async def _tally(self, entry: dependencies.Resolved) -> _Tally:
+        """The tally of the array `entry` names, its jobs' states read once (kept while a
+        waiting job names it; else made for this one question)."""
+        assert entry.array is not None
+        tally = self.tallies.get(entry.array)
+        if tally is not None and tally.complete:
+            return tally
+        tally = _Tally(entry.member_ids())
+        if ARRAY_NODE + entry.array in self.dependents:
+            self.tallies[entry.array] = tally  # the observer keeps it from now on
+        missing = []
+        for job_id in tally.member_ids:
+            record = self.book.get(job_id)
+            if record is None:
+                missing.append(job_id)
+            else:
+                tally.put(job_id, record.status.state)
+        for job_id in missing:
+            if job_id not in tally.states:  # not told by the observer meanwhile
+                found = await self.book.find(job_id)
+                if job_id not in tally.states:
+                    tally.put(job_id, found.status.state if found is not None else None)
+        tally.complete = True
+        return tally
+
+    async def _read(
+        self, entries: Sequence[dependencies.Resolved]
+    ) -> tuple[dict[str, JobState | None], dict[str, _Tally]]:
+        """The states of the jobs `entries` name, and the tallies of the arrays they name
+        (each read once however many entries name it)."""
+        tallies: dict[str, _Tally] = {}
+        for entry in entries:
+            if entry.array is not None and entry.array not in tallies:
+                tallies[entry.array] = await self._tally(entry)
+        states = await self._states([i for e in entries if e.array is None for i in e.ids])
+        return states, tallies
+
     async def verdict(self, record: status.JobRecord) -> deciding.Verdict:
         """What the job's dependencies say now (`why` of a waiting job)."""
         resolved = record.status.dependencies or []
-        states = await self._states([i for d in resolved for i in d.ids])
-        return deciding.decide(resolved, states)
+        states, tallies = await self._read(resolved)
+        return deciding.decide(resolved, states, {a: t.ends() for a, t in tallies.items()})
 
     async def settle_once(self) -> int:
         """Queue or fail the noted waiting jobs whose dependencies say so; how many moved."""
@@ -112,8 +217,14 @@ class Dependents:
             return 0
         if len(self._noted):
             self._wake.set()
-        states = await self._states([i for job_id in noted for i in self.waiting.get(job_id, ())])
+        entries: list[dependencies.Resolved] = []
+        for job_id in noted:
+            record = self.book.latest(job_id)
+            if record is not None and record.status.state == JobState.WAITING:
+                entries += record.status.dependencies or ()
+        states, tallies = await self._read(entries)
         async with self.book.lock:
+            ends = {a: t.ends() for a, t in tallies.items()}  # as the observer keeps them
             drafts: list[status.JobRecord] = []
             for job_id in noted:
                 record = self.book.latest(job_id)
@@ -121,7 +232,7 @@ class Dependents:
                     continue
                 resolved = record.status.dependencies or []
                 now = {i: self._state_now(i, states) for d in resolved for i in d.ids}
-                verdict = deciding.decide(resolved, now)
+                verdict = deciding.decide(resolved, now, ends)
                 if not verdict.met and verdict.failed is None:
                     continue
                 draft = book.draft_of(record)
@@ -189,7 +300,7 @@ class Dependents:
         tenant = new[0].tenant
         names = _Names(list(self.book), tenant=tenant)
         local = _Names(list(new), tenant=tenant)
-        known: dict[str, list[str]] = {}  # an array's jobs name the same jobs: once each
+        known: dict[str, _Target] = {}  # an array's jobs name the same jobs: once each
         for record in new:
             entries = record.job.spec.depends_on
             if not entries:
@@ -197,27 +308,51 @@ class Dependents:
             record.status.dependencies = []
             for entry in entries:
                 if entry.job not in known:
-                    ids = local.ids_of(entry.job) or names.ids_of(entry.job)
-                    if not ids:  # an id the book does not hold: the store's, history's
+                    target = local.target(entry.job) or names.target(entry.job)
+                    if target is None:  # an id the book does not hold: the store's, history's
                         found = await self.book.find(entry.job)
-                        if found is not None and found.tenant == tenant:
-                            ids = [found.id]
-                    known[entry.job] = ids
+                        ok = found is not None and found.tenant == tenant
+                        target = _Target(ids=[found.id] if found is not None and ok else [])
+                    known[entry.job] = target
+                target = known[entry.job]
                 record.status.dependencies.append(
                     dependencies.Resolved(
-                        job=entry.job, condition=entry.condition, ids=list(known[entry.job])
+                        job=entry.job,
+                        condition=entry.condition,
+                        ids=list(target.ids),
+                        array=target.array,
+                        count=target.count,
                     )
                 )
         return self._refuse_cycles(new)
 
     def _refuse_cycles(self, new: Sequence[status.JobRecord]) -> list[errors.Invalid | None]:
+        """Per job of `new`, the refusal of one on a cycle. The graph's nodes are jobs and
+        arrays: an array waits for what its jobs of this request wait for (they all name
+        the same), and an array stored before waits for nothing new."""
         by_id = {r.id: r for r in new}
+        first_of: dict[str, status.JobRecord] = {}  # array node -> its first job of this request
+        for record in new:
+            if record.array is not None:
+                first_of.setdefault(ARRAY_NODE + record.array.id, record)
 
-        def edges(job_id: str) -> list[str]:
-            record = by_id.get(job_id) or self.book.get(job_id)
+        def holder(node: str) -> status.JobRecord | None:
+            """The record of this request whose entries are the node's edges."""
+            return first_of.get(node) or by_id.get(node)
+
+        def edges(node: str) -> list[str]:
+            record = holder(node)
+            if record is None and not node.startswith(ARRAY_NODE):
+                record = self.book.get(node)
+            return _nodes(record) if record is not None else []
+
+        def label(node: str) -> str:
+            record = holder(node)
             if record is None:
-                return []
-            return [i for d in record.status.dependencies or () for i in d.ids]
+                return node.removeprefix(ARRAY_NODE)
+            if node.startswith(ARRAY_NODE) and record.array is not None:
+                return record.array.name
+            return record.job.metadata.name
 
         out: list[errors.Invalid | None] = [None] * len(new)
         refused: set[str] = set()
@@ -226,14 +361,15 @@ class Dependents:
             cycle = deciding.find_cycle(starts, lambda j: [] if j in refused else edges(j))
             if cycle is None:
                 return out
-            names = " → ".join(by_id[j].job.metadata.name if j in by_id else j for j in cycle)
+            names = " → ".join(label(node) for node in cycle)
             for here, there in itertools.pairwise(cycle):
-                record = by_id.get(here)
-                if record is None or here in refused:
+                holding = holder(here)
+                if holding is None or holding.id in refused:
                     continue
-                refused.add(here)
+                record = holding
+                refused.update((here, record.id))
                 entry = next(
-                    k for k, d in enumerate(record.status.dependencies or ()) if there in d.ids
+                    k for k, d in enumerate(record.status.dependencies or ()) if there in _node(d)
                 )
                 field = f"spec.dependsOn[{entry}].job"
                 out[new.index(record)] = errors.Invalid(
@@ -243,13 +379,21 @@ class Dependents:
                 )
 
 
+@dataclass(frozen=True)
+class _Target:
+    """What a `dependsOn` entry resolved to: job ids, or an array (its id and count)."""
+
+    ids: list[str] = field(default_factory=list)
+    array: str | None = None
+    count: int | None = None
+
+
 class _Names:
     """A tenant's jobs by name (the newest of each) and its arrays by name (the newest)."""
 
     def __init__(self, records: Sequence[status.JobRecord], *, tenant: str) -> None:
         self.jobs: dict[str, status.JobRecord] = {}
-        self.arrays: dict[str, tuple[str, status.JobRecord]] = {}  # name -> newest array
-        self.members: dict[str, list[str]] = {}  # array id -> its jobs
+        self.arrays: dict[str, status.JobRecord] = {}  # name -> a job of the newest array
         for record in records:
             if record.tenant != tenant:
                 continue
@@ -257,22 +401,17 @@ class _Names:
             if name not in self.jobs or self.jobs[name].created <= record.created:
                 self.jobs[name] = record
             if record.array is not None:
-                self.members.setdefault(record.array.id, []).append(record.id)
                 array = self.arrays.get(record.array.name)
-                if array is None or array[1].created <= record.created:
-                    self.arrays[record.array.name] = (record.array.id, record)
+                if array is None or array.created <= record.created:
+                    self.arrays[record.array.name] = record
         self.ids = {r.id for r in records if r.tenant == tenant}
 
-    def ids_of(self, name: str) -> list[str]:
+    def target(self, name: str) -> _Target | None:
         if name in self.ids:
-            return [name]
+            return _Target(ids=[name])
         if name in self.jobs:
-            return [self.jobs[name].id]
-        if name in self.arrays:
-            return sorted(self.members[self.arrays[name][0]], key=_index_order)
-        return []
-
-
-def _index_order(job_id: str) -> tuple[int, str]:
-    tail = job_id.rsplit("-", 1)[-1]
-    return (int(tail) if tail.isdigit() else 0, job_id)
+            return _Target(ids=[self.jobs[name].id])
+        member = self.arrays[name].array if name in self.arrays else None
+        if member is not None:
+            return _Target(array=member.id, count=member.count)
+        return None

@@ -15,6 +15,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from broker import app as broker_app
+from broker.api import status
+from broker.api.dependencies import Resolved
 from broker.http import keys
 from tests.builders import make_job
 
@@ -276,10 +278,74 @@ async def test_a_dependency_on_an_arrays_name_waits_for_all_its_jobs(api: Client
     report = await submitted(api, job("report", dependsOn=[{"job": "sweep"}]))
     record = await get(api, report["id"])
     array_id = answer["array"]["id"]
-    assert record["status"]["dependencies"][0]["ids"] == [f"{array_id}-{i}" for i in range(3)]
+    # the array by reference, not its jobs one by one
+    assert record["status"]["dependencies"] == [
+        {"job": "sweep", "condition": "Succeeded", "ids": [], "array": array_id, "count": 3}
+    ]
+    why = await (await api.get(f"/v1/jobs/{report['id']}/why", headers=TEAM_A)).json()
+    assert f"array 'sweep': 3 of its 3 jobs to succeed (job {array_id}-0: Queued)" in why[
+        "message"
+    ]
     await api.delete("/v1/arrays/sweep?index=2", headers=TEAM_A)
     failed = await until_state(api, report["id"], "Failed")
-    assert f"job {array_id}-2 ended Cancelled" in failed["status"]["events"][-1]["message"]
+    assert f"job {array_id}-2 of the array ended Cancelled" in failed["status"]["events"][-1][
+        "message"
+    ]
+
+
+async def test_a_dependency_on_an_array_is_met_when_its_last_job_succeeds(api: Client) -> None:
+    answer = await submitted(api, job("sweep", array={"count": 3}))
+    report = await submitted(api, job("report", dependsOn=[{"job": "sweep"}]))
+    array_id = answer["array"]["id"]
+    jobs_ = api.server.app[keys.JOBS]
+    for index in range(3):
+        await asyncio.sleep(0.1)  # the leader's task decides between the ends
+        assert (await get(api, report["id"]))["status"]["state"] == "Waiting"
+        await end(jobs_, f"{array_id}-{index}", "Succeeded")
+    queued = await until_state(api, report["id"], "Queued")
+    assert queued["status"]["events"][-1]["reason"] == "DependenciesMet"
+
+
+async def test_a_record_naming_an_arrays_jobs_one_by_one_still_waits_for_them(
+    api: Client,
+) -> None:
+    """Earlier brokers stored an array dependency as its jobs' ids: such a record is read
+    and decided as before."""
+    answer = await submitted(api, job("sweep", array={"count": 2}))
+    array_id = answer["array"]["id"]
+    members = [f"{array_id}-0", f"{array_id}-1"]
+    jobs_ = api.server.app[keys.JOBS]
+    record = status.JobRecord(id="report-old", tenant="team-a", job=make_job("report").build())
+    record.status.dependencies = [Resolved(job="sweep", ids=members)]
+    record.record(status.JobState.WAITING, "Submitted", "stored by an earlier broker")
+    await jobs_.book.commit([record], fenced=False)
+    await end(jobs_, members[0], "Succeeded")
+    await asyncio.sleep(0.1)
+    assert (await get(api, "report-old"))["status"]["state"] == "Waiting"
+    await end(jobs_, members[1], "Succeeded")
+    await until_state(api, "report-old", "Queued")
+
+
+async def end(jobs_: Any, job_id: str, state: str) -> None:
+    """End a job as its agent's report would (no agent runs here)."""
+    draft = jobs_.book.draft(job_id)
+    draft.record(status.JobState(state), "Completed", "ended by the test")
+    await jobs_.book.commit([draft], fenced=False)
+
+
+async def test_a_cycle_through_an_array_of_the_same_batch_refuses_both(api: Client) -> None:
+    items = [
+        {"job": job("sweep", array={"count": 50}, dependsOn=[{"job": "setup"}])},
+        {"job": job("setup", dependsOn=[{"job": "sweep"}])},
+        {"job": job("plain")},
+    ]
+    body = io.BytesIO(json.dumps({"items": items}).encode())
+    answer = await (await api.post("/v1/jobs:batch", data=body, headers=TEAM_A)).json()
+    assert [item["status"] for item in answer["items"]] == [422, 422, 202]
+    problem = answer["items"][1]["problem"]
+    assert problem["field"] == "items[1].job.spec.dependsOn[0].job"
+    assert "setup → sweep → setup" in problem["detail"]
+    assert len(await all_jobs(api)) == 1
 
 
 async def test_an_array_too_large_to_store_is_refused(api: Client) -> None:
