@@ -12,7 +12,7 @@ import yaml
 from kubernetes_asyncio.client import exceptions as k8s_exceptions
 
 from broker.api import status
-from member_agent.cluster import base, errors
+from member_agent.cluster import base, errors, retrying
 from member_agent.cluster import kubernetes as k8s
 from member_agent.cluster import kubernetes_errors as k8s_errors
 from member_agent.cluster import kubernetes_objects as objects
@@ -285,7 +285,7 @@ async def test_a_create_failing_mid_gang_leaves_no_pod_after_rollback(
 ) -> None:
     emulator, _ = kube
     await emulator.add_node("n1", gpus=8)
-    backend = await start()
+    backend = await start(retry=retrying.NO_RETRY)  # one try: the error as mapped
     emulator.fail("create", "pods", nth=3, status=status_code)
     gang = [pod_request(f"job-a-worker-{i}", "n1", [i]) for i in range(4)]
     created = []

@@ -13,7 +13,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from broker.api import jobs, messages
-from member_agent.cluster import base, errors
+from member_agent.cluster import base, errors, retrying
 from member_agent.cluster import kubernetes_devices as devices
 from member_agent.inventory import summary
 from tests import kubeemulator
@@ -343,7 +343,7 @@ async def test_a_failed_gang_leaves_no_pod_and_no_claim(
     emulator, _ = dra
     await emulator.add_node("n1")
     await emulator.add_slice("n1")
-    backend = await start(devices="dra")
+    backend = await start(devices="dra", retry=retrying.NO_RETRY)  # a pod's 500 not retried
     agent = KubeAgent(backend)
     emulator.fail(action, plural, nth=nth, status=500)
     reply = await agent.offer("j1", gpu_job(gpus=4, replicas=2))

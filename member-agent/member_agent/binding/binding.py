@@ -2,8 +2,10 @@
 
 The session calls `build_requests` with the placement `placement.gang.place_gang` chose, then
 `create_gang`: every pod is created through the ClusterBackend, or, if one create fails, the
-ones already created are deleted again and BindingError is raised. Nothing here decides where
-a pod goes.
+ones created are deleted again, and so are the ones whose create may have been applied though
+it failed (a lost answer), by name; then BindingError is raised. Nothing here decides where a
+pod goes. The backend makes each create idempotent and retries it before it fails (see
+`kubernetes_writing`), and a delete of a missing pod is done.
 
 Each pod carries what an agent restarted later needs to rebuild the job from its pods alone
 (`base.held_job` reads it back): the labels `gpufed.io/job` and `gpufed.io/task`, and the
@@ -37,14 +39,21 @@ DEFAULT_CONCURRENCY = 32
 
 
 class BindingError(Exception):
-    """A gang could not be created; the pods created before the failure were deleted."""
+    """A gang could not be created; the pods that were or may have been created before the
+    failure were deleted."""
 
     def __init__(
-        self, message: str, *, rolled_back: Sequence[str] = (), leftovers: Sequence[str] = ()
+        self,
+        message: str,
+        *,
+        rolled_back: Sequence[str] = (),
+        leftovers: Sequence[str] = (),
+        unsure: Sequence[str] = (),
     ) -> None:
         super().__init__(message)
         self.rolled_back = tuple(rolled_back)  # created, then deleted again
-        self.leftovers = tuple(leftovers)  # created, and deleting them failed
+        self.leftovers = tuple(leftovers)  # created (or maybe), and deleting them failed
+        self.unsure = tuple(unsure)  # their create's outcome unknown: deleted by name
 
 
 def build_requests(
@@ -137,9 +146,17 @@ async def create_gang(
     rollback_grace_seconds: float = 0.0,
 ) -> None:
     """Create every pod, up to `concurrency` at a time; on any failure (or cancellation)
-    delete the ones created and raise BindingError from the backend's error."""
+    delete what may exist and raise BindingError from the backend's error.
+
+    What is deleted: every pod whose create returned, and every pod whose create may have
+    been applied without saying so (it failed with a TemporaryBackendError, anything that is
+    not a BackendError, or was cancelled in flight: the API server may have stored it and the
+    answer been lost), by name, a missing one counting as deleted. A create that failed with a
+    PermanentBackendError left nothing of its own: the name may be another pod's, and that pod
+    is left alone. The backend retries a single request before it fails (`retrying`)."""
     created: list[base.PodRequest] = []
-    failures: list[BaseException] = []
+    unsure: list[base.PodRequest] = []  # may exist: the create's outcome is not known
+    failures: list[tuple[base.PodRequest, BaseException]] = []
     pending: Iterator[base.PodRequest] = iter(requests)
 
     async def create_some() -> None:
@@ -148,9 +165,16 @@ async def create_gang(
                 return
             try:
                 await backend.create_pod(request)
-            except Exception as exc:
-                failures.append(exc)
+            except errors.PermanentBackendError as exc:
+                failures.append((request, exc))
                 return
+            except Exception as exc:
+                unsure.append(request)
+                failures.append((request, exc))
+                return
+            except BaseException:
+                unsure.append(request)
+                raise
             created.append(request)
 
     try:
@@ -160,28 +184,36 @@ async def create_gang(
         else:
             await asyncio.gather(*(create_some() for _ in range(workers)))
     except BaseException:
-        await _roll_back(backend, created, grace_seconds=rollback_grace_seconds)
+        await _roll_back(backend, [*created, *unsure], grace_seconds=rollback_grace_seconds)
         raise
     if not failures:
         return
-    leftovers = await _roll_back(backend, created, grace_seconds=rollback_grace_seconds)
-    first = failures[0]
-    message = f"creating {len(requests)} pods failed after {len(created)}: {first}"
+    leftovers = await _roll_back(backend, [*created, *unsure], grace_seconds=rollback_grace_seconds)
+    failed, first = failures[0]
+    if isinstance(first, errors.RefusedError):
+        message = f"pod {failed.namespace}/{failed.name} refused: {first.detail}"
+    else:
+        message = f"creating {len(requests)} pods failed after {len(created)}: {first}"
     if leftovers:
         message += f"; rollback left {len(leftovers)} pods: {', '.join(leftovers[:5])}"
     kept = set(leftovers)
     rolled_back = [r.name for r in created if r.name not in kept]
-    raise BindingError(message, rolled_back=rolled_back, leftovers=leftovers) from first
+    raise BindingError(
+        message,
+        rolled_back=rolled_back,
+        leftovers=leftovers,
+        unsure=[r.name for r in unsure if r.name not in kept],
+    ) from first
 
 
 async def _roll_back(
-    backend: base.ClusterBackend, created: Sequence[base.PodRequest], *, grace_seconds: float
+    backend: base.ClusterBackend, pods: Sequence[base.PodRequest], *, grace_seconds: float
 ) -> list[str]:
-    if not created:
+    if not pods:
         return []
-    logger.info("rolling back %d pods of %s", len(created), created[0].job_id)
+    logger.info("rolling back %d pods of %s", len(pods), pods[0].job_id)
     return await delete_pods(
-        backend, ((r.namespace, r.name) for r in created), grace_seconds=grace_seconds
+        backend, ((r.namespace, r.name) for r in pods), grace_seconds=grace_seconds
     )
 
 

@@ -25,6 +25,12 @@ to the pod as tolerations. A hostname selector would keep the kube-scheduler in 
 plugins, its preemption) at the cost of a scheduling round per pod and a gang that may bind
 only in part.
 
+Writes (`kubernetes_writing`): every pod create, delete and patch and every node patch is
+sent again on 429 (after its Retry-After), 5xx, a timeout or a connection failure, with a
+jittered exponential backoff, within `retry` (`retrying.RetryPolicy`: a 20 s deadline per
+request by default, backoff 0.1 s doubling to 5 s); a create that meets its own pod (an
+earlier try's answer lost) has succeeded, a delete that finds no pod is done.
+
 Pods gpufed creates carry the labels `gpufed.io/job`, `gpufed.io/gang`, `gpufed.io/queue`,
 `gpufed.io/task`, the W3C `traceparent` annotation, `gpufed.io/gpus` (`0,1,2`): the GPU
 indices placement chose, for bookkeeping (the device plugin picks the devices itself; in DRA
@@ -85,22 +91,22 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
 from kubernetes_asyncio import client, config
 
 from broker.api import status
-from member_agent.cluster import base, errors, gpuhealth, watching
+from member_agent.cluster import base, errors, gpuhealth, retrying, watching
 from member_agent.cluster import kubernetes_claimed as claimed
 from member_agent.cluster import kubernetes_claiming as claiming
 from member_agent.cluster import kubernetes_devices as devices
-from member_agent.cluster import kubernetes_errors as k8s_errors
 from member_agent.cluster import kubernetes_events as node_events
 from member_agent.cluster import kubernetes_health as health
 from member_agent.cluster import kubernetes_objects as objects
 from member_agent.cluster import kubernetes_quotas as quotas
 from member_agent.cluster import kubernetes_state as state
+from member_agent.cluster import kubernetes_writing as writing
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)
@@ -113,7 +119,6 @@ NAMESPACES_ENV = "GPUFED_NAMESPACES"
 LABEL_KEYS_ENV = "GPUFED_LABEL_KEYS"
 DEFAULT_BACKOFF = watching.Backoff()
 USER_AGENT = "gpufed-member-agent"
-RawCall = Callable[..., Awaitable[Any]]  # a generated API call made with _preload_content=False
 
 
 def namespaces_from_env(environ: Mapping[str, str]) -> list[str] | None:
@@ -181,6 +186,7 @@ class KubernetesBackend:
         shared_gpu_resource: str | None = None,
         health_keys: HealthKeys | None = None,
         health_settings: gpuhealth.HealthSettings | None = None,
+        retry: retrying.RetryPolicy | None = None,
     ) -> None:
         self.cluster = cluster
         self.devices = devices
@@ -197,6 +203,11 @@ class KubernetesBackend:
         self._backoff = backoff
         self._watch_timeout = watch_timeout_seconds
         self._request_timeout = request_timeout_seconds
+        self._writer = writing.Writer(
+            self._core,
+            request_timeout=request_timeout_seconds,
+            policy=retry if retry is not None else retrying.RetryPolicy(),
+        )
         self._queue: asyncio.Queue[base.BackendEvent | None] = asyncio.Queue()
         health_keys = health_keys or HealthKeys()
         device_keys = dataclasses.replace(
@@ -455,18 +466,7 @@ class KubernetesBackend:
         return record
 
     async def _post_pod(self, request: base.PodRequest, body: dict[str, Any]) -> dict[str, Any]:
-        what = f"create pod {request.namespace}/{request.name}"
-        create: RawCall = self._core().create_namespaced_pod
-        async with k8s_errors.translating(what):
-            response = await create(
-                request.namespace,
-                body,
-                _preload_content=False,
-                _request_timeout=self._request_timeout,
-            )
-            async with response:
-                created: dict[str, Any] = await k8s_errors.read_json(response, what=what)
-        return created
+        return await self._writer.create_pod(request.namespace, body)
 
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: float) -> None:
         """Delete one pod with a grace period; a pod that does not exist is not an error. Its
@@ -480,21 +480,8 @@ class KubernetesBackend:
     async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         """Add annotations to one pod (a JSON merge patch of its metadata); a pod that does
         not exist is not an error."""
-        what = f"annotate pod {namespace}/{name}"
-        patch: RawCall = self._core().patch_namespaced_pod
         body = {"metadata": {"annotations": dict(annotations)}}
-        async with k8s_errors.translating(what):
-            response = await patch(
-                name,
-                namespace,
-                body,
-                _content_type=claiming.MERGE_PATCH,
-                _preload_content=False,
-                _request_timeout=self._request_timeout,
-            )
-            async with response:
-                if response.status != 404:
-                    await k8s_errors.check_response(response, what=what)
+        await self._writer.patch_pod(namespace, name, body)
 
     def _cordon_soon(self, node: str, why: str) -> None:
         """The health book's cordon: the Node patched in the background (from a watch)."""
@@ -505,50 +492,22 @@ class KubernetesBackend:
     async def cordon(self, node: str, why: str) -> None:
         """Mark a node unschedulable, saying why in its `gpufed.io/cordoned` annotation; a
         failure is logged (the node's GPUs are out of the inventory anyway)."""
-        what = f"cordon node {node}"
-        patch: RawCall = self._core().patch_node
         body = {
             "metadata": {"annotations": {gpuhealth.CORDON_ANNOTATION: why}},
             "spec": {"unschedulable": True},
         }
         try:
-            async with k8s_errors.translating(what):
-                response = await patch(
-                    node,
-                    body,
-                    _content_type=claiming.MERGE_PATCH,
-                    _preload_content=False,
-                    _request_timeout=self._request_timeout,
-                )
-                async with response:
-                    patched: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+            patched = await self._writer.patch_node(node, body)
         except errors.BackendError as exc:
-            logger.error("cluster %s: %s failed: %s", self.cluster, what, exc)
+            logger.error("cluster %s: cordon node %s failed: %s", self.cluster, node, exc)
             return
         logger.warning("cluster %s: node %s cordoned: %s", self.cluster, node, why)
         if self._events.enabled:
             self._events.cordoned(patched, why)
 
     async def _delete(self, namespace: str, name: str, *, grace: int) -> None:
-        what = f"delete pod {namespace}/{name}"
-        options = client.V1DeleteOptions(
-            grace_period_seconds=grace, propagation_policy="Background"
-        )
-        delete: RawCall = self._core().delete_namespaced_pod
-        async with k8s_errors.translating(what):
-            response = await delete(
-                name,
-                namespace,
-                grace_period_seconds=grace,
-                body=options,
-                _preload_content=False,
-                _request_timeout=self._request_timeout,
-            )
-            async with response:
-                if response.status == 404:
-                    self._state.forget(namespace, name)
-                    return
-                await k8s_errors.check_response(response, what=what)
+        if not await self._writer.delete_pod(namespace, name, grace=grace):
+            self._state.forget(namespace, name)
 
 
 def _book(mode: Devices, keys: DeviceKeys | None) -> devices.DeviceBook | None:
