@@ -11,6 +11,11 @@ A file or PUT that cannot work is refused (guaranteed above limit, unknown prior
 cohort whose guarantees exceed its GPUs is accepted with a warning (`warnings`), because
 capacity changes as clusters come and go.
 
+An allotment (`allotments` in the file) is what the fleet admin lets one tenant claim with all
+its queues together: guarantees and limits per GPU model, the highest weight and priority
+class, the cohorts. A tenant-admin's PUT beyond it is refused; `broker.api.allotments` says
+what fits and what a tenant gets where the file declares no allotment.
+
 The queue mode (`QueueMode`, `--queue-mode`) says what a queue name nobody declared means:
 `open`, an open queue (`open_queue`); `declared`, a submit naming it is refused.
 """
@@ -111,6 +116,37 @@ def open_queue(name: str) -> Queue:
     )
 
 
+class Allotment(_Model):
+    """What the fleet admin lets one tenant claim with its queues, all of them together.
+
+    A tenant-admin manages its tenant's queues within it; the admin is not bound by it."""
+
+    tenant: Annotated[str, Field(min_length=1, max_length=63)]
+    quotas: dict[str, ModelQuota] = Field(
+        default_factory=dict,
+        description="per GPU model (or `*`): `guaranteed`, the most the tenant's queues may be "
+        "guaranteed together; `limit`, the most their limits may add up to (unset: no bound, "
+        "queues without a limit included). A model not listed, with no `*`: none of it",
+    )
+    max_weight: Annotated[float, Field(gt=0, le=1_000_000, alias="maxWeight")] = Field(
+        1.0, description="the highest weight one of its queues may have"
+    )
+    max_priority_class: str | None = Field(
+        None,
+        alias="maxPriorityClass",
+        description="the highest priority class its queues may name (unset: the policy's "
+        "default class; a queue naming no class always fits)",
+    )
+    cohorts: list[Annotated[str, Field(min_length=1, max_length=63)]] = Field(
+        default_factory=lambda: ["default"], description="the cohorts its queues may join"
+    )
+
+    def quota(self, model: str) -> ModelQuota | None:
+        """The allotment of `model` (or the `"*"` entry); None: none of it."""
+        found = self.quotas.get(model)
+        return found if found is not None else self.quotas.get(ANY_MODEL)
+
+
 class PriorityClass(_Model):
     name: Annotated[str, Field(min_length=1, max_length=63)]
     value: int
@@ -155,6 +191,11 @@ class QueuesConfig(_Model):
     priority_classes: list[PriorityClass] = Field(default_factory=list, alias="priorityClasses")
     cohorts: list[Cohort] = Field(default_factory=list)
     queues: list[Queue] = Field(default_factory=list)
+    allotments: list[Allotment] = Field(
+        default_factory=list,
+        description="per tenant, what its tenant-admin may claim with its queues (a tenant "
+        "not listed: what its queues in this file claim, `broker.api.allotments.derive`)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> QueuesConfig:
@@ -162,6 +203,7 @@ class QueuesConfig(_Model):
             ("priorityClasses", [c.name for c in self.priority_classes]),
             ("cohorts", [c.name for c in self.cohorts]),
             ("queues", [q.name for q in self.queues]),
+            ("allotments", [a.tenant for a in self.allotments]),
         ):
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
@@ -175,7 +217,18 @@ class QueuesConfig(_Model):
                 raise ValueError(
                     f"queues[{index}].priorityClass: no priority class {queue.priority_class!r}"
                 )
+        for index, allotment in enumerate(self.allotments):
+            top = allotment.max_priority_class
+            if top is not None and top not in known:
+                raise ValueError(f"allotments[{index}].maxPriorityClass: no priority class {top!r}")
         return self
+
+    def allotment(self, tenant: str) -> Allotment | None:
+        """The allotment the file declares for `tenant`; None: none declared."""
+        for item in self.allotments:
+            if item.tenant == tenant:
+                return item
+        return None
 
     def queue(self, name: str) -> Queue | None:
         for queue in self.queues:
@@ -356,9 +409,39 @@ class QueueView(_Model):
     warnings: list[str] = Field(default_factory=list)
 
 
+class AllotmentUse(_Model):
+    """One GPU model (or `*`) of an allotment: what the tenant's queues claim of it together."""
+
+    model: str
+    guaranteed: int = Field(description="the guarantees of the tenant's queues, added")
+    allotted_guaranteed: int = Field(alias="allottedGuaranteed")
+    limit: int | None = Field(
+        None, description="the limits of the tenant's queues, added (null: one has no limit)"
+    )
+    allotted_limit: int | None = Field(None, alias="allottedLimit", description="null: no bound")
+
+
+class AllotmentView(_Model):
+    """A tenant's allotment as `GET /v1/queues` shows it, with what its queues claim of it."""
+
+    tenant: str
+    declared: bool = Field(
+        description="true: the fleet admin declared it; false: derived from the tenant's "
+        "queues in the queues file"
+    )
+    allotment: Allotment
+    uses: list[AllotmentUse] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+
 class QueueList(_Model):
     mode: QueueMode = Field(
         QueueMode.OPEN, description="open: undeclared queues take jobs; declared: they do not"
     )
     items: list[QueueView]
     warnings: list[str] = Field(default_factory=list)
+    allotments: list[AllotmentView] = Field(
+        default_factory=list,
+        description="the allotments the caller may read: a tenant's token its tenant's; the "
+        "admin and a fleet viewer every tenant's with a queue or an allotment",
+    )

@@ -9,15 +9,21 @@ Another tenant's queue is not found (404) on a GET, as another tenant's job is.
 priorityClass, quotas per GPU model with guaranteed and limit), validates it against the rest
 of the configuration (422 naming the field: guaranteed above limit, unknown priority class)
 and builds its answer before storing anything, then stores it and applies it from the next
-scheduling cycle. What can work but will disappoint — a cohort guaranteeing more GPUs than it
-holds — is accepted, with the warnings in the body and in a `Warning` header. In open queue
-mode a PUT declares that one queue; no other queue starts refusing jobs.
+scheduling cycle. A tenant-admin's PUT must also fit its tenant's allotment, its guarantees and
+limits added over all the tenant's queues (403 naming the field, nothing stored:
+`broker.api.allotments`); the admin's are not bound. What can work but will disappoint — a
+cohort guaranteeing more GPUs than it holds — is accepted, with the warnings in the body and
+in a `Warning` header. In open queue mode a PUT declares that one queue; no other queue starts
+refusing jobs.
 
 `DELETE /v1/queues/{name}` removes what the API stored (`registry.QueueRegistry.delete`): a
 queue stored through the API only, once it has no unfinished job (409 naming how many it has
 otherwise), is gone (204); a queue of the file that a PUT overrode gets the file's definition
 back (200, the queue as it is now); a queue only in the file is 409 (edit the file); an unknown
 name is 404.
+
+The listing holds the allotments the caller may read (a tenant's token its own tenant's, the
+admin and a fleet viewer every tenant's), each with what the tenant's queues claim of it.
 
 The listing never fails because of a job: every queue with unfinished jobs is shown, declared
 or not, and in declared mode an undeclared one carries a warning (its jobs are scheduled as in
@@ -33,7 +39,7 @@ import pydantic
 import yaml
 from aiohttp import web
 
-from broker.api import errors, jobs, queues, status
+from broker.api import allotments, errors, jobs, queues, status
 from broker.http import auth, keys, problems
 from broker.planning import usage
 from broker.state import registry
@@ -131,8 +137,27 @@ async def list_queues(request: web.Request) -> web.Response:
     fleet = auth.caller(request).tenant is None
     warnings = queue_registry.config.warnings(_fleet_gpus(request)) if fleet else []
     warnings += [undeclared_warning(v) for v in views if not v.declared and queue_registry.declared]
-    body = queues.QueueList(mode=queue_registry.mode, items=views, warnings=warnings)
+    tenant = auth.caller(request).tenant
+    tenants = queue_registry.tenants() if tenant is None else [tenant]
+    shares = [allotment_view(queue_registry, name) for name in tenants]
+    body = queues.QueueList(
+        mode=queue_registry.mode, items=views, warnings=warnings, allotments=shares
+    )
     return web.json_response(_dump(body))
+
+
+def allotment_view(queue_registry: registry.QueueRegistry, tenant: str) -> queues.AllotmentView:
+    """`tenant`'s allotment, what its declared queues claim of it, and where they claim more
+    (the admin put them there: its tenant-admin may lower them, not raise them)."""
+    allotment, declared = queue_registry.allotment(tenant)
+    mine = [q for q in queue_registry.config.queues if q.tenant == tenant]
+    return queues.AllotmentView(
+        tenant=tenant,
+        declared=declared,
+        allotment=allotment,
+        uses=allotments.uses(allotment, mine),
+        warnings=allotments.overdrawn(allotment, mine),
+    )
 
 
 async def get_queue(request: web.Request) -> web.Response:
@@ -186,8 +211,8 @@ async def put_queue(request: web.Request) -> web.Response:
     # the answer is built before anything is stored: a PUT that fails stores nothing
     view = next(v for v in build_views(request, candidate) if v.name == name)
     created = queue_registry.config.queue(name) is None
-    try:
-        await queue_registry.put(queue)
+    try:  # a tenant-admin's queue must fit its tenant's allotment; the admin's need not
+        await queue_registry.put(queue, bounded=auth.caller(request).tenant is not None)
     except pydantic.ValidationError as exc:  # the configuration changed meanwhile
         raise problems.from_validation(exc, title=INVALID) from None
     view = view.model_copy(update={"source": queue_registry.source(name)})

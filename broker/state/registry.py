@@ -22,6 +22,12 @@ declared (or has gone) is scheduled as in an open queue (it may only borrow); at
 `report_undeclared` logs those queues with their counts, and `GET /v1/queues` lists each with
 a warning.
 
+A tenant-admin's PUT (`put(..., bounded=True)`) must fit its tenant's allotment
+(`broker.api.allotments`: declared in the file, else derived from the file's queues of that
+tenant), checked against the configuration as it is when the PUT is stored: PUTs are applied
+one at a time, so two at once cannot both fit alone and overdraw together. The admin's PUTs
+are not bound. Allotments come from the file only: the API cannot raise one.
+
 `delete` removes what the API stored, nothing else: a queue stored only through the API is
 gone (the HTTP layer first checks it has no unfinished job); a queue of the file that a PUT
 overrode gets the file's definition back; a queue only in the file cannot be deleted through
@@ -38,7 +44,7 @@ from pathlib import Path
 import pydantic
 import yaml
 
-from broker.api import errors, jobs, queues
+from broker.api import allotments, errors, jobs, queues
 from broker.state import errors as store_errors
 from broker.state import quarantine, store
 
@@ -65,6 +71,12 @@ class UnknownPriorityClassError(errors.Invalid):
     """A job names a priority class that is not declared."""
 
     title = "Invalid job"
+
+
+class BeyondAllotmentError(errors.Forbidden):
+    """A tenant-admin's queue would claim more than its tenant's allotment."""
+
+    title = "Beyond the tenant's allotment"
 
 
 def _refusal(kind: type[errors.GpufedError], field: str, message: str) -> errors.GpufedError:
@@ -97,6 +109,7 @@ class QueueRegistry:
         self.revision = 0
         self.backing: store.Store | None = None
         self.stored: set[str] = set()  # the queues stored through the API
+        self._writing = asyncio.Lock()  # one PUT or DELETE at a time: each sees the last
 
     @classmethod
     def from_file(cls, path: Path | None, *, mode: queues.QueueMode | None = None) -> QueueRegistry:
@@ -143,6 +156,39 @@ class QueueRegistry:
                 ", ".join(f"{name}: {count}" for name, count in found.items()),
             )
         return found
+
+    def allotment(self, tenant: str) -> tuple[queues.Allotment, bool]:
+        """The allotment of `tenant` (what its tenant-admin may claim) and whether the
+        queues file declares it (False: derived from the file's queues of the tenant)."""
+        return allotments.allotment_of(tenant, self.base)
+
+    def tenants(self) -> list[str]:
+        """The tenants with a declared queue or an allotment."""
+        named = {q.tenant for q in self.config.queues} | {a.tenant for a in self.base.allotments}
+        return sorted(named)
+
+    def check_allotment(self, queue: queues.Queue) -> None:
+        """BeyondAllotmentError (naming the field) if `queue` would take its tenant past its
+        allotment, beside the tenant's other queues as they are now."""
+        allotment, declared = self.allotment(queue.tenant)
+        previous = self.config.queue(queue.name)
+        config = self.config
+        excesses = allotments.check_put(
+            allotment,
+            queue=queue,
+            previous=previous if previous is not None and previous.tenant == queue.tenant else None,
+            others=[q for q in config.queues if q.tenant == queue.tenant and q.name != queue.name],
+            classes={c.name: c.value for c in config.priority_classes},
+            default_class=config.policy.default_priority_class,
+        )
+        if not excesses:
+            return
+        source = "declared by the fleet admin" if declared else "what the queues file gives it"
+        detail = "; ".join(f"{e.field}: {e.message}" for e in excesses)
+        raise BeyondAllotmentError(
+            f"{detail} (the allotment is {source}; only the fleet admin may claim more)",
+            field=excesses[0].field,
+        )
 
     # ---- jobs ---------------------------------------------------------------------------
 
@@ -207,33 +253,39 @@ class QueueRegistry:
         self.stored.add(queue.name)
         return changed
 
-    async def put(self, queue: queues.Queue) -> queues.QueuesConfig:
+    async def put(self, queue: queues.Queue, *, bounded: bool = False) -> queues.QueuesConfig:
         """Validate `queue` against the rest of the configuration, store it, apply it.
+        `bounded` (a tenant-admin's PUT): it must fit its tenant's allotment too.
 
-        Raises pydantic.ValidationError (the field named) for a queue that cannot work.
+        Raises pydantic.ValidationError (the field named) for a queue that cannot work,
+        BeyondAllotmentError for one beyond the allotment; either way nothing is stored.
         """
         if self.backing is None:
             raise errors.Unavailable("the queues are not loaded from the store yet")
-        config = self.config.with_queue(queue)
-        revision = await self.backing.put(
-            f"{QUEUES}{queue.name}", queue.model_dump_json(by_alias=True).encode()
-        )
-        self.config = config
-        self.stored.add(queue.name)
-        self.revision = max(self.revision, revision)
-        return config
+        async with self._writing:
+            if bounded:
+                self.check_allotment(queue)
+            config = self.config.with_queue(queue)
+            revision = await self.backing.put(
+                f"{QUEUES}{queue.name}", queue.model_dump_json(by_alias=True).encode()
+            )
+            self.config = config
+            self.stored.add(queue.name)
+            self.revision = max(self.revision, revision)
+            return config
 
     async def delete(self, name: str) -> queues.QueuesConfig:
         """Delete what the API stored of queue `name`: the queue is gone, or back to the
         file's definition. NotFound if the API stored nothing of that name."""
         if self.backing is None:
             raise errors.Unavailable("the queues are not loaded from the store yet")
-        if name not in self.stored:
-            raise errors.NotFound(f"no queue {name!r} stored through the API")
-        revision = await self.backing.delete(f"{QUEUES}{name}")
-        self._forget(name)
-        self.revision = max(self.revision, revision)
-        return self.config
+        async with self._writing:
+            if name not in self.stored:
+                raise errors.NotFound(f"no queue {name!r} stored through the API")
+            revision = await self.backing.delete(f"{QUEUES}{name}")
+            self._forget(name)
+            self.revision = max(self.revision, revision)
+            return self.config
 
     def _forget(self, name: str) -> None:
         self.stored.discard(name)
