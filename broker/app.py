@@ -220,8 +220,6 @@ def create_app(settings: BrokerSettings) -> web.Application:
         sighup=settings.reload_tokens_on_sighup,
         metrics_public=settings.metrics_public,
     )
-    if settings.oidc_provider is not None:
-        oidc.install(app, settings.oidc_provider)
     if settings.audit_log is not None:
         audit.install(app, settings.audit_log)
     limits.install(
@@ -242,6 +240,8 @@ def create_app(settings: BrokerSettings) -> web.Application:
     app[keys.QUEUES] = queue_registry
     meters = metrics.BrokerMetrics()
     meters.queue_label.follow(lambda: queue_registry.config)  # `queue`: declared, or other
+    if settings.oidc_provider is not None:  # people's JWTs; refused claims on /metrics
+        oidc.install(app, settings.oidc_provider, registry=meters.registry)
     app[keys.READY] = {"store": False, "synced": False, "scheduler": False}
     handing_over: list[Callable[[], Awaitable[None]]] = []  # set once started
 

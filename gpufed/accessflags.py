@@ -9,8 +9,9 @@ from typing import Any
 
 OIDC_GROUPS_HELP = (
     "the claim holding the person's groups (default groups); a group gpufed:TENANT:ROLE "
-    "grants ROLE (tenant-admin, submitter, viewer) in TENANT, gpufed:ROLE a fleet role "
-    "(admin, viewer, metrics); the strongest grant wins, grants in two tenants are refused"
+    "grants ROLE (tenant-admin, submitter, viewer; admin means tenant-admin) in TENANT, a "
+    "DNS label; fleet roles come only from --oidc-fleet-group; the strongest grant wins, "
+    "grants in two tenants are refused"
 )
 
 
@@ -22,6 +23,17 @@ def rate(text: str) -> float:
         return limits.parse_rate(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def fleet_group(text: str) -> tuple[str, str]:
+    """argparse's type for --oidc-fleet-group: (group, role) from ROLE=GROUP."""
+    from broker.http import oidc
+
+    try:
+        group, role = oidc.parse_fleet_group(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return group, role.value
 
 
 def add_broker_flags(broker: argparse.ArgumentParser) -> None:
@@ -58,6 +70,21 @@ def add_broker_flags(broker: argparse.ArgumentParser) -> None:
         metavar="CLAIM",
         help="the claim naming the tenant of tenant roles given as a plain role "
         "(--oidc-role-claim, or a group gpufed:ROLE)",
+    )
+    oidc.add_argument(
+        "--oidc-fleet-group",
+        action="append",
+        type=fleet_group,
+        metavar="ROLE=GROUP",
+        help="members of GROUP get the fleet role ROLE (admin, viewer, metrics); repeatable. "
+        "Fleet roles come from these groups only; none given: gpufed:admin, gpufed:viewer "
+        "and gpufed:metrics (the prefix and the role)",
+    )
+    oidc.add_argument(
+        "--oidc-tenant",
+        action="append",
+        metavar="NAME",
+        help="a tenant a token may name (repeatable); none given: any DNS label",
     )
     oidc.add_argument(
         "--oidc-username-claim",
@@ -137,6 +164,8 @@ def broker_settings(args: argparse.Namespace) -> dict[str, Any]:
             "tenant_claim": args.oidc_tenant_claim,
             "username_claim": args.oidc_username_claim,
             "leeway_seconds": args.oidc_leeway,
+            "fleet_groups": dict(args.oidc_fleet_group) if args.oidc_fleet_group else None,
+            "tenants": frozenset(args.oidc_tenant) if args.oidc_tenant else None,
         }
     return settings
 

@@ -12,20 +12,20 @@ registered claims; nothing here does cryptography.
 The keys (a JWKS) come from a file, an http(s) URL, or the issuer's discovery document
 (`/.well-known/openid-configuration`, its `jwks_uri`) when neither is given. A URL is
 fetched at start and every `refresh_seconds`; a token whose `kid` is not known fetches
-again at once (a provider rotating its keys), at most every `MIN_REFETCH_SECONDS`. A file
-is read at start (a bad one stops the broker) and again when it changes.
+again at once (a provider rotating its keys), at most every `MIN_REFETCH_SECONDS`, and
+tokens arriving during that fetch wait for it rather than start their own. A file is read at
+start (a bad one stops the broker) and again when it changes (device, inode, size, mtime):
+a token of an unknown kid reads it only if it changed, so tokens of made-up kids cost a
+`stat`, not a parse.
 
-Claims to a principal (`grants_of`), by default from `groups` (`--oidc-groups-claim`):
-
-    gpufed:admin                   the admin
-    gpufed:viewer | gpufed:metrics a fleet-wide viewer, a scraper
-    gpufed:team-a:submitter        a submitter of tenant team-a (tenant-admin, viewer too)
-
-With `--oidc-role-claim NAME` the roles are read from that claim instead (a role name or a
-list of them), and the tenant of tenant roles from `--oidc-tenant-claim NAME`. The strongest
-grant wins (admin, then tenant-admin, submitter, a tenant's viewer, a fleet viewer, metrics);
-grants in several tenants are refused (one identity acts for one tenant). Agents never come
-from OIDC: their tokens (or certificates) name their cluster.
+The claims grant roles as `broker.http.claims` says: fleet roles only from the fleet groups
+(`--oidc-fleet-group ROLE=GROUP`; by default `gpufed:admin`, `gpufed:viewer`,
+`gpufed:metrics`), tenant roles from `gpufed:TENANT:ROLE` groups or a plain role and the
+tenant claim, every tenant a DNS label (and one of `--oidc-tenant` when given). A claim
+refused there is logged and counted (`gpufed_oidc_rejected_claims_total{reason}`, every
+reason exported from the start). The strongest grant wins; grants in several tenants are
+refused (one identity acts for one tenant). Agents never come from OIDC: their tokens (or
+certificates) name their cluster.
 """
 
 from __future__ import annotations
@@ -35,18 +35,18 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import jwt
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from prometheus_client import CollectorRegistry, Counter
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker.api import errors
-from broker.http import auth, roles, tokens
+from broker.http import auth, claims, roles, tokens
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,8 @@ MIN_REFETCH_SECONDS = 30.0
 FETCH_TIMEOUT_SECONDS = 5.0
 MAX_JWKS_BYTES = 1024 * 1024
 INVALID = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
-# the order grants are preferred in: the first a token holds is its role
-_STRENGTH = (
-    roles.Role.ADMIN,
-    roles.Role.TENANT_ADMIN,
-    roles.Role.SUBMITTER,
-    roles.Role.VIEWER,
-    roles.Role.METRICS,
-)
+# how much of a person's name (the username claim) a principal's label keeps
+MAX_LABEL_CHARACTERS = 200
 
 
 class OidcError(Exception):
@@ -88,16 +82,59 @@ class OidcSettings(BaseModel):
     refresh_seconds: float = Field(600.0, gt=0)
     # a token of an unknown kid fetches the keys again, at most this often
     min_refetch_seconds: float = Field(MIN_REFETCH_SECONDS, ge=0)
+    # group -> fleet role (admin, viewer, metrics); None: gpufed:admin, :viewer, :metrics
+    fleet_groups: dict[str, roles.Role] | None = None
+    # the tenants a token may name; None: any DNS label
+    tenants: frozenset[str] | None = None
+
+    @field_validator("fleet_groups")
+    @classmethod
+    def _fleet_roles(cls, value: dict[str, roles.Role] | None) -> dict[str, roles.Role] | None:
+        for group, role in (value or {}).items():
+            if not group:
+                raise ValueError("a fleet group needs a name")
+            if role not in claims.FLEET_ROLES:
+                raise ValueError(
+                    f"group {group!r}: {role.value} is no fleet role (admin, viewer, metrics)"
+                )
+        return value
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, value: frozenset[str] | None) -> frozenset[str] | None:
+        for name in sorted(value or ()):
+            if claims.tenant_problem(name, claims.ClaimRules()) is not None:
+                raise ValueError(f"tenant {claims.shown(name)} is not a DNS label")
+        return value
 
     @property
     def jwks_is_url(self) -> bool:
         return self.jwks is None or self.jwks.startswith(("http://", "https://"))
 
+    @property
+    def rules(self) -> claims.ClaimRules:
+        return claims.ClaimRules(
+            groups_claim=self.groups_claim,
+            group_prefix=self.group_prefix,
+            role_claim=self.role_claim,
+            tenant_claim=self.tenant_claim,
+            fleet_groups=self.fleet_groups,
+            tenants=self.tenants,
+        )
 
-@dataclass(frozen=True)
-class Grant:
-    role: roles.Role
-    tenant: str | None = None
+
+def parse_fleet_group(text: str) -> tuple[str, roles.Role]:
+    """`--oidc-fleet-group ROLE=GROUP` as (group, role); ValueError naming what is wrong."""
+    name, equals, group = text.partition("=")
+    if not equals or not group:
+        raise ValueError(f"{text!r}: give ROLE=GROUP, e.g. admin=platform-admins")
+    try:
+        role = roles.Role(name)
+    except ValueError:
+        role = None
+    if role is None or role not in claims.FLEET_ROLES:
+        raise ValueError(f"{text!r}: {name!r} is no fleet role (admin, viewer, metrics)")
+    return group, role
 
 
 def looks_like_jwt(token: str) -> bool:
@@ -105,73 +142,27 @@ def looks_like_jwt(token: str) -> bool:
     return token.startswith("eyJ") and token.count(".") == 2
 
 
-def grants_of(claims: Mapping[str, Any], settings: OidcSettings) -> list[Grant]:
-    """The gpufed roles a verified token's claims grant (none: it may do nothing here)."""
-    claimed_tenant = claims.get(settings.tenant_claim) if settings.tenant_claim else None
-    tenant = claimed_tenant if isinstance(claimed_tenant, str) and claimed_tenant else None
-    found: list[Grant] = []
-    if settings.role_claim is not None:
-        for name in _strings(claims.get(settings.role_claim)):
-            _add(found, name, tenant)
-        return found
-    for group in _strings(claims.get(settings.groups_claim)):
-        if not group.startswith(settings.group_prefix):
-            continue
-        parts = group.removeprefix(settings.group_prefix).split(":")
-        if len(parts) == 1:
-            _add(found, parts[0], tenant)
-        elif len(parts) == 2 and parts[0]:
-            _add(found, parts[1], parts[0])
-    return found
-
-
-def _strings(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list):
-        return [item for item in value if isinstance(item, str)]
-    return []
-
-
-def _add(found: list[Grant], name: str, tenant: str | None) -> None:
-    try:
-        role = roles.Role(name)
-    except ValueError:
-        return  # another application's role, or agent: never from OIDC
-    if role == roles.Role.AGENT:
-        return
-    if role in roles.TENANT_ROLES and tenant is None:
-        return  # a tenant role without its tenant grants nothing
-    if role in (roles.Role.ADMIN, roles.Role.METRICS):
-        tenant = None
-    found.append(Grant(role, tenant))
-
-
-def choose(grants: list[Grant], *, who: str) -> Grant:
-    """The grant a principal acts with: the strongest; Forbidden if none, or several tenants."""
-    if not grants:
-        raise errors.Forbidden(f"this OIDC token ({who}) grants no gpufed role")
-    best = min(grants, key=lambda g: (_STRENGTH.index(g.role), g.tenant is None))
-    if best.role == roles.Role.ADMIN:
-        return best
-    tenants = sorted({g.tenant for g in grants if g.tenant is not None})
-    if len(tenants) > 1:
-        raise errors.Forbidden(
-            f"this OIDC token ({who}) grants roles in tenants {', '.join(tenants)}: one "
-            "identity acts for one tenant (ask for a token of one)"
-        )
-    return best
-
-
 class Verifier:
     """The provider's keys, and tokens checked against them (`auth.TokenVerifier`)."""
 
-    def __init__(self, settings: OidcSettings) -> None:
+    def __init__(
+        self, settings: OidcSettings, *, registry: CollectorRegistry | None = None
+    ) -> None:
         self.settings = settings
+        self.rules = settings.rules
         self._keys: dict[str, jwt.PyJWK] = {}  # by kid ("" for a key without one)
         self._fetched_at = -float("inf")
-        self._file_signature: tokens.Signature = None
+        self._file_signature: tokens.Signature = None  # the file as last read, or tried
         self._fetching = asyncio.Lock()
+        self.rejected = Counter(
+            "gpufed_oidc_rejected_claims",
+            "Claims of verified OIDC tokens that granted nothing, by reason (a tenant not a "
+            "DNS label or not accepted, a fleet role outside the fleet groups)",
+            ["reason"],
+            registry=registry or CollectorRegistry(),
+        )
+        for reason in claims.REASONS:
+            self.rejected.labels(reason=reason)
         if not settings.jwks_is_url:
             self._read_file()
 
@@ -189,9 +180,13 @@ class Verifier:
                 f"JWT algorithm {algorithm!r} is not accepted (RS256, ES256)", headers=INVALID
             )
         key = await self._key(str(header.get("kid") or ""))
-        claims = self._decode(token, key, algorithm)
-        who = str(claims.get(self.settings.username_claim) or claims.get("sub") or "?")
-        grant = choose(grants_of(claims, self.settings), who=who)
+        verified = self._decode(token, key, algorithm)
+        who = _label(verified.get(self.settings.username_claim) or verified.get("sub"))
+        mapped = claims.grants_of(verified, self.rules)
+        for refusal in mapped.refused:
+            self.rejected.labels(reason=refusal.reason).inc()
+            logger.warning("OIDC token of %s: %s: it grants nothing", who, refusal.describe())
+        grant = claims.choose(mapped, who=who)
         return auth.Principal(grant.role, tenant=grant.tenant, label=who, via="oidc")
 
     def _decode(self, token: str, key: jwt.PyJWK, algorithm: str) -> dict[str, Any]:
@@ -231,9 +226,8 @@ class Verifier:
 
     async def _key(self, kid: str) -> jwt.PyJWK:
         key = self._pick(kid)
-        if key is None and time.monotonic() - self._fetched_at >= self.settings.min_refetch_seconds:
-            await self.refresh(why=f"unknown kid {kid!r}" if kid else "no key yet")
-            key = self._pick(kid)
+        if key is None:
+            key = await self._reread_for(kid)
         if key is None:
             if not self._keys:
                 raise errors.Unavailable(
@@ -254,32 +248,54 @@ class Verifier:
 
     # ---- the keys --------------------------------------------------------------------------
 
+    async def _reread_for(self, kid: str) -> jwt.PyJWK | None:
+        """The key of a kid not known, after reading the keys again if that may find it: a
+        file only if it changed, a URL at most every `min_refetch_seconds`. A token arriving
+        while the keys are being read waits for that read and looks again."""
+        async with self._fetching:
+            key = self._pick(kid)  # what the read it waited for found
+            if key is not None:
+                return key
+            if self.settings.jwks_is_url:
+                since = time.monotonic() - self._fetched_at
+                if since < self.settings.min_refetch_seconds:
+                    return None
+            elif not self.file_changed():
+                return None
+            await self._reread(why=f"unknown kid {claims.shown(kid)}" if kid else "no key yet")
+            return self._pick(kid)
+
     async def refresh(self, *, why: str) -> bool:
         """Read the keys again (URL or file); True if they now apply. A failure keeps the
         keys there were, logged."""
         async with self._fetching:
-            self._fetched_at = time.monotonic()
-            try:
-                if self.settings.jwks_is_url:
-                    document = await self._fetch_jwks()
-                    self._keys = parse_jwks(document, where="the OIDC JWKS")
-                else:
-                    self._read_file()
-            except OidcError as exc:
-                logger.error("%s (%s): keeping the %d keys there were", exc, why, len(self._keys))
-                return False
+            return await self._reread(why=why)
+
+    async def _reread(self, *, why: str) -> bool:
+        self._fetched_at = time.monotonic()
+        try:
+            if self.settings.jwks_is_url:
+                document = await self._fetch_jwks()
+                self._keys = parse_jwks(document, where="the OIDC JWKS")
+            else:
+                self._read_file()
+        except OidcError as exc:
+            logger.error("%s (%s): keeping the %d keys there were", exc, why, len(self._keys))
+            return False
         logger.info("OIDC keys read (%s): %d keys", why, len(self._keys))
         return True
 
     def _read_file(self) -> None:
         path = Path(self.settings.jwks or "")
-        signature = tokens.file_signature(path)  # before reading: a change meanwhile shows
+        # taken before reading, so a change meanwhile shows; kept whether the read works or
+        # not, so a file that does not read is tried again once it changes, not per token
+        signature = tokens.file_signature(path)
+        self._file_signature = signature
         try:
             raw = path.read_bytes()
         except OSError as exc:
             raise OidcError(f"OIDC JWKS file {path}: cannot read it: {exc.strerror}") from None
         self._keys = parse_jwks(_json(raw, where=f"OIDC JWKS file {path}"), where=str(path))
-        self._file_signature = signature
 
     def file_changed(self) -> bool:
         if self.settings.jwks_is_url:
@@ -314,6 +330,15 @@ class Verifier:
             except Exception:
                 logger.exception("refreshing the OIDC keys failed")
             await asyncio.sleep(min(1.0, max(0.0, due - time.monotonic())) if url else 1.0)
+
+
+def _label(name: object) -> str:
+    """What names the person in problems, logs and job events: the claim's text, at most
+    `MAX_LABEL_CHARACTERS` of it."""
+    text = str(name) if name else "?"
+    if len(text) <= MAX_LABEL_CHARACTERS:
+        return text
+    return text[: MAX_LABEL_CHARACTERS - 1] + "…"
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
@@ -355,10 +380,13 @@ def parse_jwks(document: Any, *, where: str) -> dict[str, jwt.PyJWK]:
     return keys
 
 
-def install(app: web.Application, settings: OidcSettings) -> Verifier:
+def install(
+    app: web.Application, settings: OidcSettings, *, registry: CollectorRegistry | None = None
+) -> Verifier:
     """People's OIDC tokens on `app` (OidcError if a JWKS file does not read): the verifier
-    the authenticator asks, its keys kept fresh while the app runs."""
-    verifier = Verifier(settings)
+    the authenticator asks, its keys kept fresh while the app runs, its counter of refused
+    claims on `registry` (the broker's /metrics)."""
+    verifier = Verifier(settings, registry=registry)
     app[auth.AUTHENTICATOR].verifier = verifier
 
     async def refreshing(app: web.Application) -> AsyncIterator[None]:
