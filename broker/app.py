@@ -83,6 +83,8 @@ class BrokerSettings(BaseModel):
     cancel_grace_seconds: float = 30.0
     # an offer neither accepted nor rejected this long is withdrawn and the job queued again
     offer_timeout_seconds: float = Field(30.0, gt=0)
+    # a job dispatched and not Running this long is withdrawn and queued again (StartTimeout)
+    start_timeout_seconds: float = Field(600.0, gt=0)
     # offers out unanswered to one agent, at most (0: no limit)
     max_offers_in_flight: int = Field(fleet.MAX_OFFERS_IN_FLIGHT, ge=0)
     freeze_gc: bool = False  # the service sets it; tests running many apps in one process don't
@@ -273,6 +275,7 @@ def create_app(settings: BrokerSettings) -> web.Application:
             stale_after=3 * settings.heartbeat_seconds,
             cancel_grace_seconds=settings.cancel_grace_seconds,
             offer_timeout_seconds=settings.offer_timeout_seconds,
+            start_timeout_seconds=settings.start_timeout_seconds,
             max_offers_in_flight=settings.max_offers_in_flight or None,
         )
         leadership = _leadership(settings, backing, meters)

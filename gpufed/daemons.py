@@ -46,6 +46,14 @@ def add_broker_parser(sub: Any) -> None:
         help="seconds an agent may take to answer an offer before it is withdrawn",
     )
     broker.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a dispatched job may take to be Running before it is withdrawn from its "
+        "cluster and queued again (StartTimeout); a cluster that keeps failing to start jobs "
+        "is scored down for a while",
+    )
+    broker.add_argument(
         "--max-offers-in-flight",
         type=int,
         default=1000,
@@ -489,6 +497,7 @@ def broker_settings(args: argparse.Namespace) -> Any:
         heartbeat_seconds=args.heartbeat,
         lost_after_seconds=args.lost_after,
         offer_timeout_seconds=args.offer_timeout,
+        start_timeout_seconds=args.start_timeout,
         max_offers_in_flight=args.max_offers_in_flight,
         freeze_gc=True,
         queues_file=Path(args.queues) if args.queues else None,

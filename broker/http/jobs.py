@@ -9,7 +9,7 @@ from aiohttp import web
 
 from broker.api import errors, queues, status, submits
 from broker.http import auth, documents, forwarding, keys, listing, submitting
-from broker.jobs import positions, service, transitions
+from broker.jobs import positions, service, starting, transitions
 from broker.planning import dependencies as planning_deps
 from broker.planning import planning, quotas
 from broker.state import registry
@@ -225,6 +225,9 @@ def _plain_state(record: status.JobRecord, book: service.Jobs) -> str:
         return f"{state.value} on {record.status.cluster}; being {preempting}"
     if last is not None and transitions.is_waiting_for_cluster(record):
         return f"{state.value} on {record.status.cluster}; waiting for its cluster: {last.message}"
+    withdrawn = starting.last_withdrawal(record)  # a cluster that did not start it before
+    if withdrawn is not None:
+        return f"{state.value} on {record.status.cluster}; before: {withdrawn}"
     return f"{state.value} on {record.status.cluster}"
 
 

@@ -6,6 +6,7 @@ tenants, get 403; a rotated key is fetched on its first use; a cancel names the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ class Provider:
         self.keys: dict[str, Any] = {}  # kid -> private key
         self.published: list[str] = []  # the kids the JWKS shows
         self.fetches = 0
+        self.delay = 0.0  # seconds the JWKS takes to answer
 
     def add(self, kid: str, *, curve: bool = False, publish: bool = True) -> None:
         self.keys[kid] = (
@@ -88,6 +90,7 @@ async def provider() -> AsyncIterator[tuple[Provider, str]]:
 
     async def keys(request: web.Request) -> web.Response:
         idp.fetches += 1
+        await asyncio.sleep(idp.delay)
         return web.json_response(idp.jwks())
 
     app = web.Application()
@@ -432,3 +435,19 @@ async def test_a_long_username_is_cut_where_it_names_the_person(
     assert status == 202, body
     by = body["status"]["events"][-1]["by"]
     assert "xxx" in by and len(by) < 300, len(by)
+
+
+async def test_tokens_of_a_new_kid_arriving_together_share_one_fetch_of_the_jwks_url(
+    start: Start, provider: tuple[Provider, str]
+) -> None:
+    idp, url = provider
+    broker = await start(oidc_provider=oidc(url, min_refetch_seconds=0.0))
+    await broker.submit(idp.token())  # the keys of the start are in
+    fetched = idp.fetches
+    idp.add("k2")  # the provider rotates; its JWKS answers slowly
+    idp.delay = 0.3
+    answers = await asyncio.gather(
+        *(broker.call(idp.token("k2"), "GET", "/v1/jobs") for _ in range(10))
+    )
+    assert [status for status, _, _ in answers] == [200] * 10
+    assert idp.fetches == fetched + 1
