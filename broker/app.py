@@ -76,6 +76,11 @@ class BrokerSettings(BaseModel):
     rate_burst: float | None = Field(None, ge=1)
     # seconds a client may take to send a body (the headers' timeout: broker.http.listening)
     body_timeout_seconds: float = Field(30.0, gt=0)
+    # requests in progress per principal, agents' not counted (broker.http.limits); 0: none
+    max_requests_per_principal: int = Field(limits.MAX_REQUESTS_PER_PRINCIPAL, ge=0)
+    # GET /v1/events streams open on a replica, and of one principal (broker.http.events)
+    max_event_streams: int = Field(events.MAX_STREAMS, ge=1)
+    max_event_streams_per_principal: int = Field(events.MAX_STREAMS_PER_PRINCIPAL, ge=1)
     host: str = "127.0.0.1"
     port: int = 8080
     heartbeat_seconds: float = 5.0
@@ -208,10 +213,12 @@ def create_app(settings: BrokerSettings) -> web.Application:
         client_max_size=jobs.MAX_BODY,
         # the audit line (of what the client got), errors, rate limits, who asks, the body
         middlewares=[
+            limits.client_middleware,  # who the client is (trusted proxies), its share
             audit.middleware,
             problems.problems_middleware,
             limits.rate_middleware,
             auth.middleware,
+            limits.share_middleware,  # a principal's requests in progress
             limits.body_middleware,
         ],
     )
@@ -229,6 +236,7 @@ def create_app(settings: BrokerSettings) -> web.Application:
         rate=settings.rate_limit,
         burst=settings.rate_burst,
         body_timeout=settings.body_timeout_seconds,
+        requests_per_principal=settings.max_requests_per_principal or None,
     )
     headers.install(app)  # nosniff; no framing of HTML answers
     problems.quiet_client_errors()  # a request aiohttp cannot parse: one line, no traceback
@@ -257,7 +265,11 @@ def create_app(settings: BrokerSettings) -> web.Application:
     clusters.add_routes(app)
     openapi.add_routes(app)
     queues.add_routes(app)
-    events.add_routes(app)  # job changes, live (server-sent events)
+    events.add_routes(  # job changes, live (server-sent events)
+        app,
+        max_streams=settings.max_event_streams,
+        per_principal=settings.max_event_streams_per_principal,
+    )
     gpumap.add_routes(app)
     console.add_routes(app, trace_url_template=settings.trace_url_template)  # /ui/
     app.router.add_get("/metrics", make_aiohttp_handler(registry=meters.registry))

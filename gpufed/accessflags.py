@@ -139,7 +139,43 @@ def add_broker_flags(broker: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         metavar="N",
-        help="open connections one client address may hold; more are refused (default 256)",
+        help="open connections one client address may hold (through a trusted proxy: "
+        "requests in progress of one forwarded client); an idle one is closed to admit a new "
+        "one, and when all are busy 16 more serve only /healthz, /readyz and agents; past "
+        "that 503 (default 256)",
+    )
+    guard.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="a proxy (address or CIDR, repeatable or comma-separated, e.g. the ingress's "
+        "pod network) whose X-Forwarded-For names the client: caps, rate limits and the "
+        "audit log then count that client; the header is ignored from any other peer "
+        "(default: none)",
+    )
+    guard.add_argument(
+        "--max-requests-per-principal",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests in progress of one token or OIDC user (event streams and slow bodies "
+        "included; agents not counted): one more is 429 (default 64; 0: no limit)",
+    )
+    guard.add_argument(
+        "--max-event-streams",
+        type=int,
+        default=500,
+        metavar="N",
+        help="GET /v1/events streams open on this replica; the last tenth go only to callers "
+        "holding none (default 500)",
+    )
+    guard.add_argument(
+        "--max-event-streams-per-principal",
+        type=int,
+        default=8,
+        metavar="N",
+        help="GET /v1/events streams one token or OIDC user may hold: one more is 429 (default 8)",
     )
 
 
@@ -150,6 +186,9 @@ def broker_settings(args: argparse.Namespace) -> dict[str, Any]:
         "rate_limit": args.rate_limit,
         "rate_burst": args.rate_burst,
         "body_timeout_seconds": args.body_timeout,
+        "max_requests_per_principal": args.max_requests_per_principal,
+        "max_event_streams": args.max_event_streams,
+        "max_event_streams_per_principal": args.max_event_streams_per_principal,
     }
     if args.oidc_issuer is not None or args.oidc_audience is not None:
         if args.oidc_issuer is None or args.oidc_audience is None:
@@ -175,7 +214,10 @@ def listen_settings(args: argparse.Namespace) -> Any:
 
     if args.header_timeout <= 0 or args.max_connections_per_client < 1:
         raise ValueError("--header-timeout must be above 0, --max-connections-per-client 1+")
+    proxies = tuple(p for given in args.trusted_proxy for p in given.split(",") if p.strip())
+    listening.parse_networks(proxies)  # ValueError naming a bad one
     return listening.ListenSettings(
         header_timeout=args.header_timeout,
         max_connections_per_client=args.max_connections_per_client,
+        trusted_proxies=proxies,
     )

@@ -18,10 +18,17 @@ Events (`event:` name, `data:` one line of JSON):
     bye     {"reason": ...}  the token is no longer valid (revoked, expired), or the broker
             is shutting down; the stream ends
 
-A comment line every `KEEPALIVE_SECONDS` keeps proxies from closing an idle stream and lets
-the broker see a reader that went away. The token is checked again on every wake-up, as an
-agent's session is. A client reconnecting after a break reads the list again: events are not
-replayed.
+A comment line every `KEEPALIVE_SECONDS` keeps proxies from closing an idle stream. A reader
+that closes its connection frees its stream within `SWEEP_SECONDS` (the hub looks at its
+streams' connections that often; one that lost its peer without a close is found by the next
+keepalive's write). The token is checked again on every wake-up, as an agent's session is. A
+client reconnecting after a break reads the list again: events are not replayed.
+
+Streams are shared fairly (`Hub.subscribe`): a principal (one token, one OIDC user) holds at
+most `--max-event-streams-per-principal` (one more is 429), a broker replica at most
+`--max-event-streams`, of which the last tenth only go to principals that hold none (503
+past it): a token opening streams until refused leaves one for every other tenant and the
+admin.
 
 Sent to a browser with `fetch()` and the `Authorization` header (the console does), never
 with a token in the URL.
@@ -32,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -45,15 +53,25 @@ COALESCE_SECONDS = 0.25
 KEEPALIVE_SECONDS = 15.0
 MAX_BATCH = 200
 MAX_STREAMS = 500
+MAX_STREAMS_PER_PRINCIPAL = 8
+SWEEP_SECONDS = 0.25
+
+
+def _never_gone() -> bool:
+    return False
 
 
 class Subscription:
     """One open stream: the ids of the jobs changed since its last write."""
 
-    def __init__(self, principal: auth.Principal) -> None:
+    def __init__(
+        self, principal: auth.Principal, *, gone: Callable[[], bool] = _never_gone
+    ) -> None:
         self.principal = principal
         self.changed: set[str] = set()
         self.closed: str | None = None  # why it ends, once it must
+        self.gone = gone  # whether its reader closed the connection
+        self.left = False  # it did: nothing more is written
         self._wake = asyncio.Event()
 
     def add(self, job_id: str) -> None:
@@ -66,8 +84,9 @@ class Subscription:
             self._wake.clear()
         return taken
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, *, left: bool = False) -> None:
         self.closed = reason
+        self.left = self.left or left
         self._wake.set()
 
     async def wait(self, timeout: float) -> bool:
@@ -79,11 +98,20 @@ class Subscription:
 
 
 class Hub:
-    """The open streams, fed by one observer of the book."""
+    """The open streams, fed by one observer of the book; at most `max_streams`, and
+    `per_principal` of one principal."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, max_streams: int = MAX_STREAMS, per_principal: int = MAX_STREAMS_PER_PRINCIPAL
+    ) -> None:
+        self.max_streams = max_streams
+        self.per_principal = per_principal
+        # the last streams of the replica: for principals that hold none yet
+        self.reserve = max_streams // 10
         self.subscriptions: set[Subscription] = set()
+        self.held: Counter[auth.Principal] = Counter()
         self._book: book.JobBook | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     def attach(self, jobs: book.JobBook) -> None:
         """Observe `jobs` (once: at the first stream)."""
@@ -98,22 +126,56 @@ class Hub:
                 subscription.add(record.id)
 
     @contextlib.contextmanager
-    def subscribe(self, principal: auth.Principal) -> Iterator[Subscription]:
-        if len(self.subscriptions) >= MAX_STREAMS:
-            raise errors.Unavailable(
-                f"{MAX_STREAMS} event streams are open on this broker replica; try again later",
+    def subscribe(
+        self, principal: auth.Principal, *, gone: Callable[[], bool] = _never_gone
+    ) -> Iterator[Subscription]:
+        """A stream of `principal`'s, if its share and the replica's allow one (429: it
+        holds its most; 503: the replica's are taken)."""
+        held = self.held[principal]
+        if held >= self.per_principal:
+            raise errors.TooManyRequests(
+                f"this token ({principal.describe()}) holds {held} event streams, its most; "
+                "close one first",
                 headers={"Retry-After": "5"},
             )
-        subscription = Subscription(principal)
+        limit = self.max_streams if held == 0 else self.max_streams - self.reserve
+        if len(self.subscriptions) >= limit:
+            raise errors.Unavailable(
+                f"{len(self.subscriptions)} event streams are open on this broker replica"
+                + (f" ({self.reserve} kept for callers holding none)" if held else "")
+                + "; try again later",
+                headers={"Retry-After": "5"},
+            )
+        subscription = Subscription(principal, gone=gone)
         self.subscriptions.add(subscription)
+        self.held[principal] = held + 1
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.create_task(self._sweep(), name="events-sweep")
         try:
             yield subscription
         finally:
             self.subscriptions.discard(subscription)
+            self.held[principal] -= 1
+            if self.held[principal] <= 0:
+                del self.held[principal]
+
+    async def _sweep(self) -> None:
+        """End the streams whose reader went away, every SWEEP_SECONDS while any is open."""
+        while self.subscriptions:
+            await asyncio.sleep(SWEEP_SECONDS)
+            for subscription in self.subscriptions:
+                if subscription.closed is None and subscription.gone():
+                    subscription.close("the reader went away", left=True)
 
     def close_all(self, reason: str) -> None:
         for subscription in self.subscriptions:
             subscription.close(reason)
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
 
 
 HUB = web.AppKey("events_hub", Hub)
@@ -158,7 +220,12 @@ async def stream(request: web.Request) -> web.StreamResponse:
     hub.attach(jobs)
     header = request.headers.get("Authorization")
     authenticator = request.app[auth.AUTHENTICATOR]
-    with hub.subscribe(principal) as subscription:
+
+    def gone() -> bool:
+        transport = request.transport  # None once the connection is lost
+        return transport is None or transport.is_closing()
+
+    with hub.subscribe(principal, gone=gone) as subscription:
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -172,6 +239,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
             await response.write(frame("hello", hello))
             while True:
                 woken = await subscription.wait(KEEPALIVE_SECONDS)
+                if subscription.left:
+                    break
                 if subscription.closed is None and not authenticator.still_names(header, principal):
                     subscription.close("the token is no longer valid")
                 if subscription.closed is not None:
@@ -185,11 +254,20 @@ async def stream(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def add_routes(app: web.Application) -> None:
-    hub = app[HUB] = Hub()
+def add_routes(
+    app: web.Application,
+    *,
+    max_streams: int = MAX_STREAMS,
+    per_principal: int = MAX_STREAMS_PER_PRINCIPAL,
+) -> None:
+    hub = app[HUB] = Hub(max_streams=max_streams, per_principal=per_principal)
 
     async def closing(app: web.Application) -> None:  # before the server waits for handlers
         hub.close_all("the broker is shutting down")
 
+    async def stopping(app: web.Application) -> None:
+        await hub.stop()
+
     app.on_shutdown.append(closing)
+    app.on_cleanup.append(stopping)
     app.router.add_get("/v1/events", stream)

@@ -1,5 +1,19 @@
-"""How much one client may take: requests per token (a token bucket), and how long it may
-take to send a body.
+"""How much one client may take: requests per token (a token bucket), requests in progress
+per principal and per client address, and how long it may take to send a body.
+
+`client_middleware` runs first. Served by `broker.http.listening` (as `gpufed broker`
+serves), it names the client (the peer, or through a trusted proxy the `X-Forwarded-For`
+client: `request.remote` is then that client for every later middleware, the audit log's
+and the rate limits' included) and holds its requests in progress to the listener's
+`--max-connections-per-client`: one more is 503 with `Retry-After`. The health probes and
+the agents' sessions (`listening.EXEMPT_PATHS`) are never counted nor refused; any other
+request on a connection admitted into the address's reserve is 503 and the connection is
+closed.
+
+`share_middleware` runs after `auth`: a principal (one token, one OIDC user) has at most
+`--max-requests-per-principal` requests in progress, open event streams and slow bodies
+included; one more is 429 with `Retry-After`. Agents are not counted: their session is
+one per cluster. So one token cannot take its address's connections from the others.
 
 `rate_middleware` runs before `auth` (a flood is turned away before its token is looked
 up). A request carrying a bearer token takes one from that token's bucket (`--rate-limit
@@ -27,17 +41,19 @@ import hashlib
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import streams, web
 
 from broker.api import errors
-from broker.http import problems
+from broker.http import auth, listening, problems, roles
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MAX_BUCKETS = 100_000
+MAX_REQUESTS_PER_PRINCIPAL = 64
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|sec|second|m|min|minute))?\s*$")
 
@@ -138,19 +154,94 @@ class RateLimiter:
         )
 
 
+class Shares:
+    """Requests in progress per principal, at most `per_principal` each."""
+
+    def __init__(self, per_principal: int) -> None:
+        self.per_principal = per_principal
+        self.in_progress: Counter[auth.Principal] = Counter()
+        self.refused = 0
+
+
 LIMITER = web.AppKey("rate_limiter", RateLimiter)
+SHARES = web.AppKey("shares", Shares)
 BODY_TIMEOUT = web.AppKey("body_timeout", float)
 
 
 def install(
-    app: web.Application, *, rate: float | None, burst: float | None, body_timeout: float | None
+    app: web.Application,
+    *,
+    rate: float | None,
+    burst: float | None,
+    body_timeout: float | None,
+    requests_per_principal: int | None = MAX_REQUESTS_PER_PRINCIPAL,
 ) -> None:
-    """Rate limits (if `rate`: a second, `burst` held, default twice the rate) and the body
-    read timeout (if given) on `app`'s requests; the middlewares read them."""
+    """Rate limits (if `rate`: a second, `burst` held, default twice the rate), the requests
+    in progress per principal (unless None) and the body read timeout (if given) on `app`'s
+    requests; the middlewares read them."""
     if rate is not None:
         app[LIMITER] = RateLimiter(rate, burst if burst is not None else max(2 * rate, 1.0))
+    if requests_per_principal is not None:
+        app[SHARES] = Shares(requests_per_principal)
     if body_timeout is not None:
         app[BODY_TIMEOUT] = body_timeout
+
+
+@web.middleware
+async def client_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Who the client is (through trusted proxies), and its requests in progress capped."""
+    cap = request.app.get(listening.CONNECTIONS)
+    if cap is None:  # not served by the capped listener (a test client)
+        return await handler(request)
+    peer = request.remote or "?"
+    client = cap.client_of(peer, request.headers.get("X-Forwarded-For"))
+    if client != peer:
+        request = request.clone(remote=client)
+    connection = cap.find(request.transport)
+    exempt = request.path in listening.EXEMPT_PATHS
+    if not exempt:
+        refusal = None
+        if connection is not None and connection.reserved:
+            refusal = (
+                f"client {client} holds {cap.per_address} connections, each with a request in "
+                "progress: this one serves health probes and agents only"
+            )
+        elif cap.requests[client] >= cap.per_address:
+            refusal = f"client {client} has {cap.per_address} requests in progress already"
+        if refusal is not None:
+            cap.refused += 1
+            answer = problems.respond(
+                errors.Unavailable(refusal, headers={"Retry-After": "1"}), request.path
+            )
+            if connection is not None and connection.reserved:
+                answer.force_close()
+            return answer
+    with cap.serving(connection, client, counted=not exempt):
+        return await handler(request)
+
+
+@web.middleware
+async def share_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A principal's requests in progress capped (agents' not counted)."""
+    shares = request.app.get(SHARES)
+    principal = request.get(auth.PRINCIPAL)
+    if shares is None or principal is None or principal.role == roles.Role.AGENT:
+        return await handler(request)
+    held = shares.in_progress[principal]
+    if held >= shares.per_principal:
+        shares.refused += 1
+        raise errors.TooManyRequests(
+            f"this token ({principal.describe()}) has {held} requests in progress, its "
+            f"most; wait for one to end (close an event stream it does not read)",
+            headers={"Retry-After": "1"},
+        )
+    shares.in_progress[principal] = held + 1
+    try:
+        return await handler(request)
+    finally:
+        shares.in_progress[principal] -= 1
+        if shares.in_progress[principal] <= 0:
+            del shares.in_progress[principal]
 
 
 def _credential_key(header: str) -> str:

@@ -1,8 +1,10 @@
 """Hardening through a real broker on loopback, served as `gpufed broker` serves it: rate
 limits per token (10,000 requests above the limit get 429 while another client is served
 with bounded latency), an address guessing tokens, the header and body timeouts against a
-slow client, the connections per address, security headers on HTML, the `queue` label
-bounded, and a malformed request logged in one line."""
+slow client, the connections per address (idle ones make room; probes and agents still
+served when all are busy), requests in progress per principal, the event streams' reserve,
+security headers on HTML, the `queue` label bounded, and a malformed request logged in one
+line."""
 
 from __future__ import annotations
 
@@ -116,7 +118,8 @@ async def test_an_address_guessing_tokens_is_turned_away_before_any_lookup(
 
 async def test_no_rate_limit_by_default(start: Start) -> None:
     broker = await start()
-    async with aiohttp.ClientSession() as session:
+    # 300 requests at once, 32 in progress at a time: within the token's share
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32)) as session:
         answers = await asyncio.gather(
             *(_get(session, broker.url + "/v1/jobs?limit=1", "team-a") for _ in range(300))
         )
@@ -175,22 +178,100 @@ async def test_a_slow_client_is_closed_at_the_header_and_body_timeouts(start: St
     ] == 202
 
 
-async def test_connections_per_client_address_are_capped(start: Start) -> None:
+async def _request(
+    port: int, path: str, token: str | None = None
+) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A new connection's first answer (its head and what came with it), the connection kept."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    auth_line = f"Authorization: Bearer {token}\r\n" if token else ""
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth_line}\r\n".encode())
+    return await asyncio.wait_for(reader.read(400), 5.0), reader, writer
+
+
+async def _open_stream(broker: Broker, token: str) -> aiohttp.ClientResponse:
+    answer = await broker.session.get(broker.url + "/v1/events", headers=bearer(token))
+    assert answer.status == 200, await answer.text()
+    await answer.content.readuntil(b"\n\n")  # hello
+    return answer
+
+
+async def _served_within(broker: Broker, token: str, seconds: float) -> bool:
+    """Whether `GET /v1/jobs` of `token` is answered 200 within `seconds` (asked again and
+    again on new connections)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        answer, _, writer = await _request(broker.port, "/v1/jobs", token)
+        await _close(writer)
+        if answer.startswith(b"HTTP/1.1 200"):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_idle_connections_make_room_for_a_new_one(start: Start) -> None:
     broker = await start(listen=listening.ListenSettings(max_connections_per_client=4))
-    held = [await asyncio.open_connection("127.0.0.1", broker.port) for _ in range(4)]
-    reader, writer = await asyncio.open_connection("127.0.0.1", broker.port)
-    data, _ = await _closed_within(reader, 5.0)
-    assert data.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in data
-    await _close(writer)
-    await _close(held[0][1])
+    idle = [await asyncio.open_connection("127.0.0.1", broker.port) for _ in range(4)]
     await asyncio.sleep(0.1)
-    reader, writer = await asyncio.open_connection("127.0.0.1", broker.port)
-    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    data, _ = await _closed_within(reader, 5.0)
-    assert data.startswith(b"HTTP/1.1 200"), data[:80]
+    answer, _, writer = await _request(broker.port, "/v1/whoami", "team-b")
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
+    data, _ = await _closed_within(idle[0][0], 5.0)  # the longest idle made room
+    assert data == b""
+    for _, held in [*idle, (None, writer)]:
+        await _close(held)
+
+
+async def test_an_address_whose_connections_are_all_busy_still_serves_probes_and_agents(
+    start: Start,
+) -> None:
+    broker = await start(listen=listening.ListenSettings(max_connections_per_client=4))
+    streams = [await _open_stream(broker, token) for token in ("team-a", "team-a", "a-admin")]
+    streams.append(await _open_stream(broker, "team-b"))
+    # every connection of the address has a request in progress: a user's is refused
+    answer, reader, writer = await _request(broker.port, "/v1/jobs", "admin")
+    assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer, answer[:80]
+    assert b"health probes and agents only" in answer + await reader.read()
     await _close(writer)
-    for _, held_writer in held[1:]:
-        await _close(held_writer)
+    for path in ("/healthz", "/readyz"):
+        answer, _, writer = await _request(broker.port, path)
+        assert answer.startswith(b"HTTP/1.1 200"), (path, answer[:80])
+        await _close(writer)
+    answer, _, writer = await _request(broker.port, "/v1/agents/connect", "agent-c1")
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:80]  # its route, answered: no upgrade
+    await _close(writer)
+    streams.pop().close()  # one of them ends: its slot is a user's again
+    assert await _served_within(broker, "admin", 1.0)
+    for stream in streams:
+        stream.close()
+
+
+async def test_a_principal_s_requests_in_progress_are_capped_not_its_tenant_s_neighbours(
+    start: Start,
+) -> None:
+    broker = await start(max_requests_per_principal=2)
+    streams = [await _open_stream(broker, "team-a") for _ in range(2)]
+    status, problem, headers = await broker.call("team-a", "GET", "/v1/jobs")
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert "2 requests in progress" in problem["detail"]
+    assert (await broker.call("a-admin", "GET", "/v1/jobs"))[0] == 200  # another token
+    assert (await broker.call("team-b", "GET", "/v1/jobs"))[0] == 200
+    streams[0].close()
+    assert await _served_within(broker, "team-a", 1.0)
+    streams[1].close()
+
+
+async def test_the_last_event_streams_are_kept_for_callers_holding_none(start: Start) -> None:
+    broker = await start(max_event_streams=10, max_event_streams_per_principal=5)
+    streams = [await _open_stream(broker, "team-a") for _ in range(5)]
+    streams += [await _open_stream(broker, "a-admin") for _ in range(4)]  # 9: the reserve's 1
+    status, problem, _ = await broker.call("a-admin", "GET", "/v1/events")
+    assert status == 503 and "kept for callers holding none" in problem["detail"]
+    status, problem, _ = await broker.call("team-a", "GET", "/v1/events")
+    assert status == 429 and "holds 5 event streams" in problem["detail"]
+    streams.append(await _open_stream(broker, "team-b"))  # holds none: the reserve's
+    status, _, _ = await broker.call("admin", "GET", "/v1/events")
+    assert status == 503  # all 10 taken
+    for stream in streams:
+        stream.close()
 
 
 def _html_page(app: web.Application) -> None:
