@@ -1,4 +1,5 @@
-"""The fleet commands of `gpufed`: clusters, queues (list, show, apply, delete), status.
+"""The fleet commands of `gpufed`: clusters, queues (list, show, apply, delete, allotments),
+status.
 
 As `jobcommands`: each returns the exit code and raises what the broker refuses. A tenant's
 token lists and shows its own tenant's queues (the broker filters, `broker.http.roles`);
@@ -42,7 +43,8 @@ async def clusters(args: argparse.Namespace, api: client.BrokerClient) -> int:
     table = tables.render([*header, "MIG FREE/TOTAL", "LABELS"], rows)
     degraded = [f"{c['name']}: {c['reason']}" for c in items if c.get("reason")]
     sick = [_gpu_health(c) for c in items if c.get("unhealthy_gpus") or c.get("cordoned_nodes")]
-    jobcommands.print_answer(args, items, "\n".join([table, *degraded, *sick]))
+    down = [_scored_down(c) for c in items if c.get("scored_down_until")]
+    jobcommands.print_answer(args, items, "\n".join([table, *degraded, *sick, *down]))
     return 0
 
 
@@ -59,6 +61,12 @@ def _gpu_health(cluster: dict[str, Any]) -> str:
     if cluster.get("cordoned_nodes"):
         parts.append("cordoned for GPU failures: " + ", ".join(cluster["cordoned_nodes"]))
     return f"{cluster['name']}: " + "; ".join(parts)
+
+
+def _scored_down(cluster: dict[str, Any]) -> str:
+    """`stuck: scored down until 2025-01-01T10:10:00Z: 3 jobs it accepted did not start ...`"""
+    why = cluster.get("scored_down_reason") or "it failed to start jobs it accepted"
+    return f"{cluster['name']}: scored down until {cluster['scored_down_until']}: {why}"
 
 
 def _queue_rows(views: Sequence[dict[str, Any]]) -> list[list[Any]]:
@@ -107,7 +115,55 @@ def _read_queues_file(path: str) -> Any:
         ) from exc
 
 
+def _allotment_rows(shares: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for share in shares:
+        allotment = share["allotment"]
+        for use in share["uses"]:
+            rows.append(
+                [
+                    share["tenant"],
+                    "declared" if share["declared"] else "from its queues",
+                    use["model"],
+                    f"{use['guaranteed']}/{use['allottedGuaranteed']}",
+                    f"{_bound(use['limit'])}/{_bound(use['allottedLimit'])}",
+                    f"{allotment['maxWeight']:g}",
+                    allotment["maxPriorityClass"] or "-",
+                    ",".join(allotment["cohorts"]) or "-",
+                ]
+            )
+    return rows
+
+
+def _bound(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+ALLOTMENT_HEADERS = [
+    "TENANT", "ALLOTMENT", "MODEL", "GUARANTEED", "LIMITS", "MAX WEIGHT", "MAX CLASS", "COHORTS",
+]  # fmt: skip
+
+
+async def allotments(args: argparse.Namespace, api: client.BrokerClient) -> int:
+    """`gpufed queues --allotments`: what each tenant may claim with its queues (a tenant's
+    token: its own), and what its queues claim of it now: `claimed/allotted`, `-` unbounded."""
+    shares = (await api.queues()).get("allotments", [])
+    text = tables.render(ALLOTMENT_HEADERS, _allotment_rows(shares))
+    warnings = [f"warning: {w}" for share in shares for w in share["warnings"]]
+    jobcommands.print_answer(args, shares, "\n".join([text, *warnings]))
+    return 0
+
+
 async def queues(args: argparse.Namespace, api: client.BrokerClient) -> int:
+    if args.allotments:
+        if args.name or args.apply:
+            raise problems.CliError(
+                "--allotments lists every allotment the token may read: no NAME, no --apply",
+                kind="usage",
+                title="Usage",
+                code=2,
+            )
+        return await allotments(args, api)
     if args.target is not None:
         if args.name != "delete" or args.apply:
             raise problems.CliError(

@@ -12,6 +12,7 @@ never longer), model names are unique. What fails never reaches the planner.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -196,3 +197,9 @@ class ClusterView(_Model):
         default_factory=list,
         description="nodes the agent cordoned after repeated GPU failures (--auto-cordon)",
     )
+    scored_down_until: datetime | None = Field(
+        None,
+        description="until when other clusters are preferred to it: it failed to start jobs "
+        "it accepted (absent: it is not scored down)",
+    )
+    scored_down_reason: str | None = Field(None, description="why it is scored down")

@@ -142,6 +142,20 @@ class Accepted(_Msg):
     attempt: Positive = 1
 
 
+def accept_problem(message: Accepted, job: jobs.GPUJob) -> str | None:
+    """What makes an accept of `job` void, or None: it must name the gang's pods it placed,
+    at least `spec.gang.minMember` of them (every pod by default), each once. An accept that
+    names fewer holds the job without saying where it runs: the broker takes it for a
+    rejection."""
+    total = sum(task.replicas for task in job.spec.tasks)
+    need = min(job.spec.gang.min_member or total, total)
+    named = len({pod.name for pod in message.pods})
+    if named < need:
+        every = "every pod" if need == total else f"the gang's minMember {need}"
+        return f"accepted without naming {every} ({named} of {need} named)"
+    return None
+
+
 class Rejected(_Msg):
     type: Literal["rejected"] = "rejected"
     job_id: str

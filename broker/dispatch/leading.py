@@ -6,7 +6,8 @@ job change the former leader committed is in the book), counts every cluster the
 jobs on as away from now (`fleet.start_term`: the lost-cluster grace starts over), and then
 starts the leader's tasks, each made anew for the term: the scheduling cycle, the sessions'
 watchdog (offer timeouts, lost clusters), the idempotency sweep, the cancels followers commit
-(`requests.ForwardedCancels`), the active deadlines (`jobs.deadlines`), the waiting jobs
+(`requests.ForwardedCancels`), the active deadlines (`jobs.deadlines`), the start timeouts
+(`jobs.starting`), the waiting jobs
 whose dependencies end (`jobs.dependents`), the cluster views
 for the followers (`state.views`) and the retirement of finished jobs (`jobs.retiring`: to
 the history store; without one, only the jobs past their own `ttlSecondsAfterFinished`,
@@ -118,6 +119,7 @@ class LeaderWork:
             ("idempotency-sweep", self.jobs.run_key_sweeper()),
             ("forwarded-cancels", self.jobs.forwarded.run()),
             ("deadlines", self.jobs.run_deadlines()),
+            ("start-timeouts", self.jobs.run_starts()),
             ("dependencies", self.jobs.run_dependencies()),
         ]
         if self.leadership.replicated:

@@ -17,6 +17,12 @@ congestion window): a watchdog pass that withdraws offers of a cluster halves it
 flag assumed (a Kubernetes agent creates tens of pods a second; a simulated one starved of
 CPU, a few hundred) then has as many offers out as it answers within the timeout, and the
 rest wait as ClusterBusy or go elsewhere instead of timing out and going round again.
+
+A cluster answers for what it accepts (`planning.standing`): an accept that does not name the
+gang's pods, or a job accepted and not Running within `start_timeout` (`jobs.starting`), is a
+strike (`Fleet.strike`); enough of them score the cluster down for a while (`snapshot`:
+`ClusterCapacity.scored_down`), which `GET /v1/clusters` shows with the reason. Strikes are
+the leader's memory of this term: a new leader starts with none.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
-from broker.api import inventory, messages
-from broker.planning import fitting, snapshot
+from broker.api import inventory, messages, status
+from broker.planning import fitting, snapshot, standing
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +181,10 @@ class Cluster:
     _assumed: int = field(default=0, repr=False)
     _removals_seen: int = field(default=-1, repr=False)
     _accepted: list[str] = field(default_factory=list, repr=False)  # since the last summary
+    # its strikes for failing to start what it accepted, and whether it is scored down for
+    # them (monotonic times; kept across its sessions: a reconnect does not clear them)
+    starts: standing.Standing = field(default_factory=standing.Standing)
+    scored_down_reason: str | None = None  # the strike that scored it down, in words
 
     def forget_offers(self) -> None:
         """The session ended: no offer is in flight any more."""
@@ -265,6 +276,10 @@ class Cluster:
             if not flight.accepted and now - flight.sent_at > timeout
         ]
 
+    def scored_down(self, *, now: float) -> bool:
+        """Is it ranked after the others for failing to start jobs (`planning.standing`)?"""
+        return self.starts.scored_down(now=now)
+
     def degrade(self, reason: str) -> None:
         """The agent sent something the broker refused: no new work until it sends a good
         full summary (at the start of its next session)."""
@@ -308,12 +323,17 @@ class Fleet:
         cancel_grace_seconds: float = 30.0,
         offer_timeout_seconds: float = 30.0,
         max_offers_in_flight: int | None = MAX_OFFERS_IN_FLIGHT,
+        start_timeout_seconds: float = 600.0,
+        strikes: standing.StrikePolicy | None = None,
     ) -> None:
         self.clusters: dict[str, Cluster] = {}
         self.stale_after = stale_after
         self.cancel_grace = cancel_grace_seconds
         self.offer_timeout = offer_timeout_seconds  # an offer unanswered this long is withdrawn
         self.max_offers_in_flight = max_offers_in_flight  # per agent, unanswered (None: any)
+        # a job dispatched and not Running this long is withdrawn (`jobs.starting`)
+        self.start_timeout = start_timeout_seconds
+        self.strikes = strikes or standing.StrikePolicy()
         self.changed = asyncio.Event()
 
     async def send(self, cluster_name: str | None, message: messages._Msg) -> bool:
@@ -423,9 +443,26 @@ class Fleet:
                     reason=cluster.reason,
                     labels=dict(cluster.summary.labels) if cluster.summary is not None else {},
                     **_health_view(cluster.summary),
+                    **_standing_view(cluster, now=now),
                 )
             )
         return out
+
+    def strike(self, cluster: Cluster, reason: str, *, now: float) -> bool:
+        """The cluster failed to start what it accepted (`reason`, in words): a strike
+        (`planning.standing`). True if that scored it down (now)."""
+        was = cluster.scored_down(now=now)
+        cluster.starts = standing.strike(cluster.starts, now=now, policy=self.strikes)
+        if was or not cluster.scored_down(now=now):
+            return False
+        policy = self.strikes
+        cluster.scored_down_reason = (
+            f"{policy.limit} jobs it accepted did not start within {policy.window:g} s "
+            f"(the last: {reason}); other clusters are preferred for {policy.cooldown:g} s"
+        )
+        logger.warning("cluster %s scored down: %s", cluster.name, cluster.scored_down_reason)
+        self.changed.set()
+        return True
 
     def offer_window(self, cluster: Cluster) -> int | None:
         """How many offers may be out unanswered to the cluster's agent now (None: any)."""
@@ -510,6 +547,7 @@ class Fleet:
             try:
                 capacity = cluster.capacity()
                 capacity.offer_slots = self.offer_slots(cluster)
+                capacity.scored_down = cluster.scored_down(now=now)
             except Exception as exc:
                 cluster.planning_error = f"its capacity cannot be computed: {exc!r}"[:300]
                 logger.exception("cluster %s left out of planning", cluster.name)
@@ -532,3 +570,16 @@ def _health_view(summary: inventory.ClusterSummary | None) -> dict[str, Any]:
     if health is None:
         return {}
     return {"unhealthy_gpus": health.unhealthy_gpus, "cordoned_nodes": list(health.cordoned_nodes)}
+
+
+def _standing_view(cluster: Cluster, *, now: float) -> dict[str, Any]:
+    """What `GET /v1/clusters` shows of a cluster scored down (nothing for the others): until
+    when, as a wall-clock time to the second (it stays the same from view to view), and why."""
+    until = cluster.starts.scored_down_until
+    if until is None or until <= now:
+        return {}
+    at = status.utcnow() + timedelta(seconds=until - now)
+    return {
+        "scored_down_until": at.replace(microsecond=0),
+        "scored_down_reason": cluster.scored_down_reason,
+    }

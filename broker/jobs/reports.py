@@ -9,6 +9,10 @@ Messages about an earlier attempt of a job are stale: they change nothing, and a
 running is cancelled, that attempt only. A final report with a `seq` is acknowledged once the
 job is committed as it left it (`acknowledging`), also when it changed nothing: the agent
 sends it until then, and a report sent twice is applied once.
+
+A cluster answers for what it accepts: an accept must name the gang's pods
+(`messages.accept_problem`); one that does not is taken for a rejection with that reason, the
+agent is told to delete that attempt, and the cluster gets a strike (`fleet.Fleet.strike`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 # reports applied (jobs reconciled) between two yields to the loop: one step of a task is
 # one run of the loop's callbacks, and a lease renewal's answer waits behind it
 YIELD_EVERY = 64
+# the reason of the Cancel an agent is sent for an accept the broker refused
+ACCEPT_REFUSED = "AcceptRefused"
 
 
 class AgentReports:
@@ -97,6 +103,11 @@ class AgentReports:
         if record is not None and transitions.is_stale(record, message.attempt):
             await self._cancel_stale(cluster.name, record.id, message.epoch, message.attempt)
             return
+        if record is not None and record.status.state == JobState.DISPATCHED:
+            problem = messages.accept_problem(message, record.job)
+            if problem is not None:
+                await self._refuse_accept(cluster, record, message, problem)
+                return
         if cluster.accept(message.job_id):
             self._answered(cluster)
         self.spans.answered(message.job_id, accepted=True)
@@ -118,6 +129,39 @@ class AgentReports:
                 reason="Cancelled",
                 attempt=message.attempt,
             )
+
+    async def _refuse_accept(
+        self,
+        cluster: fleet.Cluster,
+        record: status.JobRecord,
+        message: messages.Accepted,
+        problem: str,
+    ) -> None:
+        """An accept that does not say where the gang runs (`messages.accept_problem`) holds
+        the job nowhere the broker can see: taken for a rejection with `problem` as its
+        reason (the job offered elsewhere), the agent told to delete what it may have
+        created of that attempt, and a strike against the cluster (`fleet.strike`)."""
+        logger.warning(
+            "%s: accept of job %s refused: %s",
+            cluster.name,
+            record.id,
+            problem,
+            extra={"job_id": record.id, "cluster": cluster.name},
+        )
+        rejection = messages.Rejected(
+            job_id=message.job_id, epoch=message.epoch, reasons=[problem], attempt=message.attempt
+        )
+        draft = self._rejected(cluster, rejection)
+        if draft is not None:
+            self.book.commit_soon(draft)
+        self.fleet.strike(cluster, f"job {record.id} {problem}", now=time.monotonic())
+        await self.fleet.send_cancel(
+            cluster.name,
+            record.id,
+            epoch=message.epoch,
+            reason=ACCEPT_REFUSED,
+            attempt=message.attempt,
+        )
 
     async def rejected(self, cluster: fleet.Cluster, message: messages.Rejected) -> None:
         async with self.book.lock:

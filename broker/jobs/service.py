@@ -35,6 +35,7 @@ from broker.jobs import (
     reports,
     requests,
     retiring,
+    starting,
 )
 from broker.planning import dependencies as planning_deps
 from broker.planning import quotas, snapshot
@@ -83,6 +84,7 @@ class Jobs:
         )
         self.forwarded = requests.ForwardedCancels(self.book, clusters, leading=self.leading)
         self.deadlines = deadlines.Deadlines(self.book, clusters, meters=meters)
+        self.starts = starting.Starts(self.book, clusters, meters=meters)
         self.dependents = dependents.Dependents(self.book, meters=meters)
         self.ttls = retiring.TTLs()
         self.book.observe(observing.JobTelemetry(self.spans, meters, active=self.leading))
@@ -90,6 +92,7 @@ class Jobs:
         self.book.observe(self.victims)
         self.book.observe(self.forwarded)
         self.book.observe(self.deadlines)
+        self.book.observe(self.starts)
         self.book.observe(self.dependents)
         self.book.observe(self.ttls)
 
@@ -254,6 +257,11 @@ class Jobs:
     async def run_deadlines(self) -> None:
         """Fail the jobs past their active deadline, until cancelled (`deadlines`)."""
         await self.deadlines.run()
+
+    async def run_starts(self) -> None:
+        """Withdraw the jobs not Running within the start timeout, until cancelled
+        (`starting`)."""
+        await self.starts.run()
 
     def end_term(self) -> None:
         """This replica stopped leading: what only the leader knew is dropped (the drafts

@@ -381,11 +381,12 @@ class _Cycle:
 
     def _rank(self, job: snapshot.PendingJob, fit: fitting.Fit) -> tuple[int, ...]:
         """The job's `spec.clusters` first (its `order`, then its `preferred` score), then
-        the tightest fit (fewest whole GPUs left idle on the nodes it breaks into), then the
-        busiest cluster (keeps the emptiest whole for big gangs); the name breaks ties."""
+        a cluster not scored down for failing to start jobs (`standing`), then the tightest
+        fit (fewest whole GPUs left idle on the nodes it breaks into), then the busiest
+        cluster (keeps the emptiest whole for big gangs); the name breaks ties."""
         cluster = self.fleet.clusters[fit.cluster]
         chosen = job.clusters.rank(fit.cluster, cluster.labels) if job.clusters else (0, 0)
-        return (*chosen, fit.leftover, cluster.free_gpus)
+        return (*chosen, int(cluster.scored_down), fit.leftover, cluster.free_gpus)
 
     def _assign(
         self, job: snapshot.PendingJob, fit: fitting.Fit, admission: quotas.Admission

@@ -70,6 +70,8 @@ class ClusterCapacity:
     labels: Mapping[str, str] = field(default_factory=dict)  # what spec.clusters selects on
     # offers it may still be sent before its agent answers the ones out (None: any number)
     offer_slots: int | None = None
+    # it failed to start jobs it accepted (`standing`): ranked after the clusters that did not
+    scored_down: bool = False
 
     @classmethod
     def from_summary(cls, summary: inventory.ClusterSummary, *, healthy: bool) -> ClusterCapacity:
@@ -93,6 +95,7 @@ class ClusterCapacity:
             summary_seq=self.summary_seq,
             labels=self.labels,  # never changed in a cycle: shared
             offer_slots=self.offer_slots,
+            scored_down=self.scored_down,
         )
 
 

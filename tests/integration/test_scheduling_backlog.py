@@ -53,7 +53,12 @@ class Broker:
 
     async def accept(self, offer: messages.Offer) -> None:
         """The agent accepts `offer` (through `AgentReports`): a slot of its window is free."""
-        answer = messages.Accepted(job_id=offer.job_id, epoch=offer.epoch, pods=[])
+        pods = [
+            status.PodPlacement(name=f"{offer.job_id}-{i}", task=task.name, node="n0")
+            for task in offer.job.spec.tasks
+            for i in range(task.replicas)
+        ]
+        answer = messages.Accepted(job_id=offer.job_id, epoch=offer.epoch, pods=pods)
         await self.jobs.reports.accepted(self.clusters.clusters["east"], answer)
 
 

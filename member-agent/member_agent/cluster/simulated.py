@@ -9,8 +9,8 @@ comma-separated list, matched against the pod's `gpufed.io/attempt`, 1 when abse
 those attempts of the job and lets the others succeed: with `Failed:NodeLost@1` the first
 attempt fails with NodeLost and the broker's retry succeeds. Timers are asyncio `call_later`
 handles, never polling loops. Fault injection for tests and chaos runs: `fail_creates_after`,
-`set_node_ready` and GPU failures (`gpus`, `simulated_faults`: `fail_gpu`, or a job's
-`gpufed.io/sim-gpu-failure` annotation).
+`set_node_ready`, GPU failures (`gpus`, `simulated_faults`: `fail_gpu`, or a job's
+`gpufed.io/sim-gpu-failure` annotation), and pools whose pods never start (`stay_pending`).
 
 Graceful deletion, as the kubelet does it: a running pod deleted with a grace period gets its
 SIGTERM and keeps running, and its GPUs, until it exits or the grace ends, whichever comes
@@ -85,6 +85,9 @@ class PoolSpec(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     # MIG devices of each node by profile ("1g.10gb": 7), besides its whole GPUs
     mig: dict[str, Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=dict)
+    # fault injection: pods on these nodes stay Pending for good (an image that never pulls,
+    # an admission webhook that holds them), until deleted
+    stay_pending: bool = False
 
     @field_validator("mig")
     @classmethod
@@ -235,6 +238,7 @@ class SimulatedBackend:
         self._by_job: dict[str, dict[tuple[str, str], simulated_pods.SimPod]] = {}
         self._queue: asyncio.Queue[base.BackendEvent | None] = asyncio.Queue()
         self._fail_after = fail_creates_after
+        self._stuck_pools = {pool.name for pool in pools if pool.stay_pending}
         self.creates = 0
         self.journal = journal
         self.gpus = faults.GPUFaults(
@@ -338,7 +342,8 @@ class SimulatedBackend:
         )
         self._pods[key] = pod
         self._by_job.setdefault(request.job_id, {})[key] = pod
-        pod.timer = asyncio.get_running_loop().call_later(self.start_delay, self._start, pod)
+        if node.labels.get(POOL_LABEL) not in self._stuck_pools:
+            pod.timer = asyncio.get_running_loop().call_later(self.start_delay, self._start, pod)
         self._emit(pod)
 
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: float) -> None:
