@@ -177,6 +177,12 @@ class BrokerSettings(BaseModel):
     def _grace(self) -> BrokerSettings:
         # agents fence themselves before the grace ends: it must leave them room (api.leases)
         problem = leases.check_lost_after(self.lost_after_seconds, heartbeat=self.heartbeat_seconds)
+        if problem is None and self.store.startswith("etcd"):  # replicas: a leader lease
+            problem = leases.check_leader_lease(
+                self.leader_lease_seconds,
+                heartbeat=self.heartbeat_seconds,
+                lost_after=self.lost_after_seconds,
+            )
         if problem is not None:
             raise ValueError(problem)
         return self

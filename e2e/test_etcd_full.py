@@ -89,6 +89,7 @@ async def test_etcd_out_of_space_answers_507_keeps_reads_and_readiness_and_recov
     fleet: processes.LocalFleet, etcd: etcdserver.EtcdServer
 ) -> None:
     fleet.store = etcd.url
+    fleet.lost_after = 9.0  # a failover (lease 5 s) reaches agents before they fence
     fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
     await fleet.start_broker()
     await fleet.start_agent("h100", processes.config_dir() / "clusters" / "h100.yaml")

@@ -35,6 +35,8 @@ def states_of(job: dict[str, Any]) -> list[str]:
 
 async def start(fleet: processes.LocalFleet, store: str) -> None:
     fleet.store = store
+    if store:  # etcd: a failover (lease 5 s) must reach the agents before they fence
+        fleet.lost_after = 9.0
     await fleet.start_simulated(["h100", "inference"])
 
 

@@ -25,11 +25,15 @@ from tests.builders import make_job
 pytestmark = [pytest.mark.e2e, pytest.mark.etcd]
 
 LEASE = 5  # the default --leader-lease-seconds
+# the brokers' --lost-after (heartbeat 0.5 s): long enough that a failover reaches the agents
+# before they fence (the brokers refuse a shorter one with this lease: api.leases)
+ETCD_GRACE = 9.0
 CLUSTERS = ["h100", "a100"]
 
 
 async def start(fleet: processes.LocalFleet, etcd_url: str, *, brokers: int = 3) -> None:
     fleet.store = etcd_url
+    fleet.lost_after = ETCD_GRACE
     fleet.write_tokens(tenants=["team-a"], clusters=CLUSTERS)
     await fleet.start_brokers(brokers)
     for cluster in CLUSTERS:

@@ -60,7 +60,7 @@ async def test_the_watchdog_outlives_a_store_outage_and_lost_clusters_are_requeu
     """A cluster lost while etcd is down is requeued once etcd is back, and a second cluster
     lost afterwards is requeued too (the watchdog did not die of the store's errors)."""
     fleet.store = etcd.url
-    fleet.lost_after = 4.0  # above 5 heartbeats + 1 s: agents fence themselves first
+    fleet.lost_after = 9.0  # a failover (lease 5 s) reaches agents before they fence
     nodes = processes.config_dir() / "clusters" / "h100.yaml"
     fleet.write_tokens(tenants=["team-a"], clusters=["east", "west"])
     await fleet.start_broker()
@@ -133,6 +133,7 @@ async def test_etcd_killed_for_20s_mid_flood_loses_nothing_and_strands_nothing(
     fleet: processes.LocalFleet, etcd: etcdserver.EtcdServer
 ) -> None:
     fleet.store = etcd.url
+    fleet.lost_after = 9.0  # a failover (lease 5 s) reaches agents before they fence
     await fleet.start_simulated(["h100", "a100"])
     run = secrets.token_hex(3)
     deadline = time.monotonic() + 240

@@ -288,6 +288,14 @@ def add_agent_parser(sub: Any) -> None:
         "stops running",
     )
     agent.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="the longest a connect to a broker and its WebSocket upgrade may take before the "
+        "next broker URL is tried (never more than two heartbeats; default 10)",
+    )
+    agent.add_argument(
         "--proxy",
         metavar="URL",
         help="an HTTP proxy (http://host:port) for the connections to the broker; HTTP_PROXY "
@@ -585,6 +593,7 @@ def agent_settings(args: argparse.Namespace) -> Any:
             "gpu_health_conditions": args.gpu_health_conditions,
             "freeze_gc": True,
             "fence_after_seconds": args.fence_after,
+            "connect_timeout_seconds": args.connect_timeout,
             "finished_pods_ttl_seconds": args.finished_pods_ttl,
             "journal_file": args.sim_journal,
             "proxy_url": args.proxy,

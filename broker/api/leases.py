@@ -20,6 +20,8 @@ lease, the broker's settings check its grace against it at start.
   a long grace leaves slow API servers room.
 - An agent fences no sooner than it gives up a silent session itself (three heartbeats), so the
   broker refuses a grace of `minimum_lost_after(heartbeat)` = 5 x heartbeat + 1 s or less.
+- A failover must reach the agents before they fence: the broker refuses a leader lease with
+  which they would not (`check_leader_lease`).
 
 The agent fences as late as the rule lets it, `lost_after` - margin (45 s of the default 60 s),
 the broker's `lost_after` coming with its welcome (`messages.Welcome.lost_after_seconds`);
@@ -63,6 +65,27 @@ def check_lost_after(lost_after: float, *, heartbeat: float) -> str | None:
         f"--lost-after {lost_after:g} s must be above {least:g} s "
         f"({SILENT_BEATS + MARGIN_BEATS:g} x --heartbeat {heartbeat:g} s + {MARGIN_SECONDS:g} s): "
         f"agents fence themselves that long before the broker runs their jobs elsewhere"
+    )
+
+
+def check_leader_lease(lease: float, *, heartbeat: float, lost_after: float) -> str | None:
+    """Why a leader's lease is too long for a failover to finish before agents fence, in one
+    line; None when it is short enough.
+
+    A leader that dies or freezes is replaced once its lease runs out; its agents notice the
+    silence after `SILENT_BEATS` heartbeats, try the other replicas and reach the new leader
+    about a heartbeat (a follower's Retry-After) and a second after both. That must come
+    before they fence (`fence_after` with no `--fence-after`), or every failover stops every
+    agent's `requeue` jobs."""
+    fence = fence_after(None, heartbeat=heartbeat, lost_after=lost_after)
+    reached = max(lease, SILENT_BEATS * heartbeat) + heartbeat + MARGIN_SECONDS
+    if reached <= fence:
+        return None
+    return (
+        f"--leader-lease-seconds {lease:g} is too long for --lost-after {lost_after:g} s and "
+        f"--heartbeat {heartbeat:g} s: after a failover agents reach the new leader only "
+        f"~{reached:g} s after the old one went quiet, and fence themselves at {fence:g} s; "
+        f"shorten the lease or lengthen --lost-after"
     )
 
 

@@ -99,6 +99,11 @@ class AgentSettings(BaseModel):
         "the grace the broker's welcome says allows (broker.api.leases), else 30 s; a value "
         "makes it sooner, never later",
     )
+    connect_timeout_seconds: Annotated[float, Field(gt=0)] = Field(
+        10.0,
+        description="the longest a connect to a broker and its upgrade may take; never more "
+        "than two heartbeats (a frozen broker accepts the connection and never answers)",
+    )
     backoff: BackoffSettings = Field(default_factory=BackoffSettings)
     summary_interval_seconds: Annotated[float, Field(ge=0)] = 0.05
     start_delay_seconds: Annotated[float, Field(ge=0)] = Field(
@@ -270,6 +275,7 @@ class AgentSettings(BaseModel):
             backoff_initial_seconds=self.backoff.initial_seconds,
             backoff_max_seconds=self.backoff.max_seconds,
             auth_retry_seconds=self.backoff.auth_retry_seconds,
+            connect_timeout_seconds=self.connect_timeout_seconds,
             proxy_url=self.proxy_url,
             tls_files=self.tls_files,
             tls_server_name=self.tls_server_name,

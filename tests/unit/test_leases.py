@@ -103,3 +103,36 @@ def test_the_welcome_says_the_grace_to_agents_that_read_it(
     frame = messages.encode(welcome)
     assert ("lost_after_seconds" in frame) == (said is not None)
     assert messages.decode(frame) == welcome
+
+
+@pytest.mark.parametrize(
+    ("lease", "heartbeat", "lost_after", "refused"),
+    [
+        pytest.param(5, 5.0, 60.0, False, id="defaults: agents fence at 45 s, reached at 21 s"),
+        pytest.param(5, 1.0, 15.0, False, id="heartbeat 1 s, grace 15 s: fence 11.25 s"),
+        pytest.param(10, 1.0, 15.0, True, id="a lease of 10 s with that grace"),
+        pytest.param(5, 0.5, 5.0, True, id="lease 5 s, grace 5 s: agents fence at 3 s"),
+        pytest.param(5, 0.5, 9.0, False, id="... a grace of 9 s leaves room"),
+        pytest.param(60, 5.0, 60.0, True, id="a minute's lease"),
+    ],
+)
+def test_the_broker_refuses_a_leader_lease_that_outlasts_its_agents_fence(
+    lease: int, heartbeat: float, lost_after: float, refused: bool
+) -> None:
+    problem = leases.check_leader_lease(lease, heartbeat=heartbeat, lost_after=lost_after)
+    assert (problem is not None) == refused
+    settings = {
+        "store": "etcd://127.0.0.1:2379",
+        "leader_lease_seconds": lease,
+        "heartbeat_seconds": heartbeat,
+        "lost_after_seconds": lost_after,
+    }
+    if refused:
+        assert problem is not None and "\n" not in problem
+        assert problem.startswith(f"--leader-lease-seconds {lease} is too long")
+        with pytest.raises(pydantic.ValidationError, match="--leader-lease-seconds"):
+            app.BrokerSettings.model_validate(settings)
+    else:
+        app.BrokerSettings.model_validate(settings)
+    # one replica on SQLite has no lease to check
+    app.BrokerSettings.model_validate(settings | {"store": "sqlite:///:memory:"})

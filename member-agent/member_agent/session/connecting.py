@@ -6,7 +6,10 @@ job the agent holds, wait for `welcome`, send a full summary, then read offers a
 (handled one at a time by `jobs.handling.JobHandler`) and write replies, job updates,
 summaries and heartbeats. Silence for three heartbeat intervals
 drops the session; it is opened again with exponential backoff and jitter, on the next broker
-URL after a connection failure, on the leader a follower names after a 409 (`brokers`).
+URL after a connection failure or a silent session (a frozen or cut-off leader: another replica
+takes the lead, and going back to it first would only wait out a connect timeout), on the
+leader a follower names after a 409 (`brokers`). A connect and its upgrade may take
+`--connect-timeout` and no more than two heartbeats.
 Once a replica has answered 409, the brokers are up and choosing a leader: until a session is
 welcomed, no wait is longer than the replica's Retry-After (a dead leader it still names, and
 the next URL, are tried at that pace rather than at the backoff's ceiling). An agent
@@ -50,6 +53,8 @@ from member_agent.session import brokers, leasing, reporting, tls
 logger = logging.getLogger(__name__)
 
 CONNECT_PATH = "/v1/agents/connect"
+CONNECT_WAIT_BEATS = 2.0  # a connect and upgrade take at most this many heartbeats ...
+MIN_CONNECT_WAIT_SECONDS = 2.0  # ... and may always take this long
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 Outgoing = tuple[messages.Message, Callable[[], None] | None]
 T = TypeVar("T")
@@ -184,6 +189,8 @@ class Connector:
         self.failures = 0
         self.brokers = brokers.BrokerList(settings.broker_urls)
         self._welcomed = False  # the current attempt's session was welcomed
+        self._silent = False  # ... and then the broker stopped answering (frozen, cut off)
+        self._heartbeat = settings.heartbeat_seconds  # the last welcome's
         self._close_reason = ""  # what the broker's close frame said, last
         self.tls = tls.ClientTls(settings.tls_files) if settings.tls_files.given else None
         self.lease = leasing.ClusterLease(
@@ -219,6 +226,7 @@ class Connector:
             refused = False  # the token was refused: its own, slow retry
             broker = self.brokers.current
             self._welcomed = False
+            self._silent = False
             try:
                 await self._run_session(http, stop, broker)
             except Stopped:
@@ -274,6 +282,9 @@ class Connector:
                 self._next_broker()
             if stop.is_set():
                 break
+            if self._silent:  # a broker that stopped answering: another replica leads soon
+                logger.info("broker %s went silent: trying %s next", broker, self.brokers.failed())
+                delay = 0.0
             if self._welcomed:  # a session that worked: the same broker again, soon
                 attempt = 0
                 redirected = None
@@ -292,10 +303,22 @@ class Connector:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
 
+    @property
+    def connect_wait(self) -> float:
+        """Seconds a connect and its upgrade may take: `--connect-timeout`, and no more than
+        two heartbeats. A frozen broker completes the TCP handshake and never answers: waiting
+        longer for it only brings the agent's fence closer while another replica leads."""
+        return min(
+            self.settings.connect_timeout_seconds,
+            max(MIN_CONNECT_WAIT_SECONDS, CONNECT_WAIT_BEATS * self._heartbeat),
+        )
+
     def _next_broker(self) -> str:
         """After a failure: the same broker if it welcomed the session that broke, else the
         next URL."""
-        return self.brokers.current if self._welcomed else self.brokers.failed()
+        return (
+            self.brokers.current if self._welcomed and not self._silent else self.brokers.failed()
+        )
 
     async def _run_session(
         self, http: aiohttp.ClientSession, stop: asyncio.Event, broker: str
@@ -305,7 +328,7 @@ class Connector:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         url = connect_url(broker)
         try:
-            async with asyncio.timeout(self.settings.connect_timeout_seconds):
+            async with asyncio.timeout(self.connect_wait):
                 ws = await _unless_stopped(
                     http.ws_connect(
                         url,
@@ -359,7 +382,7 @@ class Connector:
                     break
                 logger.warning("ignoring %s before the broker's welcome", message.type)
         link.epoch = message.epoch
-        link.heartbeat_seconds = message.heartbeat_seconds
+        link.heartbeat_seconds = self._heartbeat = message.heartbeat_seconds
         link.acks = message.v >= messages.ACKS_SINCE
         link.checkpoints = message.v >= messages.CHECKPOINTS_SINCE
         self.reporter.send_labels = message.v >= messages.LABELS_SINCE
@@ -408,6 +431,7 @@ class Connector:
                 message = await self._receive(ws, wait=timeout)
             except TimeoutError:
                 logger.warning("nothing from the broker for %.1f s: reconnecting", timeout)
+                self._silent = True
                 return
             if message is None:
                 logger.info("the broker closed the session (code %s)", ws.close_code)
