@@ -184,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     queues.add_argument(
         "--apply", metavar="FILE", help="put queue NAME from FILE, or each queue of a queues file"
     )
+    queues.add_argument(
+        "--allotments",
+        action="store_true",
+        help="what each tenant may claim with its queues (its tenant-admin's bound), and what "
+        "its queues claim of it now",
+    )
 
     token = sub.add_parser("token", help="tokens for the broker's tokens file")
     token_actions = token.add_subparsers(dest="action", required=True)
