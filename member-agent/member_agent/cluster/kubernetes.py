@@ -41,10 +41,11 @@ Preemption: `annotate_pod` merge-patches the notice annotation onto a pod before
 deletes it with the grace period; a pod's `gpufed.io/last-checkpoint` is read with it
 (`PodRecord.checkpoint`) and a change of it is a PodEvent too.
 
-Events: a PodEvent when one of gpufed's pods changes phase (Pending is not reported; Unknown is
-reported as Failed/NodeLost), with the pod's `status.reason` (Evicted, OutOfnvidia.com/gpu), a
-container's termination reason (OOMKilled first, else the first failing one) or NodeLost (the
-taint manager deleting it, its node deleted) as the reason; Deleted when it disappears. A node
+Events: a PodEvent when one of gpufed's pods changes phase (Pending only with the reason it
+does not start, `kubernetes_state.pending_reason`; Unknown is reported as Failed/NodeLost),
+with the pod's `status.reason` (Evicted, OutOfnvidia.com/gpu), a container's termination
+reason (OOMKilled first, else the first failing one) or NodeLost (the taint manager deleting
+it, its node deleted) as the reason; Deleted when it disappears. A node
 that is NotReady makes no PodEvent by itself (the kubelet or the taint manager decide the pods'
 fate); it leaves the free inventory at once. InventoryChanged when what the summary reads
 changed (coalesced: at most one waits unread).

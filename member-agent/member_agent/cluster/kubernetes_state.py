@@ -18,6 +18,9 @@ DRA mode (`kubernetes_devices`): nodes carry no GPUs of their own (`device_plugi
 `node_view` hook gives each node the GPUs its ResourceSlices publish, and ResourceClaims that
 other schedulers allocated are held like pods (`hold`: a record per claim, never reported).
 
+A Pending pod of gpufed's that says why it does not start (`pending_reason`: an image that
+cannot be pulled, PodScheduled=False) is reported with that reason, and again when it changes.
+
 GPU health (`kubernetes_health`): each time a node is built its unhealthy GPUs leave the
 inventory and the `gpuhealth.HealthBook` is told; gpufed's pods on a GPU that has just failed,
 and a pod the kubelet reports an allocated device of Unhealthy, are reported Failed GPUFailed.
@@ -43,6 +46,43 @@ logger = logging.getLogger(__name__)
 # whole-GPU slots are shared, never mutated: building pydantic models is the cost of a relist
 _WHOLE = tuple(status.GPUSlot(index=i) for i in range(64))
 _TERMINAL = (status.PodPhase.SUCCEEDED, status.PodPhase.FAILED, status.PodPhase.DELETED)
+# a container the kubelet cannot start: the pod stays Pending, and says why
+_WAITING = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+    }
+)
+PENDING_REASON_CHARS = 200
+
+
+def pending_reason(state: dict[str, Any]) -> str:
+    """Why a Pending pod does not start ("" when it says nothing): a container's waiting
+    reason the kubelet gives up on retrying by itself (image pull, container config), else a
+    PodScheduled=False condition (Unschedulable), with its message, at most
+    PENDING_REASON_CHARS long."""
+    found = ""
+    for container in [
+        *(state.get("initContainerStatuses") or []),
+        *(state.get("containerStatuses") or []),
+    ]:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in _WAITING:
+            found = f"{waiting['reason']}: {waiting.get('message') or ''}"
+            break
+    else:
+        for cond in state.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                found = f"{cond.get('reason') or 'Unschedulable'}: {cond.get('message') or ''}"
+                break
+    found = " ".join(found.split()).rstrip(": ")
+    if len(found) > PENDING_REASON_CHARS:
+        found = found[: PENDING_REASON_CHARS - 3] + "..."
+    return found
 
 
 def _holding(rec: objects.PodRecord | None) -> tuple[Any, ...]:
@@ -147,6 +187,10 @@ class ClusterState:
             return dataclasses.replace(
                 rec, phase=status.PodPhase.FAILED, reason=gpuhealth.GPU_FAILED
             )
+        if rec.ours and rec.phase == status.PodPhase.PENDING and not rec.reason:
+            waiting = pending_reason(raw.get("status") or {})
+            if waiting:
+                return dataclasses.replace(rec, reason=waiting)
         return rec
 
     def nodes_changed(self, names: Iterable[str], *, reason: str) -> None:
@@ -516,7 +560,7 @@ class ClusterState:
     def _report(self, rec: objects.PodRecord) -> None:
         last = self._reported.get(rec.key)
         self._reported[rec.key] = rec
-        if last is None and rec.phase == status.PodPhase.PENDING:
+        if last is None and rec.phase == status.PodPhase.PENDING and not rec.reason:
             return
         if last is not None and (last.phase, last.reason, last.checkpoint) == (
             rec.phase,

@@ -6,7 +6,9 @@ events and lists it in `hello` after every (re)connect; `adopting` fills it at s
 
 A job is `Dispatched` once its pods are created, `Running` when at least `min_member` pods run
 (or ran), `Succeeded` when every pod succeeded and `Failed` (with the pod's reason) when any pod
-fails or disappears while it runs. States only move forward. A terminal record is kept until
+fails or disappears while it runs. States only move forward. A `Dispatched` job whose pod
+stays Pending and says why (an image that cannot be pulled, unschedulable) is reported again
+with that reason (`waiting_reason`). A terminal record is kept until
 the broker acknowledged its final report (`updating.Updater`), however long the broker is
 away, and `keep_reported` seconds more, so a re-sent offer stays idempotent; `hello` lists it
 until acknowledged, so the broker never takes a finished job for a lost one.
@@ -98,6 +100,12 @@ class TrackedJob:
         if self.binding or self.state.terminal or self.stopping is not None:
             return []
         state, reason = self.implied_state()
+        if state == self.state == status.JobState.DISPATCHED:
+            waiting = self.waiting_reason()
+            if not waiting or waiting == self.reason:
+                return []
+            self._move(state, waiting)
+            return [(state, waiting)]
         if state in (self.state, status.JobState.DISPATCHED):
             return []
         steps = []
@@ -109,6 +117,14 @@ class TrackedJob:
         else:
             self._move(state, reason)
         return steps
+
+    def waiting_reason(self) -> str:
+        """Why the job's pods do not start, as the first Pending pod that says so says it
+        ("" when none does)."""
+        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            if pod.phase == status.PodPhase.PENDING and pod.reason:
+                return pod.reason
+        return ""
 
     def finish(self, state: status.JobState, reason: str, *, now: float) -> None:
         self._move(state, reason)
