@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from broker.api import leases
+from broker.api import leases, submits
 from broker.api.queues import QueueMode
 from broker.dispatch import connecting, leading
 from broker.http import (
@@ -30,6 +30,7 @@ from broker.http import (
     jobs,
     keys,
     limits,
+    listing,
     oidc,
     openapi,
     peers,
@@ -102,6 +103,11 @@ class BrokerSettings(BaseModel):
     plan_limit: int = Field(budget.DEFAULT_LIMIT, ge=1)  # pending jobs one cycle plans, at most
     # the store's request limit (etcd's --max-request-bytes): commits stay under it
     max_request_bytes: int = 1536 * 1024
+    # what one request may expand to: jobs (arrays counted whole) and dependsOn entries
+    max_request_jobs: int = Field(submits.MAX_REQUEST_JOBS, ge=1, le=submits.MAX_REQUEST_JOBS)
+    max_request_dependencies: int = Field(submits.MAX_REQUEST_DEPENDENCIES, ge=0)
+    # a GET /v1/jobs page stops before its body passes this (with a continue token)
+    max_page_bytes: int = Field(listing.DEFAULT_PAGE_BYTES, ge=64 * 1024)
     # several replicas on etcd: the URL other replicas send agents to (default http://host:port)
     advertise_url: str | None = None
     # the leader's lease: a leader killed with -9 is replaced within it (plus one cycle)
@@ -266,7 +272,14 @@ def create_app(settings: BrokerSettings) -> web.Application:
             await hand_over()
 
     app.on_shutdown.append(on_shutdown)
-    jobs.add_routes(app)
+    jobs.add_routes(
+        app,
+        bounds=submits.Bounds(
+            max_jobs=settings.max_request_jobs,
+            max_dependencies=settings.max_request_dependencies,
+        ),
+        page_bytes=settings.max_page_bytes,
+    )
     arrays.add_routes(app)
     clusters.add_routes(app)
     openapi.add_routes(app)

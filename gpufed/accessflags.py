@@ -135,6 +135,31 @@ def add_broker_flags(broker: argparse.ArgumentParser) -> None:
         help="a request's body must arrive within this, else 408 (default 30)",
     )
     guard.add_argument(
+        "--max-request-jobs",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="jobs one submit or batch may store, each array's count counted whole; past "
+        "it 422 naming spec.array.count (default and most 10000)",
+    )
+    guard.add_argument(
+        "--max-request-dependencies",
+        type=int,
+        default=100_000,
+        metavar="N",
+        help="dependsOn entries one submit or batch may store, each job of an array counted "
+        "(an array of 10000 with 3 entries: 30000); an entry naming an array is one, "
+        "whatever its size; past it 422 naming spec.dependsOn (default 100000)",
+    )
+    guard.add_argument(
+        "--max-page-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        metavar="BYTES",
+        help="a GET /v1/jobs page stops before its body passes this and gives a continue "
+        "token; it always holds one job (default 8388608, 8 MiB)",
+    )
+    guard.add_argument(
         "--max-connections-per-client",
         type=int,
         default=256,
@@ -186,6 +211,9 @@ def broker_settings(args: argparse.Namespace) -> dict[str, Any]:
         "rate_limit": args.rate_limit,
         "rate_burst": args.rate_burst,
         "body_timeout_seconds": args.body_timeout,
+        "max_request_jobs": args.max_request_jobs,
+        "max_request_dependencies": args.max_request_dependencies,
+        "max_page_bytes": args.max_page_bytes,
         "max_requests_per_principal": args.max_requests_per_principal,
         "max_event_streams": args.max_event_streams,
         "max_event_streams_per_principal": args.max_event_streams_per_principal,

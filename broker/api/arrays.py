@@ -14,10 +14,10 @@ environment variable `GPUFED_ARRAY_INDEX=i` (read from the job's `gpufed.io/arra
 label, `member_agent.binding.binding`); `spec.array` itself is not sent to agents.
 
 One request stores at most `MAX_COUNT` jobs and `MAX_ARRAY_BYTES` of them (count × the
-job's size; 422 naming `spec.array.count`). `GET /v1/jobs?labelSelector=gpufed.io/array=NAME`
-lists the arrays of that name (`,gpufed.io/array-index=3`: one index); `DELETE
-/v1/arrays/{array}` cancels the newest array of that name (or the array of that id),
-`?index=i` one of its jobs.
+job's size; 422 naming `spec.array.count`; `api.submits.Bounds`).
+`GET /v1/jobs?labelSelector=gpufed.io/array=NAME` lists the arrays of that name
+(`,gpufed.io/array-index=3`: one index); `DELETE /v1/arrays/{array}` cancels the newest
+array of that name (or the array of that id), `?index=i` one of its jobs.
 """
 
 from __future__ import annotations
@@ -105,17 +105,6 @@ def name_problem(name: str, count: int) -> str | None:
             "at most 63: shorten the name"
         )
     return None
-
-
-def size_problem(job_bytes: int, count: int) -> str | None:
-    """Why `count` jobs of `job_bytes` each are more than one array may store, or None."""
-    total = job_bytes * count
-    if total <= MAX_ARRAY_BYTES:
-        return None
-    return (
-        f"{count} jobs of {job_bytes} bytes each are {total // (1024 * 1024)} MiB; an array "
-        f"stores at most {MAX_ARRAY_BYTES // (1024 * 1024)} MiB: fewer jobs, or a smaller job"
-    )
 
 
 def index_of(labels: dict[str, str]) -> int | None:

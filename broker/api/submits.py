@@ -6,20 +6,88 @@
 request order. The same rule holds a key wherever it comes from (`check_idempotency_key`).
 The batch's models describe it in the OpenAPI document and write the answer; the broker reads
 a batch item by item (`broker.http.submitting`), so that one bad item is that item's problem.
+
+A request is bounded by what it expands to, not only by what it sends (`Bounds`, counted by
+`Expansion` over its items in order): the jobs it stores (an array's `count` each), the bytes
+of its arrays' jobs (count × the job's size), and the `dependsOn` entries it stores (each job
+its own: an array of 10,000 with 3 entries stores 30,000). The item that would pass one is
+refused (422, naming its field and the bound); those before it are not.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from broker.api import errors, jobs
+from broker.api import arrays, errors, jobs
 from broker.api.status import JobState
 
 MAX_KEY_LENGTH = 255
 MAX_BATCH_ITEMS = 1000
 MAX_BATCH_BYTES = 8 * 1024 * 1024  # the single route takes 1 MiB, one job
+MAX_REQUEST_JOBS = arrays.MAX_COUNT  # --max-request-jobs
+MAX_REQUEST_DEPENDENCIES = 100_000  # --max-request-dependencies
+MAX_REQUEST_BYTES = arrays.MAX_ARRAY_BYTES
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one request may expand to (the broker's flags set them)."""
+
+    max_jobs: int = MAX_REQUEST_JOBS
+    max_dependencies: int = MAX_REQUEST_DEPENDENCIES
+    max_bytes: int = MAX_REQUEST_BYTES
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """What a request's items read so far expand to."""
+
+    job_count: int = 0
+    dependency_count: int = 0
+    byte_count: int = 0
+
+    def check(self, job: jobs.GPUJob, bounds: Bounds, *, where: str = "") -> Expansion:
+        """This expansion with `job`; Invalid naming the field and the bound it would pass."""
+        spec = job.spec.array
+        count = spec.count if spec is not None else 1
+        entries = len(job.spec.depends_on or ())
+        job_bytes = len(job.model_dump_json(by_alias=True)) if spec is not None else 0
+        after = Expansion(
+            job_count=self.job_count + count,
+            dependency_count=self.dependency_count + count * entries,
+            byte_count=self.byte_count + count * job_bytes,
+        )
+        field, problem = "spec.array.count", None
+        mib = 1024 * 1024
+        if after.job_count > bounds.max_jobs:
+            before = f"{self.job_count} jobs before it and " if self.job_count else ""
+            problem = (
+                f"{before}{count} of it; a request stores at most {bounds.max_jobs} jobs "
+                "(--max-request-jobs): send fewer, or the array on its own"
+            )
+        elif after.byte_count > bounds.max_bytes:
+            before = f" after {self.byte_count // mib} MiB before it" if self.byte_count else ""
+            problem = (
+                f"{count} jobs of {job_bytes} bytes each are {count * job_bytes // mib} MiB"
+                f"{before}; a request stores at most {bounds.max_bytes // mib} MiB: fewer "
+                "jobs, or a smaller job"
+            )
+        elif after.dependency_count > bounds.max_dependencies:
+            field = "spec.dependsOn"
+            before = f" after {self.dependency_count} before it" if self.dependency_count else ""
+            problem = (
+                f"{count} jobs × {entries} entries are {count * entries} dependencies{before}; "
+                f"a request stores at most {bounds.max_dependencies} "
+                "(--max-request-dependencies): fewer jobs, or fewer entries (an array is "
+                "one entry, whatever its size)"
+            )
+        if problem is not None:
+            named = f"{where}.{field}" if where else field
+            raise errors.Invalid(f"{named}: {problem}", field=named, title="Invalid job")
+        return after
 
 
 def check_idempotency_key(key: object, *, field: str) -> str | None:

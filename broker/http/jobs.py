@@ -44,7 +44,12 @@ def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
 async def submit(request: web.Request) -> web.Response:
     principal = auth.caller(request)  # a tenant's (broker.http.roles)
     document = await _read_document(request)
-    job = submitting.admit(principal, document, queues=request.app.get(keys.QUEUES))
+    job = submitting.admit(
+        principal,
+        document,
+        queues=request.app.get(keys.QUEUES),
+        bounds=submitting.bounds_of(request.app),
+    )
     key = submits.check_idempotency_key(
         request.headers.get(submitting.KEY_HEADER), field=submitting.KEY_HEADER
     )
@@ -77,8 +82,15 @@ async def list_jobs(request: web.Request) -> web.Response:
     """One page of jobs, live and finished (`http.listing`)."""
     job_query, limit, cont = listing.parse(request, tenant=auth.caller(request).tenant)
     book = request.app[keys.JOBS]
-    found = await listing.page(book.book.held, book.history, job_query, limit=limit, cont=cont)
-    return web.json_response(_dump(found))
+    body = await listing.page_body(
+        book.book.held,
+        book.history,
+        job_query,
+        limit=limit,
+        cont=cont,
+        max_bytes=request.app.get(listing.PAGE_BYTES, listing.DEFAULT_PAGE_BYTES),
+    )
+    return web.Response(body=body, content_type="application/json")
 
 
 async def cancel_job(request: web.Request) -> web.Response:
@@ -231,7 +243,16 @@ def _plain_state(record: status.JobRecord, book: service.Jobs) -> str:
     return f"{state.value} on {record.status.cluster}"
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(
+    app: web.Application,
+    *,
+    bounds: submits.Bounds | None = None,
+    page_bytes: int = listing.DEFAULT_PAGE_BYTES,
+) -> None:
+    """The job routes; `bounds`: what one submit may expand to, `page_bytes`: a list page's
+    body at most (`http.listing`)."""
+    app[submitting.BOUNDS] = bounds or submits.Bounds()
+    app[listing.PAGE_BYTES] = page_bytes
     app.router.add_post("/v1/jobs", submit)
     app.router.add_post("/v1/jobs:batch", submitting.submit_batch)
     app.router.add_get("/v1/jobs", list_jobs)

@@ -9,7 +9,10 @@ Query parameters (all optional; every one given must hold):
 - `q` — text (at most `queries.MAX_TEXT` characters) the job's name or id holds, ASCII case
   ignored (queue and cluster have their own filters);
 - `sort` — `newest` (the default) or `oldest`, the same order reversed;
-- `limit` — 1 to 1,000 jobs a page (default `DEFAULT_LIMIT`);
+- `limit` — 1 to 1,000 jobs a page (default `DEFAULT_LIMIT`); a page also stops before its
+  body would pass `--max-page-bytes` (`DEFAULT_PAGE_BYTES`), with a continue token, so that
+  a page of large jobs costs the broker and the reader what a page of small ones does (it
+  always holds one job, whatever its size: a job is bounded by the store's request size);
 - `continue` — the token of the previous page (`metadata.continue`), with the same filters,
   `q` and `sort` (a token carries a digest of them, not them).
 
@@ -30,11 +33,14 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from broker.api import errors, selectors, status
+from broker.api.status import STORED_ONLY
 from broker.state.history import held as held_jobs
 from broker.state.history import listing, protocol
 from broker.state.history import query as queries
 
 DEFAULT_LIMIT = 500
+DEFAULT_PAGE_BYTES = 8 * 1024 * 1024  # --max-page-bytes
+PAGE_BYTES = web.AppKey("page_bytes", int)  # a page's body stops before this
 
 
 def _bad(field: str, problem: str) -> errors.Malformed:
@@ -92,14 +98,28 @@ def parse(request: web.Request, *, tenant: str | None) -> tuple[queries.JobQuery
     return job_query, limit, query.get("continue")
 
 
-async def page(
+async def page_body(
     held: held_jobs.Held,
     history: protocol.HistoryStore | None,
     job_query: queries.JobQuery,
     *,
     limit: int,
     cont: str | None,
-) -> status.JobList:
-    """One page: `items` and, unless it is the last, `metadata.continue`."""
+    max_bytes: int = DEFAULT_PAGE_BYTES,
+) -> bytes:
+    """One page as the API's JSON (a `status.JobList`): up to `limit` jobs, fewer when the
+    next would take the body past `max_bytes` (never none), `metadata.continue` unless it
+    is the last."""
     found = await listing.page_jobs(held, history, job_query, limit=limit, cont=cont)
-    return status.JobList(items=found.items, metadata=status.ListMeta(continue_=found.next))
+    parts: list[str] = []
+    size = 64  # the envelope and a token
+    token = found.next
+    for index, record in enumerate(found.items):
+        text = record.model_dump_json(by_alias=True, exclude=set(STORED_ONLY))
+        size += len(text) + 1
+        if parts and size > max_bytes:
+            token = queries.encode(queries.Cursor.of(found.items[index - 1]), job_query)
+            break
+        parts.append(text)
+    meta = status.ListMeta(continue_=token).model_dump_json(by_alias=True)
+    return f'{{"items":[{",".join(parts)}],"metadata":{meta}}}'.encode()

@@ -5,6 +5,11 @@ every job to the same checks through the same functions: a tenant's token, the j
 (`admit`: `api.jobs.validate_submitted`, then the queue, `state.registry.check_job`), the
 key's rule (`api.submits.check_idempotency_key`); `new_record` makes the record both store.
 
+Both hold a request to what it expands to (`api.submits.Bounds`: jobs, their bytes and their
+`dependsOn` entries, arrays counted whole; `BOUNDS`, set from the broker's flags): a single
+submit past one is 422 naming the field and the bound, a batch's item past one is that
+item's 422 and the items before it are stored.
+
 A batch answers one status per item, in request order (`api.submits.BatchAnswer`). A body
 that is not a batch (not JSON or YAML, over `MAX_BATCH_BYTES`, no `items`, none or over
 `MAX_BATCH_ITEMS` of them) is one problem, and nothing is stored. Past that, an item that
@@ -41,6 +46,7 @@ from broker.state import registry
 from broker.telemetry import jobspans, tracing
 
 KEY_HEADER = "Idempotency-Key"
+BOUNDS = web.AppKey("expansion_bounds", submits.Bounds)  # what one request may expand to
 # items read between two turns of the event loop: a batch of 1,000 takes a few tenths of a
 # second to check, which must not hold up heartbeats and the leader's lease renewals
 ITEMS_PER_TURN = 100
@@ -72,9 +78,11 @@ def admit(
     *,
     queues: registry.QueueRegistry | None,
     where: str = "",
+    bounds: submits.Bounds | None = None,
 ) -> jobs.GPUJob:
-    """The job `document` asks for, held to every rule of a submit and to the queue's; the
-    refusal names its field from `where` on (a batch item's `items[3].job`; "": the body)."""
+    """The job `document` asks for, held to every rule of a submit and to the queue's, and
+    to what one request may expand to (`bounds`, default `api.submits.Bounds`); the refusal
+    names its field from `where` on (a batch item's `items[3].job`; "": the body)."""
     if not isinstance(document, dict):
         raise errors.Invalid(
             f"{where or 'the body'} must be a GPUJob object",
@@ -90,25 +98,13 @@ def admit(
             queues.check_job(principal.name, job)
         except errors.GpufedError as exc:
             raise problems.relocated(exc, where) from None
-    check_array_size(job, where=where)
+    submits.Expansion().check(job, bounds or submits.Bounds(), where=where)
     return job
 
 
-def check_array_size(job: jobs.GPUJob, *, where: str = "", jobs_before: int = 0) -> None:
-    """An array (with `jobs_before` jobs of the same request before it) within what one
-    request may store: `arrays.MAX_COUNT` jobs, `arrays.MAX_ARRAY_BYTES` of them."""
-    spec = job.spec.array
-    if spec is None:
-        return
-    field = f"{where}.spec.array.count" if where else "spec.array.count"
-    problem = arrays.size_problem(len(job.model_dump_json(by_alias=True)), spec.count)
-    if problem is None and jobs_before + spec.count > arrays.MAX_COUNT:
-        problem = (
-            f"{jobs_before} jobs before it and {spec.count} of it; a request stores at most "
-            f"{arrays.MAX_COUNT} jobs: send the array on its own"
-        )
-    if problem is not None:
-        raise errors.Invalid(f"{field}: {problem}", field=field, title="Invalid job")
+def bounds_of(app: web.Application) -> submits.Bounds:
+    """What one request may expand to on this broker (`BOUNDS`, else the defaults)."""
+    return app.get(BOUNDS) or submits.Bounds()
 
 
 def new_record(
@@ -259,14 +255,14 @@ async def submit_batch(request: web.Request) -> web.Response:
     admitted: list[tuple[int, list[status.JobRecord]]] = []
     repeats: list[_Repeat] = []
     keyed: set[str] = set()
-    expanded = 0  # the jobs the items read so far make (an array: its count)
+    bounds = bounds_of(request.app)
+    expanded = submits.Expansion()  # what the items read so far make
     for index, item in enumerate(items):
         if index and index % ITEMS_PER_TURN == 0:
             await asyncio.sleep(0)
         try:
-            key, job = _read_item(principal, item, index, queues=queue_registry)
-            check_array_size(job, where=f"items[{index}].job", jobs_before=expanded)
-            expanded += job.spec.array.count if job.spec.array is not None else 1
+            key, job = _read_item(principal, item, index, queues=queue_registry, bounds=bounds)
+            expanded = expanded.check(job, bounds, where=f"items[{index}].job")
         except errors.GpufedError as exc:  # anything else: a 500, and nothing stored yet
             answers[index] = _refused(index, exc, status_code=problems.status_of(exc))
             continue
@@ -370,6 +366,7 @@ def _read_item(
     index: int,
     *,
     queues: registry.QueueRegistry | None,
+    bounds: submits.Bounds,
 ) -> tuple[str | None, jobs.GPUJob]:
     """The key and the job of one item, held to the single route's checks, in its order:
     the job bounded (`documents.check_tree`, depth counted from the job), admitted, the key."""
@@ -385,7 +382,7 @@ def _read_item(
     if "job" not in item:
         raise errors.Invalid(f"{where}.job: required", field=f"{where}.job", title="Invalid job")
     documents.check_tree(item["job"], path=f"{where}.job")
-    job = admit(principal, item["job"], queues=queues, where=f"{where}.job")
+    job = admit(principal, item["job"], queues=queues, where=f"{where}.job", bounds=bounds)
     field = f"{where}.idempotencyKey"
     key = submits.check_idempotency_key(item.get("idempotencyKey"), field=field)
     documents.check_tree(key, path=field)  # no lone surrogate: the key is hashed as UTF-8
