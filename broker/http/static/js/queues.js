@@ -48,6 +48,33 @@ function card(queue) {
     queue.warnings.map((w) => h('p', { class: 'error' }, w)));
 }
 
+// A tenant's allotment: what the fleet admin lets its queues claim together (its tenant-admin
+// is bound by it), and what they claim now, per GPU model: claimed/allotted, '-' unbounded.
+function allotment(share) {
+  const a = share.allotment;
+  const id = `allotment-${share.tenant}`;
+  const bound = (n) => (n === null || n === undefined ? '-' : String(n));
+  const rows = share.uses.map((u) => h('tr', { dataset: { model: u.model } },
+    h('td', {}, u.model),
+    h('td', {}, `${u.guaranteed}/${u.allottedGuaranteed}`),
+    h('td', {}, `${bound(u.limit)}/${bound(u.allottedLimit)}`)));
+  return h('section', { class: 'panel allotment', 'aria-labelledby': id, dataset: { tenant: share.tenant } },
+    h('h2', { id }, `Allotment of ${share.tenant}`),
+    h('dl', { class: 'facts' },
+      ...[
+        ['Set by', share.declared ? 'the fleet admin' : 'its queues in the queues file'],
+        ['Highest weight', String(a.maxWeight)],
+        ['Highest priority class', a.maxPriorityClass || 'the default'],
+        ['Cohorts', a.cohorts.join(', ') || 'none'],
+      ].flatMap(([k, v]) => [h('dt', {}, k), h('dd', {}, v)])),
+    h('table', {},
+      h('thead', {}, h('tr', {},
+        h('th', {}, 'Model'), h('th', {}, 'Guaranteed: claimed/allotted'),
+        h('th', {}, 'Limits: claimed/allotted'))),
+      h('tbody', {}, rows)),
+    share.warnings.map((w) => h('p', { class: 'error' }, w)));
+}
+
 export function render(main, ctx) {
   let disposed = false;
   let timer = 0;
@@ -69,7 +96,10 @@ export function render(main, ctx) {
       error.textContent = '';
       clear(list).append(
         ...(body.warnings || []).map((w) => h('p', { class: 'note' }, w)),
-        h('div', { class: 'columns' }, body.items.map(card)));
+        h('div', { class: 'columns' }, body.items.map(card)),
+        ...((body.allotments || []).length
+          ? [h('h2', {}, 'Allotments'), h('div', { class: 'columns' }, body.allotments.map(allotment))]
+          : []));
       list.dataset.loaded = String(Date.now());
     } catch (failure) {
       if (!disposed) error.textContent = `Could not read the queues: ${failure.message}`;
