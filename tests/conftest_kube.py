@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client import ApiClient
 
 from broker.api import jobs, messages
@@ -13,7 +14,7 @@ from member_agent.cluster import base, watching
 from member_agent.cluster import kubernetes as k8s
 from member_agent.jobs import handling
 from member_agent.placement import limits
-from tests import kubeemulator
+from tests import helmrender, kubeauthz, kubeemulator
 
 FAST = watching.Backoff(initial=0.01, maximum=0.05)
 Kube = tuple[kubeemulator.Emulator, ApiClient]
@@ -29,11 +30,30 @@ async def kube() -> AsyncIterator[Kube]:
 
 @pytest.fixture
 async def start(kube: Kube) -> AsyncIterator[Start]:
-    """Start KubernetesBackends on the emulator (fast backoff); all are closed afterwards."""
+    """Start KubernetesBackends on the emulator (fast backoff); all are closed afterwards.
+
+    Each backend talks as the agent's ServiceAccount with the RBAC the member-agent chart
+    renders for the way it runs (its namespaces, devices mode, auto-cordon: tests/kubeauthz.py),
+    so a request the chart does not allow is 403 as on a real cluster (skipped without Go)."""
+    if helmrender.MISSING:
+        pytest.skip(helmrender.MISSING)
     started: list[k8s.KubernetesBackend] = []
+    clients: list[ApiClient] = []
 
     async def start_backend(**kwargs: Any) -> k8s.KubernetesBackend:
-        backend = k8s.KubernetesBackend("c1", api_client=kube[1], backoff=FAST, **kwargs)
+        settings = kwargs.get("health_settings")
+        values = kubeauthz.agent_values(
+            namespaces=kwargs.get("namespaces"),
+            devices=kwargs.get("devices", "device-plugin"),
+            auto_cordon=bool(settings and settings.auto_cordon),
+        )
+        token = f"{kubeauthz.AGENT_TOKEN}-{len(clients)}"
+        kube[0].accounts[token] = kubeauthz.chart_authorizer(values)
+        configuration = client.Configuration(host=kube[1].configuration.host)
+        api = ApiClient(configuration=configuration)
+        api.set_default_header("Authorization", f"Bearer {token}")
+        clients.append(api)
+        backend = k8s.KubernetesBackend("c1", api_client=api, backoff=FAST, **kwargs)
         protocol: base.ClusterBackend = backend  # mypy checks it is a ClusterBackend
         del protocol
         started.append(backend)
@@ -43,6 +63,8 @@ async def start(kube: Kube) -> AsyncIterator[Start]:
     yield start_backend
     for backend in started:
         await backend.close()
+    for api in clients:
+        await api.close()
 
 
 @pytest.fixture

@@ -14,6 +14,9 @@ The gaps of kmock 0.8 (see DEPENDENCIES.md) closed here, in a subclass:
 - `inject(...)` makes matching requests meet a `Fault` the way a real API server, etcd or the
   network between them does: a write that commits and then fails (a reset connection, a 504),
   429 with `Retry-After`, 5xx, 409 Conflict, 410 on an expired `continue`;
+- `accounts` maps bearer tokens to the RBAC of a ServiceAccount (tests/kubeauthz.py: the
+  member-agent chart's, as rendered): a request with such a token that its rules do not allow is
+  403 Forbidden; requests without one (the helpers', the test's own client) are an admin's;
 - a create of an object that exists is 409 `AlreadyExists` (kmock says "Object Already
   Exists"), naming the object in `details` as the API server does;
 - `v1/resourcequotas` is declared from the start (the backend lists them in every allowed
@@ -54,11 +57,13 @@ from typing import Any, ClassVar
 import aiohttp.web
 import attrs
 import kmock
+import pytest
 import yaml
 from kubernetes_asyncio import client
 
 from broker.api import status
 from member_agent.cluster import base
+from tests import helmrender, kubeauthz
 
 GPU = "nvidia.com/gpu"
 H100 = "NVIDIA-H100-80GB-HBM3"
@@ -226,6 +231,10 @@ class Emulator(kmock.KubernetesEmulator):
     )
     _failures: list[_Failure] = attrs.field(factory=list, init=False)
     _injections: list[_Injection] = attrs.field(factory=list, init=False)
+    # bearer token -> its RBAC (or what makes it, on the token's first request)
+    accounts: dict[str, kubeauthz.Authorizer | Callable[[], kubeauthz.Authorizer]] = attrs.field(
+        factory=dict, init=False
+    )
     dra_versions: tuple[str, ...] = attrs.field(default=(), init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -240,6 +249,9 @@ class Emulator(kmock.KubernetesEmulator):
         group = _group_path(request)
         if group is not None:
             return self._serve_api_group(group)
+        forbidden = self._authorize(request)
+        if forbidden is not None:
+            return forbidden
         if request.resource is not None and request.resource.plural == "resourceclaims":
             self._store_claim(request)
         if (
@@ -402,6 +414,17 @@ class Emulator(kmock.KubernetesEmulator):
             raise kmock.KubernetesError(
                 status=failure.status, reason="Injected", message=f"injected {failure.status}"
             )
+
+    def _authorize(self, request: kmock.Request) -> aiohttp.web.StreamResponse | None:
+        """The 403 of a request whose token's RBAC does not allow it (None: allowed)."""
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        token = str(headers.get("authorization") or "").removeprefix("Bearer ").strip()
+        account = self.accounts.get(token)
+        if account is None:
+            return None
+        if not isinstance(account, kubeauthz.Authorizer):
+            account = self.accounts[token] = account()
+        return account.check(request)
 
     def _take_fault(self, request: kmock.Request) -> Fault | None:
         for injection in self._injections:
@@ -966,10 +989,25 @@ def pod_request(name: str, node: str, gpus: list[int], **kwargs: Any) -> base.Po
 
 
 @contextlib.asynccontextmanager
-async def with_kubeconfig(directory: Path, name: str) -> AsyncIterator[tuple[Emulator, Path]]:
+async def with_kubeconfig(
+    directory: Path, name: str, *, rbac: Mapping[str, Any] | None = None
+) -> AsyncIterator[tuple[Emulator, Path]]:
     """An emulator on a loopback port, and a kubeconfig for it (context `name`) in `directory`:
-    for agent processes (`gpufed agent --backend kubernetes --kubeconfig ...`)."""
+    for agent processes (`gpufed agent --backend kubernetes --kubeconfig ...`). The kubeconfig's
+    token is the agent's ServiceAccount's, with the RBAC the member-agent chart renders for the
+    values `rbac` (default: `namespaces: [default]`, and DRA mode when the emulator serves
+    resource.k8s.io by the agent's first request): skipped without Go to render it."""
+    if helmrender.MISSING:
+        pytest.skip(helmrender.MISSING)
     async with Emulator() as emulator, kmock.Server(emulator) as server:
+
+        def chart_rbac() -> kubeauthz.Authorizer:
+            values = rbac or kubeauthz.agent_values(
+                namespaces=["default"], devices="dra" if emulator.dra_versions else "device-plugin"
+            )
+            return kubeauthz.chart_authorizer(dict(values))
+
+        emulator.accounts[kubeauthz.AGENT_TOKEN] = chart_rbac
         emulator.resources["v1/nodes"] = kmock.ResourceInfo(kind="Node", namespaced=False)
         emulator.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True)
         kubeconfig = directory / f"{name}.kubeconfig"
@@ -982,7 +1020,7 @@ async def with_kubeconfig(directory: Path, name: str) -> AsyncIterator[tuple[Emu
                     "clusters": [
                         {"name": name, "cluster": {"server": str(server.url).rstrip("/")}}
                     ],
-                    "users": [{"name": name, "user": {}}],
+                    "users": [{"name": name, "user": {"token": kubeauthz.AGENT_TOKEN}}],
                     "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
                 }
             )

@@ -94,15 +94,22 @@ def test_the_validator_rejects_a_broken_deployment(breakage: dict[str, Any]) -> 
 @pytest.mark.parametrize(
     "values",
     [
-        pytest.param(DEFAULTS, id="values.yaml"),
+        pytest.param(merged(DEFAULTS, {"namespaces": ["team-a"]}), id="values.yaml, a namespace"),
+        pytest.param(merged(DEFAULTS, {"allNamespaces": True}), id="values.yaml, allNamespaces"),
         pytest.param(EXAMPLE, id="ci/example-values.yaml"),
         pytest.param(
-            merged(DEFAULTS, {"broker": {"token": {"create": True, "value": "s3cret"}}}),
+            merged(
+                DEFAULTS,
+                {
+                    "namespaces": ["team-a"],
+                    "broker": {"token": {"create": True, "value": "s3cret"}},
+                },
+            ),
             id="token Secret created by the chart",
         ),
         pytest.param(
             merged(
-                DEFAULTS,
+                EXAMPLE,
                 {"devices": {"mode": "dra", "dra": {"attributes": {"product": "productName"}}}},
             ),
             id="DRA mode",
@@ -171,13 +178,14 @@ def test_the_cluster_role_reads_nodes_and_pods_and_nothing_more() -> None:
     }
 
 
-def test_each_allowed_namespace_gets_pod_create_delete_and_quota_reads() -> None:
+def test_each_allowed_namespace_gets_pod_create_delete_patch_and_quota_reads() -> None:
     roles = {role["metadata"]["namespace"]: role for role in of_kind("Role")}
     assert sorted(roles) == sorted(EXAMPLE["namespaces"])
     for role in roles.values():
         assert rules_of(role) == {
             ("", "pods", "create"),
             ("", "pods", "delete"),
+            ("", "pods", "patch"),
             ("", "resourcequotas", "get"),
             ("", "resourcequotas", "list"),
             ("", "resourcequotas", "watch"),

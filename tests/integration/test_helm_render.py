@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import posixpath
-import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,23 +28,19 @@ import yaml
 from broker.http import openapi
 from broker.state import opening
 from gpufed import cli, daemons
+from member_agent.cluster import kubernetes as k8s
 from member_agent.cluster import kubernetes_devices as devices
 from member_agent.cluster import kubernetes_health
+from tests import helmrender, kubeauthz
 from tests.integration.test_deploy_broker import flag_values, parse_broker_args
-from tests.integration.test_deploy_manifests import KUBERNETES_VERSIONS, merged, rules_of
+from tests.integration.test_deploy_manifests import KUBERNETES_VERSIONS, rules_of
 
-GOPATH = Path("/usr/share/gocode")  # where Debian's golang-*-dev packages put their sources
-GO = shutil.which("go")
-if GO is None or not (GOPATH / "src/github.com/Masterminds/sprig").is_dir():
-    pytest.skip(
-        "Helm render tests need Go and sprig: "
-        "apt-get install golang-go golang-github-masterminds-sprig-dev",
-        allow_module_level=True,
-    )
+if helmrender.MISSING:
+    pytest.skip(helmrender.MISSING, allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-CHARTS = ROOT / "deploy" / "helm"
-RELEASE, NAMESPACE = "gpufed", "gpufed-system"
+ROOT = helmrender.ROOT
+CHARTS = helmrender.CHARTS
+RELEASE, NAMESPACE = helmrender.RELEASE, helmrender.NAMESPACE
 BROKER, ETCD = "gpufed-broker", "gpufed-broker-etcd"
 ETCD_DOMAIN = f"{ETCD}.{NAMESPACE}.svc.cluster.local"
 
@@ -72,52 +65,12 @@ class Rendered:
 Render = Callable[..., Rendered]
 
 
-def go_env(cache: Path) -> dict[str, str]:
-    """GOPATH mode against Debian's packages: no module proxy, no network, no C compiler."""
-    env = dict(os.environ)
-    env.update(
-        GO111MODULE="off",
-        GOPATH=str(GOPATH),
-        GOFLAGS="",
-        GOPROXY="off",
-        GOTOOLCHAIN="local",
-        GOWORK="off",
-        CGO_ENABLED="0",
-    )
-    if not any(env.get(var) for var in ("GOCACHE", "XDG_CACHE_HOME", "HOME")):
-        env["GOCACHE"] = str(cache)
-    return env
-
-
 @pytest.fixture(scope="module")
 def renderer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("render")
-    binary = work / "render"
-    assert GO is not None
-    built = subprocess.run(
-        [GO, "build", "-o", str(binary), "./deploy/render"],
-        cwd=ROOT,
-        env=go_env(work / "gocache"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert built.returncode == 0, built.stderr
-    return binary
+    return helmrender.build_renderer(tmp_path_factory.mktemp("render"))
 
 
-def run_renderer(
-    renderer: Path, chart: Path, value_files: list[Path], *extra: str
-) -> subprocess.CompletedProcess[str]:
-    files = [arg for path in value_files for arg in ("-f", str(path))]
-    return subprocess.run(
-        [str(renderer), "--name", RELEASE, "--namespace", NAMESPACE, *files, *extra, str(chart)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+run_renderer = helmrender.run_renderer
 
 
 @pytest.fixture(scope="module")
@@ -132,12 +85,7 @@ def render(renderer: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         if key not in cache:
             directory = CHARTS / chart
             example = directory / "ci" / "example-values.yaml"
-            values = merged(
-                merged(yaml.safe_load((directory / "values.yaml").read_text()), load(example)),
-                override or {},
-            )
-            schema = json.loads((directory / "values.schema.json").read_text())
-            jsonschema.Draft7Validator(schema).validate(values)
+            values = helmrender.chart_values(chart, override)
             overrides = work / f"override-{len(cache)}.yaml"
             overrides.write_text(yaml.safe_dump(override or {}))
             done = run_renderer(renderer, directory, [example, overrides])
@@ -590,7 +538,7 @@ RESOURCE = "resource.k8s.io"
 EVENTS = "events.k8s.io"
 # the agent's own rules in device-plugin mode, cluster-wide and in each of its namespaces
 AGENT_CLUSTER_RULES = {("", r, v) for r in ("nodes", "pods") for v in ("get", "list", "watch")}
-AGENT_NAMESPACE_RULES = {("", "pods", "create"), ("", "pods", "delete")} | {
+AGENT_NAMESPACE_RULES = {("", "pods", v) for v in ("create", "delete", "patch")} | {
     ("", "resourcequotas", v) for v in ("get", "list", "watch")
 }
 
@@ -672,6 +620,65 @@ def test_gpu_health_keys_and_auto_cordon_are_values(render: Render) -> None:
     assert not default.auto_cordon and default.health_keys() == kubernetes_health.HealthKeys()
     assert default.health_settings().cordon_window == 3600.0
     assert rules_of(render("member-agent").one("ClusterRole", AGENT)) == AGENT_CLUSTER_RULES
+
+
+def test_the_default_namespaces_are_refused_not_an_agent_that_refuses_every_job(
+    render: Render, renderer: Path, tmp_path: Path
+) -> None:
+    # `namespaces: []` would render no Role and GPUFED_NAMESPACES="" (no namespace at all)
+    with pytest.raises(jsonschema.ValidationError, match="should be non-empty"):
+        render("member-agent", {"namespaces": []})
+    # and the templates, which Helm renders even where no schema is checked, fail too
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"namespaces": []}))
+    chart = CHARTS / "member-agent"
+    done = run_renderer(renderer, chart, [chart / "ci" / "example-values.yaml", values])
+    assert done.returncode != 0
+    assert "list the namespaces the agent may create pods in, or set allNamespaces" in done.stderr
+    with pytest.raises(jsonschema.ValidationError, match="is expected to be empty"):
+        render("member-agent", {"allNamespaces": True})  # and the example's namespaces
+
+
+@pytest.mark.parametrize("mode", ["device-plugin", "dra"])
+def test_all_namespaces_mode_grants_in_every_namespace_what_a_role_grants_in_one(
+    render: Render, renderer: Path, tmp_path: Path, mode: str
+) -> None:
+    override = {"allNamespaces": True, "namespaces": [], "devices": {"mode": mode}}
+    rendered = render("member-agent", override)
+    listed = render("member-agent", {"devices": {"mode": mode}})
+    assert "Role" not in rendered.kinds() and "RoleBinding" not in rendered.kinds()
+    [role, *_] = agent_roles(listed).values()
+    cluster_rules = rules_of(rendered.one("ClusterRole", AGENT))
+    assert cluster_rules == rules_of(listed.one("ClusterRole", AGENT)) | role
+    # GPUFED_NAMESPACES unset: the backend takes any namespace
+    [container] = rendered.one("Deployment", AGENT)["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert k8s.NAMESPACES_ENV not in env
+    assert k8s.namespaces_from_env(env) is None
+    # and the ServiceAccount may create, patch and delete pods anywhere
+    account = kubeauthz.chart_authorizer(override)
+    for verb in ("create", "patch", "delete"):
+        assert account.allows("", "pods", verb, "any-namespace", "p")
+    assert not account.allows("", "pods/exec", "create", "any-namespace", "p")
+    assert not account.allows("", "secrets", "get", "any-namespace", "s")
+    # the notes say so, not an empty list
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(override))
+    chart = CHARTS / "member-agent"
+    done = run_renderer(renderer, chart, [chart / "ci" / "example-values.yaml", values], "--notes")
+    assert done.returncode == 0, done.stderr
+    assert "It may create pods in every namespace" in done.stdout
+
+
+def test_the_notes_name_the_namespaces_and_the_dra_versions(renderer: Path, tmp_path: Path) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"devices": {"mode": "dra"}}))
+    chart = CHARTS / "member-agent"
+    done = run_renderer(renderer, chart, [chart / "ci" / "example-values.yaml", values], "--notes")
+    assert done.returncode == 0, done.stderr
+    assert "It may create pods in: team-a, team-b (and refuses jobs for any other)" in done.stdout
+    assert "Kubernetes 1.34 or later, or 1.33 with" in done.stdout
+    assert "DynamicResourceAllocation feature gate" in done.stdout
 
 
 def test_the_shared_gpu_resource_is_a_value(render: Render) -> None:
