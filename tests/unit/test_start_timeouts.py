@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from broker.api import messages, status
-from broker.jobs import fleet, reports, service, starting
+from broker.jobs import book, fleet, reports, service, starting
 from broker.planning import fitting, planning
 from broker.state import records, sqlite
 from broker.telemetry import metrics
@@ -183,7 +183,7 @@ async def test_the_time_left_counts_from_the_recorded_dispatch(
     await broker.dispatch("j1")
     broker.jobs.starts.due.clear()
     broker.clock.advance(age)
-    change = starting.book.Change(before=None, after=broker.record("j1"))
+    change = book.Change(before=None, after=broker.record("j1"))
     broker.jobs.starts(change)
     assert broker.jobs.starts.due["j1"] == (1, broker.clock.now + left)
 
