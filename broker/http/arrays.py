@@ -1,18 +1,26 @@
 """Array routes: `DELETE /v1/arrays/{array}` cancels an array's jobs (`api.arrays`).
 
 `{array}` is an array's id, or its name: the caller's newest array of that name. Without
-`index` every job of it not finished yet is cancelled, each as `DELETE /v1/jobs/{id}` would;
-`?index=i` cancels the one job of index `i`. The answer (202) lists the array's jobs as
-committed, finished ones too. Listing is `GET /v1/jobs?labelSelector=gpufed.io/array=<name>`
+`index` every job of it not finished yet is cancelled, each as `DELETE /v1/jobs/{id}` would,
+a slice at a time with turns of the event loop between (`service.Jobs.cancel_many`: other
+tenants' requests are answered meanwhile); `?index=i` cancels the one job of index `i`. The
+answer (202) comes once every job is cancelled (or its cancel asked of its agent) and lists
+the array's jobs as committed, finished ones too: what `DELETE /v1/jobs/{id}` answers for
+each, so that a caller that goes on after it (resubmits, lists) finds them cancelled.
+Listing is `GET /v1/jobs?labelSelector=gpufed.io/array=<name>`
 (with `,gpufed.io/array-index=<i>` for one index), over live and finished jobs alike.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from broker.api import errors, status
 from broker.http import auth, keys
+
+JOBS_PER_TURN = 200  # jobs of the answer written between two turns of the event loop
 
 
 def _index(request: web.Request, count: int) -> int | None:
@@ -42,15 +50,16 @@ async def cancel_array(request: web.Request) -> web.Response:
     ]
     if not chosen:
         raise errors.NotFound(f"array {name!r} has no job of index {index} not yet retired")
-    out = []
-    for member in chosen:
-        if member.status.state.terminal:
-            out.append(member)
-            continue
-        cancelled = await book.cancel(member.id, by=principal.describe())
-        out.append(cancelled or member)
-    body = status.JobList(items=out)
-    return web.json_response(body.api_json(), status=202)
+    live = [m.id for m in chosen if not m.status.state.terminal]
+    cancelled = {r.id: r for r in await book.cancel_many(live, by=principal.describe())}
+    parts = []
+    for at, member in enumerate(chosen):
+        if at and at % JOBS_PER_TURN == 0:
+            await asyncio.sleep(0)
+        record = cancelled.get(member.id, member)
+        parts.append(record.model_dump_json(by_alias=True, exclude=set(status.STORED_ONLY)))
+    body = f'{{"items":[{",".join(parts)}],"metadata":{{"continue":null}}}}'
+    return web.Response(body=body.encode(), status=202, content_type="application/json")
 
 
 def add_routes(app: web.Application) -> None:

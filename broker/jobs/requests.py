@@ -86,37 +86,71 @@ class Requests:
     async def _cancel_once(
         self, job_id: str, *, reason: str, by: str | None
     ) -> status.JobRecord | None:
+        found = await self._cancel_all([job_id], reason=reason, by=by)
+        return found[0] if found else None
+
+    async def cancel_many(
+        self, job_ids: Sequence[str], *, reason: str = "Cancelled", by: str | None = None
+    ) -> list[status.JobRecord]:
+        """Cancel these jobs in one commit (the book's transactions), each as `cancel`
+        would; returns them as committed (those the book does not have left out)."""
+        for _ in range(CANCEL_ATTEMPTS):
+            try:
+                return await self._cancel_all(job_ids, reason=reason, by=by)
+            except errors.ConflictError as exc:  # the ones committed are skipped next time
+                logger.info(
+                    "cancel of %d jobs raced another write, deciding again: %s", len(job_ids), exc
+                )
+        raise api_errors.Unavailable(
+            f"{len(job_ids)} jobs kept changing while being cancelled; retry",
+            title="Conflict",
+            headers={"Retry-After": "1"},
+        )
+
+    async def _cancel_all(
+        self, job_ids: Sequence[str], *, reason: str, by: str | None
+    ) -> list[status.JobRecord]:
         async with self.book.lock:
-            draft = self.book.draft(job_id)
-            if draft is None:
-                return None
-            state = draft.status.state
-            if state.terminal or draft.status.cancel_requested:
-                return self.book.get(job_id)
-            if state in (JobState.QUEUED, JobState.WAITING):
-                text = f"cancelled while {state.value.lower()}"
-                transitions.move(draft, JobState.CANCELLED, reason, text, by=by)
-                await self.book.commit([draft], fenced=False)
-                return draft
-            cluster = self.fleet.clusters.get(draft.status.cluster or "")
-            if cluster is not None and cluster.lost:
-                text = f"{cluster.name} lost: its agent deletes the pods when it returns"
-                transitions.move(draft, JobState.CANCELLED, reason, text, by=by)
-                await self.book.commit([draft], fenced=False)
-                return draft
-            draft.status.cancel_requested = True
-            draft.record(
-                state, "CancelRequested", "waiting for the agent to delete the pods", by=by
-            )
-            await self.book.commit([draft], fenced=False)
-            await self.fleet.send_cancel(
-                draft.status.cluster,
-                draft.id,
-                epoch=draft.status.epoch,
-                reason=reason,
-                attempt=transitions.attempt_of(draft),
-            )
-            return draft
+            out: list[status.JobRecord] = []
+            drafts: list[status.JobRecord] = []
+            asking: list[status.JobRecord] = []  # placed: the agent deletes the pods
+            for job_id in job_ids:
+                draft = self.book.draft(job_id)
+                if draft is None:
+                    continue
+                state = draft.status.state
+                if state.terminal or draft.status.cancel_requested:
+                    out.append(self.book.get(job_id) or draft)
+                    continue
+                cluster = self.fleet.clusters.get(draft.status.cluster or "")
+                if state in (JobState.QUEUED, JobState.WAITING):
+                    text = f"cancelled while {state.value.lower()}"
+                    transitions.move(draft, JobState.CANCELLED, reason, text, by=by)
+                elif cluster is not None and cluster.lost:
+                    text = f"{cluster.name} lost: its agent deletes the pods when it returns"
+                    transitions.move(draft, JobState.CANCELLED, reason, text, by=by)
+                else:
+                    draft.status.cancel_requested = True
+                    draft.record(
+                        state, "CancelRequested", "waiting for the agent to delete the pods", by=by
+                    )
+                    asking.append(draft)
+                drafts.append(draft)
+                out.append(draft)
+            try:
+                if drafts:
+                    await self.book.commit(drafts, fenced=False)
+            finally:  # a transaction that failed is not applied: its jobs are not asked
+                for draft in asking:
+                    if self.book.get(draft.id) is draft:
+                        await self.fleet.send_cancel(
+                            draft.status.cluster,
+                            draft.id,
+                            epoch=draft.status.epoch,
+                            reason=reason,
+                            attempt=transitions.attempt_of(draft),
+                        )
+            return out
 
 
 class ForwardedCancels:
