@@ -5,6 +5,7 @@ that uses nothing newer, during a rolling upgrade; a newer field is written when
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 from broker.api import inventory
 from broker.state import views
@@ -58,3 +59,14 @@ def test_mig_devices_are_written_only_for_a_model_that_has_some() -> None:
     data = json.loads(views.encode_view(with_mig, seen_at=None))
     assert data["models"][0]["mig"] == [{"profile": "1g.10gb", "total": 14, "free": 9}]
     assert views.decode_view(views.encode_view(with_mig, seen_at=None)).view == with_mig
+
+
+def test_a_cluster_scored_down_is_shown_so_by_a_follower() -> None:
+    down = view(
+        scored_down_until=datetime(2026, 1, 1, 12, 10, tzinfo=UTC),
+        scored_down_reason="3 jobs it accepted did not start within 1800 s",
+    )
+    data = json.loads(views.encode_view(down, seen_at=None))
+    assert data["scored_down_until"] == "2026-01-01T12:10:00Z"
+    assert views.decode_view(views.encode_view(down, seen_at=None)).view == down
+    assert "scored_down_until" not in json.loads(views.encode_view(view(), seen_at=None))
