@@ -85,5 +85,5 @@ async def call(
                 if tries > 1:
                     logger.warning("%s: giving up after %d tries: %s", what, tries, exc)
                 raise
-            logger.info("%s: try %d failed (%s), again in %.2f s", what, tries, exc, wait)
+            logger.debug("%s: try %d failed (%s), again in %.2f s", what, tries, exc, wait)
         await policy.sleep(wait)
