@@ -96,6 +96,7 @@ class Connection:
     capped: bool = True  # false: a trusted proxy's
     reserved: bool = False  # admitted past the cap: EXEMPT_PATHS only
     busy: int = 0  # requests in progress on it
+    exempt: bool = False  # its request in progress is on EXEMPT_PATHS: it takes no slot
     closed: bool = field(default=False, repr=False)
 
 
@@ -151,15 +152,20 @@ class ConnectionCap:
             self.by_transport[transport] = connection
             return connection
         held = self.open.setdefault(address, {})
-        if len(held) >= self.per_address:
-            idle = next((c for c in held if not c.busy), None)
-            if idle is not None:
-                self._evict(idle)
-        if len(held) >= self.per_address + self.reserve:
-            self.refused += 1
-            return None
-        regular = sum(1 for c in held if not c.reserved) if len(held) >= self.per_address else 0
-        connection = Connection(address, transport, reserved=regular >= self.per_address)
+        reserved = False
+        if len(held) >= self.per_address:  # probes' and agents' sessions take no slot
+            taking = sum(1 for c in held if not c.exempt)
+            if taking >= self.per_address:
+                idle = next((c for c in held if not c.busy), None)
+                if idle is not None:
+                    self._evict(idle)
+                    taking -= 1
+            if taking >= self.per_address + self.reserve:
+                self.refused += 1
+                return None
+            regular = sum(1 for c in held if not c.exempt and not c.reserved)
+            reserved = regular >= self.per_address
+        connection = Connection(address, transport, reserved=reserved)
         held[connection] = None
         self.by_transport[transport] = connection
         return connection
@@ -191,6 +197,7 @@ class ConnectionCap:
         (`counted`: against its cap)."""
         if connection is not None:
             connection.busy += 1
+            connection.exempt = not counted
         if counted:
             self.requests[client] += 1
         try:
@@ -202,6 +209,7 @@ class ConnectionCap:
                     del self.requests[client]
             if connection is not None:
                 connection.busy -= 1
+                connection.exempt = False
                 held = self.open.get(connection.address)
                 if not connection.busy and held is not None and connection in held:
                     del held[connection]  # the most recently idle: evicted last
