@@ -117,24 +117,35 @@ class Authorizer:
             if request.namespace
             else " at the cluster scope"
         )
-        message = (
-            f'{what} is forbidden: User "{self.user}" cannot {verb} resource "{resource}" '
-            f'in API group "{group}"{where}'
+        return forbidden(
+            request,
+            f'User "{self.user}" cannot {verb} resource "{resource}" in API group "{group}"{where}',
+            what=what,
         )
-        details: dict[str, Any] = {"kind": request.resource.plural}
-        if name:
-            details["name"] = name
-        body = {
-            "apiVersion": "v1",
-            "kind": "Status",
-            "metadata": {},
-            "status": "Failure",
-            "message": message,
-            "reason": "Forbidden",
-            "details": details,
-            "code": 403,
-        }
-        return aiohttp.web.json_response(body, status=403)
+
+
+def forbidden(
+    request: kmock.Request, why: str, *, what: str | None = None
+) -> aiohttp.web.StreamResponse:
+    """The API server's 403 for `request`: `<what> is forbidden: <why>`."""
+    assert request.resource is not None
+    name = request.name or ""
+    if what is None:
+        what = f'{request.resource.plural} "{name}"' if name else request.resource.plural
+    details: dict[str, Any] = {"kind": request.resource.plural}
+    if name:
+        details["name"] = name
+    body = {
+        "apiVersion": "v1",
+        "kind": "Status",
+        "metadata": {},
+        "status": "Failure",
+        "message": f"{what} is forbidden: {why}",
+        "reason": "Forbidden",
+        "details": details,
+        "code": 403,
+    }
+    return aiohttp.web.json_response(body, status=403)
 
 
 def verb_of(request: kmock.Request) -> str:

@@ -29,10 +29,22 @@ kubernetes-asyncio asks; kmock answers it as a list). ResourceClaims are stored 
 server stores them: a create's `status` is dropped, a patch of the claim changes everything but
 its status and one of `/status` only its status; a patch carrying a `metadata.resourceVersion`
 that is not the stored one is 409 Conflict; an allocation, once written, cannot be changed, and
-`reservedFor` needs one. A claim deleted while it has the scheduler's finalizer is marked
-(deletionTimestamp) and goes once none of the pods it is reserved for exists, as the
-resourceclaim controller lets it go. `slice_body` writes a ResourceSlice as NVIDIA's
-k8s-dra-driver-gpu publishes a node's GPUs.
+`reservedFor` needs one. kube-controller-manager's resourceclaim controller is modelled after
+every change to a pod or a claim: it drops from `reservedFor` the pods that are gone or done
+(Succeeded, Failed); a claim the scheduler allocated (it has the finalizer
+`resource.kubernetes.io/delete-protection`) whose last reservation was so dropped, or that is
+being deleted and reserved for no pod, is deallocated (`status.allocation` cleared, the
+finalizer removed); a claim being deleted goes once it has no finalizer left. The garbage
+collector deletes a claim all of whose owners are gone. `slice_body` writes a ResourceSlice as
+NVIDIA's k8s-dra-driver-gpu publishes a node's GPUs.
+
+Graceful deletion: a pod bound to a node and not done is, when deleted with a grace period (the
+request's, else its `terminationGracePeriodSeconds`, else 30 s), marked (`deletionTimestamp`,
+`deletionGracePeriodSeconds`: Terminating) and goes `termination_seconds` later (or at the end
+of its grace period, if shorter), as the kubelet stops it; a delete with grace 0 ends it at
+once. OwnerReferencesPermissionEnforcement (on by default in OpenShift; `enforce_owner_refs`):
+an account that sets `blockOwnerDeletion` on an owner reference needs `update` on the owner's
+`finalizers` subresource, else 403.
 
 Label and field selectors stay ignored (the backend uses none), and `/version/` stays 404 (the
 backend never asks for it). The helpers (`add_node`, `add_pod`, `set_pod_phase`,
@@ -236,6 +248,10 @@ class Emulator(kmock.KubernetesEmulator):
         factory=dict, init=False
     )
     dra_versions: tuple[str, ...] = attrs.field(default=(), init=False)
+    # how long a Terminating pod stays (the kubelet stopping it), at most its grace period
+    termination_seconds: float = attrs.field(default=0.05, init=False)
+    enforce_owner_refs: bool = attrs.field(default=True, init=False)
+    _terminations: dict[Any, asyncio.Task[None]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -277,7 +293,24 @@ class Emulator(kmock.KubernetesEmulator):
             return fault.answer(request)
         return response
 
+    async def __aexit__(self, *exc_info: Any) -> None:
+        for task in self._terminations.values():
+            task.cancel()
+        for task in list(self._terminations.values()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await super().__aexit__(*exc_info)
+
     async def _serve(self, request: kmock.Request) -> Any:
+        if (
+            request.action == kmock.action.DELETE
+            and request.resource is not None
+            and request.resource.plural == "pods"
+            and request.name
+        ):
+            answer = await self._delete_pod(request)
+            if answer is not None:
+                return answer
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             meta.setdefault("uid", str(uuid.uuid4()))
@@ -299,10 +332,68 @@ class Emulator(kmock.KubernetesEmulator):
                 message=f'{plural} "{meta.get("name")}" already exists',
                 details={"name": meta.get("name"), "kind": plural},
             ) from exc
-        deleted = request.resource.plural if request.resource is not None else ""
-        if request.action == kmock.action.DELETE and deleted in ("pods", "resourceclaims"):
-            await self._release_claims()
+        changed = request.resource.plural if request.resource is not None else ""
+        writes = (kmock.action.DELETE, kmock.action.UPDATE)
+        if request.action in writes and changed in ("pods", "resourceclaims"):
+            await self._control_claims()
         return response
+
+    # -- pods: graceful deletion ---------------------------------------------------------------
+
+    async def _delete_pod(self, request: kmock.Request) -> Any:
+        """A graceful delete (see the module); None: kmock deletes it at once (or says 404)."""
+        key: Any = (request.resource, request.namespace, request.name)
+        grace = _grace_of(request)
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                return None
+            obj = self.objects[key]
+            raw = obj.raw
+            spec = raw.get("spec") or {}
+            if grace is None:
+                grace = int(spec.get("terminationGracePeriodSeconds", 30))
+            done = (raw.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+            terminating = bool((raw.get("metadata") or {}).get("deletionTimestamp"))
+            if grace <= 0 or self.termination_seconds <= 0 or not spec.get("nodeName") or done:
+                if not terminating:
+                    return None
+                self._end_pod(key)  # kmock would leave a marked object be
+                answer = aiohttp.web.json_response(dict(obj.last.raw))
+            elif terminating:
+                return aiohttp.web.json_response(dict(raw))
+            else:
+                now = datetime.datetime.now(datetime.UTC)
+                stamp = (now + datetime.timedelta(seconds=grace)).strftime("%Y-%m-%dT%H:%M:%SZ")
+                meta = {"deletionTimestamp": stamp, "deletionGracePeriodSeconds": grace}
+                obj.patch({"metadata": meta})
+                self._record(key[0], {"type": "MODIFIED", "object": obj.raw})
+                delay = min(float(grace), self.termination_seconds)
+                self._terminations[key] = asyncio.create_task(self._terminate(key, delay))
+                return aiohttp.web.json_response(dict(obj.raw))
+        await self._control_claims()
+        return answer
+
+    async def _terminate(self, key: Any, delay: float) -> None:
+        await asyncio.sleep(delay)
+        async with self._lock:
+            self._terminations.pop(key, None)
+            if key in self.objects and not self.objects[key].deleted:
+                self._end_pod(key)
+        await self._control_claims()
+
+    def _end_pod(self, key: Any) -> None:
+        """The kubelet is done with a Terminating pod: it goes (under the lock)."""
+        task = self._terminations.pop(key, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        obj = self.objects[key]
+        raw = obj.raw
+        obj.delete()
+        self._record(key[0], {"type": "DELETED", "object": raw})
+
+    def terminating(self) -> list[dict[str, Any]]:
+        """The pods marked for deletion that are still there."""
+        return [p for p in self.pods() if (p.get("metadata") or {}).get("deletionTimestamp")]
 
     # -- resource.k8s.io, as the API server serves it -------------------------------------------
 
@@ -377,26 +468,58 @@ class Emulator(kmock.KubernetesEmulator):
         else:
             data.pop("status", None)
 
-    async def _release_claims(self) -> None:
-        """The resourceclaim controller: a claim being deleted goes once none of its pods is
-        left (its finalizer removed)."""
+    async def _control_claims(self) -> None:
+        """kube-controller-manager's resourceclaim controller and garbage collector, one pass
+        over every claim (see the module)."""
         async with self._lock:
-            live = {
-                (ns, name)
+            pods = {
+                (ns, name): obj.raw
                 for (resource, ns, name), obj in self.objects.items()
                 if resource.plural == "pods" and not obj.deleted
             }
-            for (resource, ns, _), obj in list(self.objects.items()):
-                if resource.plural != "resourceclaims" or obj.deleted:
+            uids = {str((raw.get("metadata") or {}).get("uid")) for raw in pods.values()}
+            for key, obj in list(self.objects.items()):
+                if key[0].plural != "resourceclaims" or obj.deleted:
                     continue
-                raw = obj.raw
-                if not (raw.get("metadata") or {}).get("deletionTimestamp"):
-                    continue
-                reserved = (raw.get("status") or {}).get("reservedFor") or []
-                if any((ns, r.get("name")) in live for r in reserved):
-                    continue
-                obj.delete()
-                self._record(resource, {"type": "DELETED", "object": raw})
+                self._control_claim(key, obj, pods, uids)
+
+    def _control_claim(
+        self, key: Any, obj: Any, pods: Mapping[tuple[str | None, str], Any], uids: set[str]
+    ) -> None:
+        resource, ns, _ = key
+        raw = obj.raw
+        meta = raw.get("metadata") or {}
+        current = raw.get("status") or {}
+        reserved = current.get("reservedFor") or []
+        valid = [r for r in reserved if _in_use(pods.get((ns, r.get("name"))), r)]
+        finalizers = list(meta.get("finalizers") or [])
+        status: dict[str, Any] = {}
+        if len(valid) != len(reserved):
+            status["reservedFor"] = valid or None
+        # deallocated on the change from "was used" to "is not used", or once being deleted
+        released = bool(reserved) and not valid
+        if (released or meta.get("deletionTimestamp")) and not valid:
+            if current.get("allocation") and DELETE_PROTECTION in finalizers:
+                status["allocation"] = None
+            if DELETE_PROTECTION in finalizers:
+                finalizers.remove(DELETE_PROTECTION)
+        if status or finalizers != list(meta.get("finalizers") or []):
+            patch: dict[str, Any] = {"metadata": {"finalizers": finalizers or None}}
+            if status:
+                patch["status"] = status
+            obj.patch(patch)
+            self._record(resource, {"type": "MODIFIED", "object": obj.raw})
+        owners = [str(o.get("uid")) for o in meta.get("ownerReferences") or []]
+        gone = bool(owners) and not any(uid in uids for uid in owners)
+        deleting = bool(meta.get("deletionTimestamp"))
+        if gone and not deleting and finalizers:
+            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            obj.patch({"metadata": {"deletionTimestamp": stamp}})
+            self._record(resource, {"type": "MODIFIED", "object": obj.raw})
+        elif (gone or deleting) and not finalizers:
+            last = obj.raw
+            obj.delete()
+            self._record(resource, {"type": "DELETED", "object": last})
 
     def _maybe_fail(self, request: kmock.Request) -> None:
         assert request.action is not None and request.resource is not None
@@ -424,7 +547,45 @@ class Emulator(kmock.KubernetesEmulator):
             return None
         if not isinstance(account, kubeauthz.Authorizer):
             account = self.accounts[token] = account()
-        return account.check(request)
+        forbidden = account.check(request)
+        if forbidden is None and self.enforce_owner_refs:
+            forbidden = self._check_owner_refs(account, request)
+        return forbidden
+
+    def _check_owner_refs(
+        self, account: kubeauthz.Authorizer, request: kmock.Request
+    ) -> aiohttp.web.StreamResponse | None:
+        """OwnerReferencesPermissionEnforcement: setting blockOwnerDeletion on a reference
+        needs `update` on the owner's finalizers (only references it newly sets)."""
+        if request.resource is None or not isinstance(request.data, dict):
+            return None
+        if request.action not in (kmock.action.CREATE, kmock.action.UPDATE):
+            return None
+        refs = (request.data.get("metadata") or {}).get("ownerReferences") or []
+        key: Any = (request.resource, request.namespace, request.name)
+        stored = (
+            self.objects[key].raw if key in self.objects and not self.objects[key].deleted else {}
+        )
+        before = {
+            str(o.get("uid"))
+            for o in (stored.get("metadata") or {}).get("ownerReferences") or []
+            if o.get("blockOwnerDeletion")
+        }
+        for ref in refs:
+            if not ref.get("blockOwnerDeletion") or str(ref.get("uid")) in before:
+                continue
+            group = str(ref.get("apiVersion", "")).rpartition("/")[0]
+            plural = f"{str(ref.get('kind', '')).lower()}s"
+            if account.allows(group, f"{plural}/finalizers", "update", request.namespace):
+                continue
+            return kubeauthz.forbidden(
+                request,
+                "cannot set blockOwnerDeletion if an ownerReference refers to a resource you "
+                f'can\'t set finalizers on: User "{account.user}" cannot update resource '
+                f'"{plural}/finalizers" in API group "{group}" in the namespace '
+                f'"{request.namespace}"',
+            )
+        return None
 
     def _take_fault(self, request: kmock.Request) -> Fault | None:
         for injection in self._injections:
@@ -697,8 +858,11 @@ class Emulator(kmock.KubernetesEmulator):
         body = pod_body(namespace, name, **kwargs)
         return await self._send("POST", f"/api/v1/namespaces/{namespace}/pods", body)
 
-    async def delete_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        return await self._send("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}")
+    async def delete_pod(self, namespace: str, name: str, *, grace: int = 0) -> dict[str, Any]:
+        """Delete a pod: at once (`kubectl delete --grace-period=0 --force`), or with a grace
+        period (Terminating for a while, see the module)."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{name}?gracePeriodSeconds={grace}"
+        return await self._send("DELETE", path)
 
     async def set_quota(
         self,
@@ -758,6 +922,24 @@ class Emulator(kmock.KubernetesEmulator):
         if reason:
             status["reason"] = reason
         await self._send("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", {"status": status})
+
+
+def _grace_of(request: kmock.Request) -> int | None:
+    """The grace period a delete asks (query parameter or DeleteOptions body), if any."""
+    raw = request.params.get("gracePeriodSeconds")
+    if raw is None and isinstance(request.data, dict):
+        raw = request.data.get("gracePeriodSeconds")
+    return None if raw is None else int(raw)
+
+
+def _in_use(pod: Mapping[str, Any] | None, ref: Mapping[str, Any]) -> bool:
+    """Whether a claim's `reservedFor` entry still names a pod that may use the devices."""
+    if pod is None:
+        return False
+    uid = (pod.get("metadata") or {}).get("uid")
+    if ref.get("uid") and uid and ref["uid"] != uid:
+        return False  # another pod of that name
+    return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
 
 
 def _list_key(item: Mapping[str, Any]) -> tuple[str, str]:

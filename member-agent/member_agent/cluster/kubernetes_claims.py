@@ -303,15 +303,14 @@ def allocation(plan: ClaimPlan, keys: devices.DeviceKeys) -> dict[str, Any]:
 
 
 def ownership(claim: Mapping[str, Any], plan: ClaimPlan, *, uid: str) -> dict[str, Any]:
-    """The metadata patch: the pod among the claim's owners, the scheduler's finalizer."""
+    """The metadata patch: the pod among the claim's owners, the scheduler's finalizer.
+
+    No `blockOwnerDeletion`: setting it needs `update` on `pods/finalizers` where the
+    OwnerReferencesPermissionEnforcement admission plugin runs (OpenShift), and the claim is
+    garbage-collected with its pod without it (it only holds a foreground deletion of the pod
+    until the claim is gone, which nothing here asks for)."""
     meta = claim.get("metadata") or {}
-    owner: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "name": plan.pod,
-        "uid": uid,
-        "blockOwnerDeletion": True,
-    }
+    owner: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "name": plan.pod, "uid": uid}
     if not plan.shared:
         owner["controller"] = True
     owners = [o for o in meta.get("ownerReferences") or [] if o.get("uid") != uid]
