@@ -216,8 +216,11 @@ async def client_middleware(request: web.Request, handler: Handler) -> web.Strea
             if connection is not None and connection.reserved:
                 answer.force_close()
             return answer
-    with cap.serving(connection, client, counted=not exempt):
+    cap.begin(connection, client, counted=not exempt)
+    try:
         return await handler(request)
+    finally:
+        cap.end(connection, client, counted=not exempt)
 
 
 @web.middleware

@@ -34,8 +34,7 @@ import signal
 import ssl
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -189,31 +188,27 @@ class ConnectionCap:
     def find(self, transport: asyncio.BaseTransport | None) -> Connection | None:
         return self.by_transport.get(transport) if transport is not None else None
 
-    @contextmanager
-    def serving(
-        self, connection: Connection | None, client: str, *, counted: bool
-    ) -> Iterator[None]:
-        """A request in progress on `connection` (not evicted meanwhile), from `client`
-        (`counted`: against its cap)."""
+    def begin(self, connection: Connection | None, client: str, *, counted: bool) -> None:
+        """A request in progress on `connection` (none: not one of the cap's), from `client`
+        (`counted`: against its cap; not for EXEMPT_PATHS). `end` follows it."""
         if connection is not None:
             connection.busy += 1
             connection.exempt = not counted
         if counted:
             self.requests[client] += 1
-        try:
-            yield
-        finally:
-            if counted:
-                self.requests[client] -= 1
-                if self.requests[client] <= 0:
-                    del self.requests[client]
-            if connection is not None:
-                connection.busy -= 1
-                connection.exempt = False
-                held = self.open.get(connection.address)
-                if not connection.busy and held is not None and connection in held:
-                    del held[connection]  # the most recently idle: evicted last
-                    held[connection] = None
+
+    def end(self, connection: Connection | None, client: str, *, counted: bool) -> None:
+        if counted:
+            self.requests[client] -= 1
+            if self.requests[client] <= 0:
+                del self.requests[client]
+        if connection is not None:
+            connection.busy -= 1
+            connection.exempt = False
+            held = self.open.get(connection.address)
+            if not connection.busy and held is not None and connection in held:
+                del held[connection]  # the most recently idle: evicted last
+                held[connection] = None
 
 
 CONNECTIONS = web.AppKey("connections", ConnectionCap)
