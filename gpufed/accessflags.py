@@ -176,8 +176,8 @@ def add_broker_flags(broker: argparse.ArgumentParser) -> None:
         metavar="CIDR",
         help="a proxy (address or CIDR, repeatable or comma-separated, e.g. the ingress's "
         "pod network) whose X-Forwarded-For names the client: caps, rate limits and the "
-        "audit log then count that client; the header is ignored from any other peer "
-        "(default: none)",
+        "audit log then count that client, and the proxy's own connections are not capped; "
+        "the header is ignored from any other peer (default: none)",
     )
     guard.add_argument(
         "--max-requests-per-principal",
