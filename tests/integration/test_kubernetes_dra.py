@@ -415,3 +415,63 @@ async def test_a_server_without_a_usable_dra_api_fails_at_start(
     emulator.declare_dra(served)
     with pytest.raises(errors.PermanentBackendError, match=message):
         await start(devices="dra")
+
+
+# -- what a real control plane does to claims ------------------------------------------------
+
+
+async def test_a_claim_is_owned_by_its_pod_without_needing_pods_finalizers(
+    dra: Kube, start: Start
+) -> None:
+    """Where OwnerReferencesPermissionEnforcement runs (OpenShift; the emulator enforces it), an
+    owner reference with blockOwnerDeletion needs `update` on pods/finalizers, which the chart
+    does not grant: the claim names its pod as owner without it, and still goes with it."""
+    emulator, _ = dra
+    assert emulator.enforce_owner_refs
+    await emulator.add_node("n1")
+    await emulator.add_slice("n1")
+    backend = await start(devices="dra")
+    reply = await KubeAgent(backend).offer("j1", gpu_job(gpus=2))
+    assert isinstance(reply, messages.Accepted), reply
+    [claim] = emulator.claims()
+    [owner] = claim["metadata"]["ownerReferences"]
+    assert owner["uid"] == uid_of(emulator, "j1-worker-0")
+    assert "blockOwnerDeletion" not in owner
+    # the pod deleted behind the agent's back: the claim is deallocated and collected with it
+    await emulator.delete_pod("default", "j1-worker-0")
+    await until(lambda: emulator.claims() == [])
+
+
+async def test_a_shared_claim_joined_after_its_deallocation_is_allocated_again(
+    dra: Kube, start: Start
+) -> None:
+    """The last pod of a shared claim ends: the resourceclaim controller drops it from
+    `reservedFor` and clears the allocation. A sharing pod placed on that GPU afterwards joins
+    the claim, which is allocated again (to the same GPU) and reserved for it."""
+    emulator, _ = dra
+    await emulator.add_node("n1", gpus=1)
+    await emulator.add_slice("n1", gpus=1)
+    backend = await start(devices="dra")
+    agent = KubeAgent(backend)
+    half = {"gpufed.io/gpu-milli": "500"}
+    first = await agent.offer("j1", gpu_job("a", annotations=half))
+    assert isinstance(first, messages.Accepted)
+    name = "gpufed-n1-gpu0-timeslice"
+    before = emulator.claim("default", name)
+    assert before is not None
+    await emulator.set_pod_phase("default", "j1-worker-0", "Succeeded")
+
+    def deallocated() -> bool:
+        claim = emulator.claim("default", name)
+        return claim is not None and not (claim.get("status") or {}).get("allocation")
+
+    await until(deallocated)
+    await until(lambda: backend.inventory().nodes["n1"].gpu_free == [1000])
+    second = await agent.offer("j2", gpu_job("b", annotations=half))
+    assert isinstance(second, messages.Accepted), second
+    claim = emulator.claim("default", name)
+    assert claim is not None
+    assert devices_of(claim) == ["gpu-0"]
+    assert [r["name"] for r in claim["status"]["reservedFor"]] == ["j2-worker-0"]
+    assert claim["metadata"]["finalizers"] == [kubeemulator.DELETE_PROTECTION]
+    assert claim["metadata"]["uid"] == before["metadata"]["uid"]  # joined, not made anew
