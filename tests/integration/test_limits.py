@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import statistics
@@ -272,6 +273,35 @@ async def test_the_last_event_streams_are_kept_for_callers_holding_none(start: S
     assert status == 503  # all 10 taken
     for stream in streams:
         stream.close()
+
+
+@pytest.mark.parametrize(
+    ("trusted", "source"),
+    [
+        pytest.param(("127.0.0.0/8",), "203.0.113.7", id="behind a trusted proxy: the client"),
+        pytest.param((), "127.0.0.1", id="no trusted proxy: the peer"),
+    ],
+)
+async def test_the_audit_log_and_rate_limits_name_the_client_a_trusted_proxy_forwards(
+    start: Start, tmp_path: Path, trusted: tuple[str, ...], source: str
+) -> None:
+    log = tmp_path / "audit.jsonl"
+    broker = await start(
+        listen=listening.ListenSettings(trusted_proxies=trusted),
+        audit_log=str(log),
+        rate_limit=1.0,
+        rate_burst=1.0,
+    )
+    forwarded = {"X-Forwarded-For": "203.0.113.7"}
+    status, _, _ = await broker.call("no-such-token", "GET", "/v1/jobs", headers=forwarded)
+    assert status == 401
+    status, problem, _ = await broker.call("guess-2", "GET", "/v1/jobs", headers=forwarded)
+    assert status == 429 and f"client {source} " in problem["detail"]
+    assert json.loads(log.read_text().splitlines()[0])["source"] == source
+    # another client of the proxy has a failure budget of its own; the proxy's peer has none
+    other = {"X-Forwarded-For": "198.51.100.9"}
+    status, _, _ = await broker.call("guess-3", "GET", "/v1/jobs", headers=other)
+    assert status == (401 if trusted else 429)
 
 
 def _html_page(app: web.Application) -> None:
