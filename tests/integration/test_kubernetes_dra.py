@@ -475,3 +475,32 @@ async def test_a_shared_claim_joined_after_its_deallocation_is_allocated_again(
     assert [r["name"] for r in claim["status"]["reservedFor"]] == ["j2-worker-0"]
     assert claim["metadata"]["finalizers"] == [kubeemulator.DELETE_PROTECTION]
     assert claim["metadata"]["uid"] == before["metadata"]["uid"]  # joined, not made anew
+
+
+async def test_a_sharing_pod_joins_the_claim_of_a_gpu_whose_last_pod_is_terminating(
+    dra: Kube, start: Start
+) -> None:
+    """A shared claim's last pod is stopped with a grace period and stays Terminating (its GPU
+    still used): a sharing pod placed on that GPU meanwhile joins the claim, which is neither
+    being deleted nor deallocated; it goes once its last pod is gone."""
+    emulator, _ = dra
+    emulator.termination_seconds = 1.0
+    await emulator.add_node("n1", gpus=1)
+    await emulator.add_slice("n1", gpus=1)
+    backend = await start(devices="dra")
+    agent = KubeAgent(backend)
+    half = {"gpufed.io/gpu-milli": "500"}
+    first = await agent.offer("j1", gpu_job("a", annotations=half))
+    assert isinstance(first, messages.Accepted)
+    cancel = messages.Cancel(job_id="j1", epoch=1, reason="Cancelled", grace_seconds=30)
+    await agent.handler.handle_cancel(cancel)
+    assert [p["metadata"]["name"] for p in emulator.terminating()] == ["j1-worker-0"]
+    second = await agent.offer("j2", gpu_job("b", annotations=half))
+    assert isinstance(second, messages.Accepted), second
+    await until(lambda: emulator.pod("default", "j1-worker-0") is None)
+    claim = emulator.claim("default", "gpufed-n1-gpu0-timeslice")
+    assert claim is not None and "deletionTimestamp" not in claim["metadata"]
+    assert [r["name"] for r in claim["status"]["reservedFor"]] == ["j2-worker-0"]
+    assert devices_of(claim) == ["gpu-0"]
+    await agent.cancel("j2")
+    await until(lambda: emulator.claims() == [])

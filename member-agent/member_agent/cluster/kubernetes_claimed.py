@@ -10,8 +10,12 @@ delete. A sharing pod may join its GPU's claim only from its own namespace (a cl
 and with the same sharing (`timeslice` or `mps`): otherwise the pod is refused, nothing made.
 
 A pod's deletion deletes its own claim at once (the finalizer keeps it while the kubelet still
-uses the devices; the pod's ownership would delete it too), and a shared claim when no other
-pod of gpufed's holds it. One create or release of a shared claim runs at a time, so a pod
+uses the devices; the pod's ownership would delete it too). A shared claim is left to the
+garbage collector, which deletes it once every pod owning it is gone: deleted at once, it would
+be marked (deletionTimestamp) while its last pod terminates through its grace period, and a
+sharing pod placed on that GPU meanwhile could not join it, nor get the device through a claim
+of its own. Only a pod whose creation failed deletes a shared claim no other pod of gpufed's
+holds (it may own none). One create or release of a shared claim runs at a time, so a pod
 joining a claim and the last one leaving it never cross.
 """
 
@@ -98,13 +102,10 @@ class ClaimedPods:
                 raise
 
     async def release(self, namespace: str, pod: str, record: objects.PodRecord | None) -> None:
-        """A pod was deleted: delete its claim, unless other pods of gpufed's hold it."""
+        """A pod was deleted: delete its own claim; a shared one goes with its last owner."""
         claim = _claim_of(namespace, pod, record)
         if claims.is_pod_claim(pod, claim):
             await self._writer.delete(namespace, claim)
-            return
-        async with self._locks[(namespace, claim)]:
-            await self._release(namespace, pod, record)
 
     async def _release(self, namespace: str, pod: str, record: objects.PodRecord | None) -> None:
         claim = _claim_of(namespace, pod, record)
