@@ -206,3 +206,70 @@ def test_a_job_held_back_by_its_array_is_never_parked() -> None:
     cycle = parking.plan_backlog(parked, _fleet(0), previous=None, array_holding={"sweep-abc": 3})
     assert not cycle.plan.assignments
     assert not cycle.parks  # they act once one of the array's jobs ends: planned every cycle
+
+
+def array_dep(condition: Condition = S) -> Resolved:
+    return Resolved(job="sweep", condition=condition, array="sw", count=3)
+
+
+@pytest.mark.parametrize(
+    ("entry", "states", "met", "failed", "waiting"),
+    [
+        pytest.param(
+            array_dep(),
+            dict.fromkeys(("sw-0", "sw-1", "sw-2"), JobState.SUCCEEDED),
+            True,
+            None,
+            None,
+            id="every job succeeded",
+        ),
+        pytest.param(
+            array_dep(),
+            {"sw-0": JobState.SUCCEEDED, "sw-1": JobState.RUNNING, "sw-2": JobState.QUEUED},
+            False,
+            None,
+            "array 'sweep': 2 of its 3 jobs to succeed (job sw-1: Running)",
+            id="two not ended: one line, the first named",
+        ),
+        pytest.param(
+            array_dep(),
+            {"sw-0": JobState.RUNNING, "sw-1": JobState.SUCCEEDED, "sw-2": JobState.FAILED},
+            False,
+            "job sw-2 of the array ended Failed",
+            None,
+            id="one failed while others run: fails at once",
+        ),
+        pytest.param(
+            array_dep(F),
+            {"sw-0": JobState.CANCELLED, "sw-1": JobState.SUCCEEDED, "sw-2": JobState.FAILED},
+            True,
+            None,
+            None,
+            id="Finished: any ends meet it",
+        ),
+        pytest.param(
+            array_dep(F),
+            {"sw-0": JobState.SUCCEEDED, "sw-2": JobState.SUCCEEDED},
+            False,
+            "job sw-1 of the array is gone",
+            None,
+            id="a job gone fails it",
+        ),
+    ],
+)
+def test_an_array_by_reference_is_decided_from_its_jobs(
+    entry: Resolved,
+    states: dict[str, JobState],
+    met: bool,
+    failed: str | None,
+    waiting: str | None,
+) -> None:
+    verdict = dependencies.decide(
+        [entry], {}, {"sw": dependencies.summarize(entry.member_ids(), states)}
+    )
+    assert verdict.met is met
+    assert (verdict.failed is None) is (failed is None)
+    if failed is not None:
+        assert verdict.failed is not None and failed in verdict.failed
+    assert verdict.waiting_for == ((waiting,) if waiting else ())
+    assert dependencies.decide([entry], states) == verdict  # the same without the summary
