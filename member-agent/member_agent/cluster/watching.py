@@ -6,7 +6,8 @@ its state with them; `ListWatch.run` then watches from the list's resourceVersio
 - a watch that ends (the server's `timeoutSeconds`, a proxy, a dropped connection) resumes
   from the resourceVersion of the last event or bookmark, so nothing is replayed or missed;
 - 410 Gone (that resourceVersion was compacted away) lists again at once: a relist replaces
-  the sink's state, so objects deleted meanwhile disappear and nothing is counted twice;
+  the sink's state, so objects deleted meanwhile disappear and nothing is counted twice; a
+  list whose `continue` token expires between pages starts over;
 - other failures reconnect after an exponential backoff with jitter, reset by a good watch.
 
 kubernetes-asyncio's own `Watch` helper is not used: it resumes a 410 with the same stale
@@ -34,6 +35,7 @@ from member_agent.cluster import kubernetes_errors as k8s_errors
 logger = logging.getLogger(__name__)
 
 ListCall = Callable[..., Awaitable[Any]]
+RELIST_ATTEMPTS = 3  # lists started over when a page's continue token expired
 
 
 class Sink(Protocol):
@@ -85,7 +87,19 @@ class ListWatch:
         self.watches = 0
 
     async def relist(self) -> None:
-        """List everything (page by page) and replace the sink's state with it."""
+        """List everything (page by page) and replace the sink's state with it. A `continue`
+        token that expired (410: the list's resourceVersion was compacted while paging) starts
+        the list over, a few times."""
+        for attempt in range(1, RELIST_ATTEMPTS + 1):
+            try:
+                await self._list()
+                return
+            except k8s_errors.WatchExpired:
+                if attempt == RELIST_ATTEMPTS:
+                    raise
+                logger.info("list %s: continue token expired (410), listing again", self.kind)
+
+    async def _list(self) -> None:
         started = time.monotonic()
         items: list[dict[str, Any]] = []
         token: str | None = None
