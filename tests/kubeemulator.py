@@ -251,6 +251,7 @@ class Emulator(kmock.KubernetesEmulator):
     # how long a Terminating pod stays (the kubelet stopping it), at most its grace period
     termination_seconds: float = attrs.field(default=0.05, init=False)
     enforce_owner_refs: bool = attrs.field(default=True, init=False)
+    forbidden: list[str] = attrs.field(factory=list, init=False)  # requests answered 403
     _terminations: dict[Any, asyncio.Task[None]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -550,6 +551,8 @@ class Emulator(kmock.KubernetesEmulator):
         forbidden = account.check(request)
         if forbidden is None and self.enforce_owner_refs:
             forbidden = self._check_owner_refs(account, request)
+        if forbidden is not None:
+            self.forbidden.append(f"{request.method.value} {request.url.path}")
         return forbidden
 
     def _check_owner_refs(
