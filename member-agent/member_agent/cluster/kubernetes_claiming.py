@@ -51,7 +51,8 @@ async def detect_version(api: client.ApiClient, *, timeout: float) -> str:
             if response.status == NOT_FOUND:
                 raise errors.PermanentBackendError(
                     f"the API server offers no {claims.GROUP} API: DRA mode needs Kubernetes "
-                    "1.33+ (resource.k8s.io/v1beta2) or 1.34+ (v1) and a DRA driver"
+                    "1.34+ (v1), or 1.33 with DRA turned on (the DynamicResourceAllocation "
+                    "feature gate, resource.k8s.io/v1beta2), and a DRA driver"
                 )
             group = await k8s_errors.read_json(response, what=what)
     try:
