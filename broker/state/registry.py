@@ -221,6 +221,35 @@ class QueueRegistry:
                 "spec.queue",
                 f"queue {spec.queue!r} belongs to tenant {queue.tenant}",
             )
+        self._check_priority(tenant, job)
+
+    def _check_priority(self, tenant: str, job: jobs.GPUJob) -> None:
+        """BeyondAllotmentError if `job` asks for a priority above the allotment the fleet
+        admin declared for its tenant: the allotment's highest class (else the policy's default
+        class; else none, value 0). A job's priority decides whom it may preempt, so a
+        submitter may not pick more than the admin gave its tenant. A tenant without a declared
+        allotment, or a fleet without priority classes, is not bounded here (as before
+        allotments: its jobs may name any declared class)."""
+        values = {c.name: c.value for c in self.config.priority_classes}
+        allotment, declared = self.allotment(tenant)
+        if not values or not declared:
+            return
+        top = allotment.max_priority_class or self.config.policy.default_priority_class
+        ceiling = values.get(top, 0) if top is not None else 0
+        spec = job.spec
+        if spec.priority_class is not None:
+            asked, field = values.get(spec.priority_class, 0), "spec.priorityClass"
+            what = f"priority class {spec.priority_class} ({asked})"
+        else:
+            asked, field, what = spec.priority, "spec.priority", f"priority {spec.priority}"
+        if asked > ceiling:
+            highest = f"{top} ({ceiling})" if top is not None else "no class (0)"
+            raise _refusal(
+                BeyondAllotmentError,
+                field,
+                f"{what} is above tenant {tenant}'s highest, {highest}; only the fleet admin "
+                "may allot more",
+            )
 
     # ---- the store ----------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from broker import app as broker_app
+from tests.builders import make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 TOKENS = [
@@ -215,3 +216,85 @@ async def test_each_tenant_reads_its_own_allotment_and_the_admin_every_one(
         "maxPriorityClass": None,
         "cohorts": ["default"],
     }
+
+
+PRIORITY_QUEUES = {
+    "priorityClasses": [
+        {"name": "normal", "value": 0},
+        {"name": "high", "value": 100},
+        {"name": "critical", "value": 1000},
+    ],
+    "queues": [
+        {"name": "a-q", "tenant": "team-a"},  # team-a: no allotment declared
+        {"name": "b-q", "tenant": "team-b"},
+        {"name": "c-q", "tenant": "team-c"},
+    ],
+    "allotments": [
+        {"tenant": "team-b", "maxPriorityClass": "high"},
+        {"tenant": "team-c"},  # no class: nothing above value 0
+    ],
+}
+
+
+@pytest.fixture
+async def submit_api(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
+    tokens = [{"token": "admin", "admin": True}] + [
+        {"token": tenant, "tenant": tenant} for tenant in ("team-a", "team-b", "team-c")
+    ]
+    (tmp_path / "tokens.yaml").write_text(yaml.safe_dump({"tokens": tokens}))
+    (tmp_path / "queues.yaml").write_text(yaml.safe_dump(PRIORITY_QUEUES))
+    settings = broker_app.BrokerSettings(
+        store=f"sqlite:///{tmp_path / 'broker.db'}",
+        tokens_file=tmp_path / "tokens.yaml",
+        queues_file=tmp_path / "queues.yaml",
+    )
+    client = TestClient(TestServer(broker_app.create_app(settings)))
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("tenant", "spec", "status", "field"),
+    [
+        pytest.param("team-c", {"priorityClass": "high"}, 403, "spec.priorityClass", id="class"),
+        pytest.param("team-c", {"priority": 5}, 403, "spec.priority", id="a number above 0"),
+        pytest.param(
+            "team-b",
+            {"priorityClass": "critical"},
+            403,
+            "spec.priorityClass",
+            id="above the declared highest class",
+        ),
+        pytest.param("team-c", {"priorityClass": "normal"}, 202, None, id="at the ceiling"),
+        pytest.param("team-b", {"priorityClass": "high"}, 202, None, id="the declared class"),
+        pytest.param(
+            "team-a",
+            {"priorityClass": "critical"},
+            202,
+            None,
+            id="no allotment declared: as before",
+        ),
+    ],
+)
+async def test_a_submitter_picks_no_priority_above_its_tenants_declared_allotment(
+    submit_api: TestClient[Any, Any],
+    tenant: str,
+    spec: dict[str, Any],
+    status: int,
+    field: str | None,
+) -> None:
+    """A job's priority decides whom it preempts: a submitter may not pick more than the fleet
+    admin allotted its tenant; a refusal names the field and stores nothing."""
+    queue = {"team-a": "a-q", "team-b": "b-q", "team-c": "c-q"}[tenant]
+    job = make_job("urgent", gpus=1, queue=queue).document()
+    job["spec"].update(spec)
+    async with submit_api.post("/v1/jobs", data=json.dumps(job), headers=bearer(tenant)) as answer:
+        body = await answer.json()
+        assert answer.status == status, body
+    if field is not None:
+        assert body["field"] == field and "only the fleet admin" in body["detail"], body
+        async with submit_api.get("/v1/jobs", headers=bearer("admin")) as listed:
+            assert (await listed.json())["items"] == []
