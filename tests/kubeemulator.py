@@ -1175,22 +1175,22 @@ def pod_request(name: str, node: str, gpus: list[int], **kwargs: Any) -> base.Po
 
 @contextlib.asynccontextmanager
 async def with_kubeconfig(
-    directory: Path, name: str, *, rbac: Mapping[str, Any] | None = None
+    directory: Path, name: str, *, namespaces: list[str] | None = None
 ) -> AsyncIterator[tuple[Emulator, Path]]:
     """An emulator on a loopback port, and a kubeconfig for it (context `name`) in `directory`:
     for agent processes (`gpufed agent --backend kubernetes --kubeconfig ...`). The kubeconfig's
-    token is the agent's ServiceAccount's, with the RBAC the member-agent chart renders for the
-    values `rbac` (default: `namespaces: [default]`, and DRA mode when the emulator serves
-    resource.k8s.io by the agent's first request): skipped without Go to render it."""
+    token is the agent's ServiceAccount's, with the RBAC the member-agent chart renders for
+    `namespaces` (None: `allNamespaces`, what an agent started without `--namespace` needs), in
+    DRA mode when the emulator serves resource.k8s.io by the agent's first request; a request it
+    refuses fails the test. Skipped without Go to render the chart."""
     if helmrender.MISSING:
         pytest.skip(helmrender.MISSING)
     async with Emulator() as emulator, kmock.Server(emulator) as server:
 
         def chart_rbac() -> kubeauthz.Authorizer:
-            values = rbac or kubeauthz.agent_values(
-                namespaces=["default"], devices="dra" if emulator.dra_versions else "device-plugin"
-            )
-            return kubeauthz.chart_authorizer(dict(values))
+            devices = "dra" if emulator.dra_versions else "device-plugin"
+            values = kubeauthz.agent_values(namespaces=namespaces, devices=devices)
+            return kubeauthz.chart_authorizer(values)
 
         emulator.accounts[kubeauthz.AGENT_TOKEN] = chart_rbac
         emulator.resources["v1/nodes"] = kmock.ResourceInfo(kind="Node", namespaced=False)
@@ -1211,6 +1211,7 @@ async def with_kubeconfig(
             )
         )
         yield emulator, kubeconfig
+        assert not emulator.forbidden, f"refused by the chart's RBAC: {emulator.forbidden}"
 
 
 @contextlib.asynccontextmanager
