@@ -283,14 +283,13 @@ async def test_a_dependency_on_an_arrays_name_waits_for_all_its_jobs(api: Client
         {"job": "sweep", "condition": "Succeeded", "ids": [], "array": array_id, "count": 3}
     ]
     why = await (await api.get(f"/v1/jobs/{report['id']}/why", headers=TEAM_A)).json()
-    assert f"array 'sweep': 3 of its 3 jobs to succeed (job {array_id}-0: Queued)" in why[
-        "message"
-    ]
+    assert f"array 'sweep': 3 of its 3 jobs to succeed (job {array_id}-0: Queued)" in why["message"]
     await api.delete("/v1/arrays/sweep?index=2", headers=TEAM_A)
     failed = await until_state(api, report["id"], "Failed")
-    assert f"job {array_id}-2 of the array ended Cancelled" in failed["status"]["events"][-1][
-        "message"
-    ]
+    assert (
+        f"job {array_id}-2 of the array ended Cancelled"
+        in failed["status"]["events"][-1]["message"]
+    )
 
 
 async def test_a_dependency_on_an_array_is_met_when_its_last_job_succeeds(api: Client) -> None:
