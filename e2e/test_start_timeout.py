@@ -151,6 +151,8 @@ async def test_a_job_not_running_within_the_start_timeout_runs_elsewhere(
             timeouts = [e for e in job["status"]["events"] if e["reason"] == "StartTimeout"]
             assert timeouts, job["status"]["events"]
             assert all(e["message"].startswith("stuck: not Running within 2 s") for e in timeouts)
+            # why the pods did not start, as the agent reported it
+            assert all("ImagePullBackOff" in e["message"] for e in timeouts), timeouts
             assert timeouts[0]["state"] == "Queued"
             why = await api.why(job_id)
             assert "StartTimeout: stuck: not Running within 2 s" in why["message"], why

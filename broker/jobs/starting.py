@@ -154,9 +154,10 @@ class Starts:
                 pods = record.status.pods
                 running = sum(pod.phase == status.PodPhase.RUNNING for pod in pods)
                 named = f"{running} of {len(pods)} pods Running" if pods else "no pods named"
+                said = next((f"; pod {p.name}: {p.reason}" for p in pods if p.reason), "")
                 text = (
                     f"{cluster.name}: not Running within {timeout:g} s of its dispatch "
-                    f"({named}); withdrawn"
+                    f"({named}{said}); withdrawn"
                 )
                 draft = book.draft_of(record)
                 draft.status.reasons = [text]

@@ -60,6 +60,8 @@ RACK_LABEL = "gpufed.io/rack"
 NVLINK_DOMAIN_LABEL = "gpufed.io/nvlink-domain"
 SIM_EXIT_AFTER_ANNOTATION = "gpufed.io/sim-exit-after"
 SIM_CHECKPOINT_EVERY_ANNOTATION = "gpufed.io/sim-checkpoint-every"
+# what a pod of a `stay_pending` pool says, as a kubelet says of an image that never pulls
+STUCK_REASON = "ImagePullBackOff: the pool holds its pods Pending (stay_pending)"
 
 
 class NodesFileError(ValueError):
@@ -344,6 +346,8 @@ class SimulatedBackend:
         self._by_job.setdefault(request.job_id, {})[key] = pod
         if node.labels.get(POOL_LABEL) not in self._stuck_pools:
             pod.timer = asyncio.get_running_loop().call_later(self.start_delay, self._start, pod)
+        else:
+            pod.reason = STUCK_REASON
         self._emit(pod)
 
     async def delete_pod(self, namespace: str, name: str, *, grace_seconds: float) -> None:
