@@ -165,6 +165,11 @@ class Creating:
                     (item.record.id for item, _ in batch),
                     self.store.create([item for item, _ in batch]),
                 )
+            except errors.TemporaryStoreError as exc:  # the store did not answer: no one
+                for _, done in batch:  # at a time, each waiting out the store again
+                    if not done.done():
+                        done.set_exception(exc)
+                return
             except (errors.StoreError, ValueError):
                 pass  # one of them conflicts (or repeats a key): one at a time below
             else:

@@ -16,6 +16,14 @@ most one attempt a second, so a whole-cluster outage answers fast). A read is th
 more on the new member; a transaction is not (it may have landed): its caller gets the
 TemporaryStoreError and decides again from fresh state, as for any failed commit.
 
+A transaction has a deadline (`write_timeout`, 5 s by default): a store that cannot commit
+(no quorum: two of three members down) fails it with a TemporaryStoreError then (503 and
+`Retry-After` at the API), never holds it until quorum returns. Once a transaction has run
+out its deadline and none has committed since, the store is `stalled`: the next ones get a
+probe's deadline (`stalled_timeout`: a few of the latest commits' round trips, at least a
+second), so writes queued behind the first one do not each wait the whole deadline again; the
+first commit that gets an answer ends the stall.
+
 TLS and etcd users (`etcd_credentials.EtcdCredentials`) apply to every member: each client,
 the first and every one a fail-over opens, is made with them. etcd forgets its auth tokens
 when it restarts (and a JWT token expires): a call refused for its token authenticates again
@@ -42,6 +50,9 @@ from broker.state import errors, etcd_credentials, store
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 5.0
+DEFAULT_WRITE_TIMEOUT = 5.0  # a transaction the store cannot commit fails this soon
+STALLED_MIN_TIMEOUT = 1.0  # a transaction while the store is stalled: at least this long ...
+STALLED_ROUND_TRIPS = 4.0  # ... and this many of the latest commits' round trips
 PROBE_TIMEOUT = 2.0
 PROBE_KEY = b"/gpufed/probe"  # under /gpufed/, where a least-privilege etcd role lets it read
 FAILOVER_EVERY = 1.0  # seconds between two attempts to find another member
@@ -77,6 +88,16 @@ NO_SPACE_ADVICE = (
 # etcd's answers to a token it does not know (it restarted; a JWT expired) or that predates a
 # change of users or roles: authenticating again is the cure.
 REFUSED_TOKEN_DETAILS = ("invalid auth token", "revision of auth store is old")
+# etcd's answers when it could not commit in time (no quorum, no leader, a leader election):
+# the same request may succeed later. "context deadline exceeded" is the server giving up at
+# the request's own deadline, answered as UNKNOWN.
+UNCOMMITTED_DETAILS = (
+    "context deadline exceeded",
+    "etcdserver: request timed out",
+    "etcdserver: no leader",
+    "etcdserver: leader changed",
+    "etcdserver: too many requests",
+)
 # INTERNAL with these details is gRPC core failing to send on a connection that broke (a
 # member killed mid-call, seen on a watch), not an answer of etcd's: another member may serve
 LOCAL_TRANSPORT_FAILURE = "Internal error from Core"
@@ -107,6 +128,8 @@ def translate_error(exc: BaseException, what: str) -> errors.StoreError:
     if NO_SPACE_DETAIL in details:  # before the codes: etcd answers it as RESOURCE_EXHAUSTED
         return errors.StoreFullError(f"{message} ({NO_SPACE_ADVICE})")
     if isinstance(exc, TEMPORARY_CLIENT_ERRORS):
+        return errors.TemporaryStoreError(message)
+    if any(text in details for text in UNCOMMITTED_DETAILS):
         return errors.TemporaryStoreError(message)
     if isinstance(rpc_error, rpc.AioRpcError) and rpc_error.code() in TEMPORARY_CODES:
         return errors.TemporaryStoreError(message)
@@ -189,10 +212,14 @@ class EtcdStore(store.Shortcuts):
         rpc_timeout: float = DEFAULT_TIMEOUT,
         endpoints: Sequence[tuple[str, int]] = (),
         credentials: etcd_credentials.EtcdCredentials = etcd_credentials.NONE,
+        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
     ) -> None:
         self.endpoint = endpoint
         self._client = client
         self._timeout = rpc_timeout
+        self.write_timeout = write_timeout
+        self.stalled = False  # a transaction ran out its deadline, none committed since
+        self._commit_seconds = 0.0  # the latest commits' round trip (moving average)
         self._credentials = credentials
         self._closing = asyncio.Event()
         self._endpoints = list(endpoints)
@@ -206,11 +233,13 @@ class EtcdStore(store.Shortcuts):
         *,
         rpc_timeout: float = DEFAULT_TIMEOUT,
         credentials: etcd_credentials.EtcdCredentials = etcd_credentials.NONE,
+        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
     ) -> EtcdStore:
         """A store on the first of `endpoints` (host, port) that answers; it fails over to
         the others later, with the same `credentials` (TLS, user).
 
         `rpc_timeout` bounds each unary call (seconds); watches are not bounded by it.
+        `write_timeout` bounds a transaction (`commit`).
         """
         failures: builtins.list[str] = []
         temporary = False
@@ -229,6 +258,7 @@ class EtcdStore(store.Shortcuts):
                 rpc_timeout=rpc_timeout,
                 endpoints=endpoints,
                 credentials=credentials,
+                write_timeout=write_timeout,
             )
         error = errors.TemporaryStoreError if temporary else errors.StoreError
         raise error(f"no etcd endpoint answers: {'; '.join(failures)}")
@@ -241,13 +271,14 @@ class EtcdStore(store.Shortcuts):
         current = self.endpoint.rsplit(":", 1)
         first = [(host, port) for host, port in self._endpoints if [host, str(port)] == current]
         endpoints = first + [e for e in self._endpoints if e not in first]
-        timeout, credentials = self._timeout, self._credentials
+        timeout, credentials, write_timeout = self._timeout, self._credentials, self.write_timeout
 
         async def connect() -> EtcdStore:
             return await EtcdStore.connect(
                 endpoints or [(current[0], int(current[1]))],
                 rpc_timeout=timeout,
                 credentials=credentials,
+                write_timeout=write_timeout,
             )
 
         return connect
@@ -355,13 +386,25 @@ class EtcdStore(store.Shortcuts):
     async def commit(self, txn: store.Txn) -> int:
         store.check_txn(txn)
         request = build_txn_request(txn)
+        deadline = self.commit_timeout()
+        started = time.monotonic()
 
         async def send(client: aetcd.Client) -> Any:
             stub = self._stub("txn", client)
             with translating_errors("txn"):
-                return await stub.Txn(request, timeout=self._timeout, metadata=client.metadata)
+                return await stub.Txn(request, timeout=deadline, metadata=client.metadata)
 
-        response = await self._call("txn", send, retry=False)
+        try:
+            response = await self._call("txn", send, retry=False)
+        except errors.TemporaryStoreError as exc:
+            if time.monotonic() - started >= deadline * 0.9:  # not answered in time
+                self.stalled = True
+                raise errors.TemporaryStoreError(
+                    f"etcd txn: not committed within {deadline:g} s (has etcd lost its "
+                    f"quorum?): {exc}"
+                ) from exc
+            raise
+        self._answered(time.monotonic() - started)
         if not response.succeeded:
             failed = {}
             for compare, op in zip(txn.compares, response.responses, strict=True):
@@ -384,6 +427,22 @@ class EtcdStore(store.Shortcuts):
             return
         self._closing.set()
         await self._client.close()
+
+    def commit_timeout(self) -> float:
+        """The deadline of the next transaction: `write_timeout`, or while the store is
+        `stalled` a probe's (a few of the latest commits' round trips, at least a second)."""
+        if not self.stalled:
+            return self.write_timeout
+        probe = max(STALLED_MIN_TIMEOUT, STALLED_ROUND_TRIPS * self._commit_seconds)
+        return min(self.write_timeout, probe)
+
+    def _answered(self, seconds: float) -> None:
+        """A transaction got its answer (committed or refused) after `seconds`."""
+        if self.stalled:
+            log.warning("etcd commits again (a transaction answered in %.3f s)", seconds)
+        self.stalled = False
+        average = self._commit_seconds
+        self._commit_seconds = seconds if average == 0.0 else 0.8 * average + 0.2 * seconds
 
     # -- DurableStore extras -----------------------------------------------------------------
 

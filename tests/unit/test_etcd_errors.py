@@ -26,6 +26,16 @@ def rpc_error(code: grpc.StatusCode, details: str) -> aio.AioRpcError:
             id="gRPC core failing to send on a broken connection (a member killed mid-call)",
         ),
         pytest.param(
+            grpc.StatusCode.UNKNOWN,
+            "context deadline exceeded",
+            True,
+            id="etcd gave up at the request's deadline (no quorum)",
+        ),
+        pytest.param(
+            grpc.StatusCode.UNKNOWN, "etcdserver: request timed out", True, id="etcd timed out"
+        ),
+        pytest.param(grpc.StatusCode.UNKNOWN, "etcdserver: no leader", True, id="no leader"),
+        pytest.param(
             grpc.StatusCode.INTERNAL, "etcdserver: corrupt cluster", False, id="etcd's own"
         ),
         pytest.param(
