@@ -25,11 +25,12 @@ to the pod as tolerations. A hostname selector would keep the kube-scheduler in 
 plugins, its preemption) at the cost of a scheduling round per pod and a gang that may bind
 only in part.
 
-Writes (`kubernetes_writing`): every pod create, delete and patch and every node patch is
-sent again on 429 (after its Retry-After), 5xx, a timeout or a connection failure, with a
-jittered exponential backoff, within `retry` (`retrying.RetryPolicy`: a 20 s deadline per
-request by default, backoff 0.1 s doubling to 5 s); a create that meets its own pod (an
-earlier try's answer lost) has succeeded, a delete that finds no pod is done.
+Writes (`kubernetes_writing`): every pod create, delete and patch, every node patch and, in
+DRA mode, every ResourceClaim request (`kubernetes_claiming`) is sent again on 429 (after its
+Retry-After), 5xx, a timeout or a connection failure, with a jittered exponential backoff,
+within `retry` (`retrying.RetryPolicy`: a 20 s deadline per request by default, backoff 0.1 s
+doubling to 5 s); a create that meets its own pod or claim (an earlier try's answer lost) has
+succeeded, a delete that finds nothing is done.
 
 Pods gpufed creates carry the labels `gpufed.io/job`, `gpufed.io/gang`, `gpufed.io/queue`,
 `gpufed.io/task`, the W3C `traceparent` annotation, `gpufed.io/gpus` (`0,1,2`): the GPU
@@ -309,7 +310,11 @@ class KubernetesBackend:
         if self._book is not None:
             version = await claiming.detect_version(api, timeout=self._request_timeout)
             self._claims = claiming.Claims(
-                api, version=version, keys=self._book.keys, request_timeout=self._request_timeout
+                api,
+                version=version,
+                keys=self._book.keys,
+                request_timeout=self._request_timeout,
+                policy=self._writer.policy,
             )
             self._claimed = claimed.ClaimedPods(
                 self._claims,

@@ -9,6 +9,23 @@ resourceVersion it was computed from, so the API server refuses it (409) when an
 (the resourceclaim controller dropping a gone pod, a second pod joining a shared claim) came
 first; then it is read and computed again, a few times.
 
+Each request is sent again while it fails in a way another try may not (`retrying`, with the
+policy the backend's pod writes use: 429 with its Retry-After, 5xx, timeouts, connection
+failures), within the request's deadline, and each may be sent twice, because a try whose answer
+was lost may have been applied:
+
+- a create answered 409 AlreadyExists reads the claim of that name: gpufed's, a pod's own or
+  shared as sent, of the same job and for the same devices (`claims.identity_problem`), it is
+  its own. Held by no pod (no owner, not reserved), it is the claim an earlier try created (or a
+  failed create left behind) and counts as created; held, it exists already (a shared claim
+  other pods hold) and is joined. Being deleted, the create is tried again until it is gone; a
+  claim of another job, other devices, or not gpufed's is `kubernetes_errors.Conflict`, and is
+  left alone;
+- a delete answered 404 is done;
+- a patch answered 409 is not sent again as it was: it carries the resourceVersion it was
+  computed from (one an earlier try applied moved it on too), so the claim is read and the
+  patch computed again, as for any other writer's change.
+
 `watches` are the list+watch loops DRA mode adds: ResourceSlices (the GPUs, `SliceFeed`) and
 the ResourceClaims of all namespaces (`ClaimFeed`: claims other schedulers allocated hold their
 devices in the inventory; gpufed's own are held through its pods).
@@ -23,7 +40,7 @@ from typing import Any
 from kubernetes_asyncio import client
 
 from broker.api import status
-from member_agent.cluster import errors, watching
+from member_agent.cluster import errors, retrying, watching
 from member_agent.cluster import kubernetes_claims as claims
 from member_agent.cluster import kubernetes_devices as devices
 from member_agent.cluster import kubernetes_errors as k8s_errors
@@ -71,10 +88,12 @@ class Claims:
         version: str,
         keys: devices.DeviceKeys,
         request_timeout: float,
+        policy: retrying.RetryPolicy,
     ) -> None:
         self.version = version
         self.keys = keys
         self._timeout = request_timeout
+        self.policy = policy
         self._resource: Any = (
             client.ResourceV1Api(api) if version == "v1" else client.ResourceV1beta2Api(api)
         )
@@ -106,20 +125,35 @@ class Claims:
         ]
 
     async def create(self, plan: claims.ClaimPlan) -> dict[str, Any] | None:
-        """Create the plan's claim; returns it, or None when it exists already (a shared
-        claim other pods hold, or a pod's claim a create that failed left behind)."""
+        """Create the plan's claim; returns it as the server has it, or None when it exists
+        already held by pods (see the module for a claim that exists)."""
         body = claims.build_claim(plan, version=self.version, keys=self.keys)
         what = f"create resourceclaim {plan.namespace}/{plan.name}"
         create: RawCall = self._resource.create_namespaced_resource_claim
-        async with k8s_errors.translating(what):
-            response = await create(
-                plan.namespace, body, _preload_content=False, _request_timeout=self._timeout
-            )
-            async with response:
-                if response.status == CONFLICT:
-                    return None
-                created: dict[str, Any] = await k8s_errors.read_json(response, what=what)
-        return created
+
+        async def attempt(timeout: float) -> dict[str, Any] | None:
+            try:
+                async with k8s_errors.translating(what):
+                    response = await create(
+                        plan.namespace, body, _preload_content=False, _request_timeout=timeout
+                    )
+                    async with response:
+                        created: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+                return created
+            except k8s_errors.Conflict as exc:
+                existing = await self._read(plan.namespace, plan.name, timeout=timeout)
+                if existing is None:  # deleted meanwhile: the name is free again
+                    raise errors.TemporaryBackendError(f"{what}: {exc}") from exc
+                problem = claims.identity_problem(existing, body)
+                if problem:
+                    raise k8s_errors.Conflict(f"{what}: the claim exists: {problem}") from exc
+                if (existing.get("metadata") or {}).get("deletionTimestamp"):
+                    raise errors.TemporaryBackendError(
+                        f"{what}: an earlier claim of that name is being deleted"
+                    ) from exc
+                return None if claims.is_held(existing) else existing
+
+        return await retrying.call(self.policy, what, attempt, timeout=self._timeout)
 
     async def reserve(
         self, plan: claims.ClaimPlan, *, uid: str, claim: dict[str, Any] | None = None
@@ -143,12 +177,19 @@ class Claims:
         raise errors.TemporaryBackendError(f"{what}: {ATTEMPTS} conflicting writes in a row")
 
     async def read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The claim; None when there is none."""
+        what = f"read resourceclaim {namespace}/{name}"
+
+        async def attempt(timeout: float) -> dict[str, Any] | None:
+            return await self._read(namespace, name, timeout=timeout)
+
+        return await retrying.call(self.policy, what, attempt, timeout=self._timeout)
+
+    async def _read(self, namespace: str, name: str, *, timeout: float) -> dict[str, Any] | None:
         what = f"read resourceclaim {namespace}/{name}"
         read: RawCall = self._resource.read_namespaced_resource_claim
         async with k8s_errors.translating(what):
-            response = await read(
-                name, namespace, _preload_content=False, _request_timeout=self._timeout
-            )
+            response = await read(name, namespace, _preload_content=False, _request_timeout=timeout)
             async with response:
                 if response.status == NOT_FOUND:
                     return None
@@ -160,38 +201,47 @@ class Claims:
         pod still uses its devices)."""
         what = f"delete resourceclaim {namespace}/{name}"
         delete: RawCall = self._resource.delete_namespaced_resource_claim
-        async with k8s_errors.translating(what):
-            response = await delete(
-                name, namespace, _preload_content=False, _request_timeout=self._timeout
-            )
-            async with response:
-                if response.status != NOT_FOUND:
-                    await k8s_errors.check_response(response, what=what)
+
+        async def attempt(timeout: float) -> None:
+            async with k8s_errors.translating(what):
+                response = await delete(
+                    name, namespace, _preload_content=False, _request_timeout=timeout
+                )
+                async with response:
+                    if response.status != NOT_FOUND:
+                        await k8s_errors.check_response(response, what=what)
+
+        await retrying.call(self.policy, what, attempt, timeout=self._timeout)
 
     async def _patch(
         self, plan: claims.ClaimPlan, body: dict[str, Any], *, what: str, status: bool = False
     ) -> dict[str, Any] | None:
-        """One merge patch; None on a conflict (the resourceVersion moved on)."""
+        """One merge patch, sent again on a temporary failure; None on a conflict (the
+        resourceVersion moved on: the caller reads the claim again)."""
         resource = self._resource
         call: RawCall = (
             resource.patch_namespaced_resource_claim_status
             if status
             else resource.patch_namespaced_resource_claim
         )
-        async with k8s_errors.translating(what):
-            response = await call(
-                plan.name,
-                plan.namespace,
-                body,
-                _content_type=MERGE_PATCH,
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            )
-            async with response:
-                if response.status == CONFLICT:
-                    return None
-                patched: dict[str, Any] = await k8s_errors.read_json(response, what=what)
-        return patched
+
+        async def attempt(timeout: float) -> dict[str, Any] | None:
+            async with k8s_errors.translating(what):
+                response = await call(
+                    plan.name,
+                    plan.namespace,
+                    body,
+                    _content_type=MERGE_PATCH,
+                    _preload_content=False,
+                    _request_timeout=timeout,
+                )
+                async with response:
+                    if response.status == CONFLICT:
+                        return None
+                    patched: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+            return patched
+
+        return await retrying.call(self.policy, what, attempt, timeout=self._timeout)
 
 
 class ClaimFeed:

@@ -345,6 +345,37 @@ def is_ours(claim: Mapping[str, Any]) -> bool:
     return CLAIM_LABEL in ((claim.get("metadata") or {}).get("labels") or {})
 
 
+_IDENTITY_LABELS = (CLAIM_LABEL, objects.JOB_LABEL)
+_IDENTITY_ANNOTATIONS = (
+    objects.GPUS_ANNOTATION,
+    migs.MIG_ANNOTATION,
+    objects.SHARING_ANNOTATION,
+)
+
+
+def identity_problem(existing: Mapping[str, Any], sent: Mapping[str, Any]) -> str:
+    """Why the claim found under a name is not the one `sent` ("" when it is: gpufed's, a
+    pod's own or shared as sent, of the same job, for the same devices)."""
+    old_meta, new_meta = existing.get("metadata") or {}, sent.get("metadata") or {}
+    old_labels, new_labels = old_meta.get("labels") or {}, new_meta.get("labels") or {}
+    if CLAIM_LABEL not in old_labels:
+        return "it is not gpufed's"
+    for key in _IDENTITY_LABELS:
+        if old_labels.get(key) != new_labels.get(key):
+            return f"its {key} is {old_labels.get(key)!r}, not {new_labels.get(key)!r}"
+    old_notes, new_notes = old_meta.get("annotations") or {}, new_meta.get("annotations") or {}
+    for key in _IDENTITY_ANNOTATIONS:
+        if old_notes.get(key) != new_notes.get(key):
+            return f"its {key} is {old_notes.get(key)!r}, not {new_notes.get(key)!r}"
+    return ""
+
+
+def is_held(claim: Mapping[str, Any]) -> bool:
+    """Whether a pod owns the claim or has it reserved."""
+    meta = claim.get("metadata") or {}
+    return bool(meta.get("ownerReferences") or (claim.get("status") or {}).get("reservedFor"))
+
+
 def allocated(claim: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """The devices an allocated claim holds: (driver, pool, device)."""
     results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get(
