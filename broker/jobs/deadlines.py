@@ -1,9 +1,15 @@
 """Active deadlines: a job past its `failurePolicy.activeDeadlineSeconds` fails, its pods go.
 
 A job's deadline is its first start (the first Running event, over all its attempts) plus
-its `activeDeadlineSeconds` (`transitions.active_deadline`): computed from the times stored
-with the job, so a broker that restarts, or a replica that becomes leader, finds the same
-deadlines in the records it loads. `Deadlines` is a book observer on every replica (it keeps
+its `activeDeadlineSeconds`, each replica counting it on its own clock (`local_deadline`): the
+replica whose book recorded the first start counts from that event's time (its own clock);
+a replica that learns of it from another's commit (the watch) counts from when it learned
+it. A follower that becomes leader thus never compares a time stamped by another host with
+its own clock: a leader whose clock runs ahead of the old one's does not fail jobs early by
+the difference. Only a replica that loads a job already started (it restarted) counts from
+the stored time: there the replicas' clocks must agree (NTP), and a skew of s seconds moves
+that job's deadline by s. A watch that lags makes a deadline late by the lag, never early.
+`Deadlines` is a book observer on every replica (it keeps
 the unfinished jobs that have a deadline, by job: O(those jobs), nothing for the others) and,
 on the leader (`dispatch.leading`), a task: when a deadline passes it commits the job Failed
 (`DeadlineExceeded`, fenced by the term) and then sends the job's agent a Cancel of that
@@ -23,7 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime
+from collections.abc import Callable
+from datetime import datetime, timedelta
 
 from broker.api import status
 from broker.jobs import book, fleet, transitions
@@ -39,34 +46,65 @@ MAX_BACKOFF_SECONDS = 30.0
 BATCH = 500  # jobs failed per commit, at most
 
 
+def local_deadline(
+    change: book.Change, *, now: datetime, known: datetime | None = None
+) -> datetime | None:
+    """When the job of `change` passes its active deadline, on this replica's clock (`now`
+    read from it); None when it has none (no `activeDeadlineSeconds`, not started yet,
+    finished or being cancelled). `known`: the deadline this replica set before, kept.
+
+    The first start as the change shows it is counted from the event's time when this
+    replica recorded it (its own clock), from `now` when it learns of it from another
+    replica's commit (that replica's clock is not this one's), and from the stored time when
+    the job was already started the first time this replica saw it (a load)."""
+    record = change.after
+    if record.status.state.terminal or record.status.cancel_requested:
+        return None
+    policy = record.job.spec.failure_policy
+    started = transitions.first_started(record)
+    if policy is None or policy.active_deadline_seconds is None or started is None:
+        return None
+    if known is not None:
+        return known
+    seconds = timedelta(seconds=policy.active_deadline_seconds)
+    before = change.before
+    if change.remote and before is not None and transitions.first_started(before) is None:
+        return now + seconds  # learned of the start now, from another replica's clock
+    return started + seconds
+
+
 class Deadlines:
     """The unfinished jobs with an active deadline, and the leader's task that enforces it."""
 
     def __init__(
-        self, jobs: book.JobBook, clusters: fleet.Fleet, *, meters: metrics.BrokerMetrics
+        self,
+        jobs: book.JobBook,
+        clusters: fleet.Fleet,
+        *,
+        meters: metrics.BrokerMetrics,
+        clock: Callable[[], datetime] = status.utcnow,
     ) -> None:
         self.book = jobs
         self.fleet = clusters
         self.meters = meters
-        self.due: dict[str, datetime] = {}  # job id -> when its deadline passes
+        self.clock = clock
+        self.due: dict[str, datetime] = {}  # job id -> when its deadline passes (this clock)
         self.expired = 0  # jobs this replica failed for their deadline
 
     def __call__(self, change: book.Change) -> None:
-        record = change.after
-        deadline = None
-        if not record.status.state.terminal and not record.status.cancel_requested:
-            deadline = transitions.active_deadline(record)
+        job_id = change.after.id
+        deadline = local_deadline(change, now=self.clock(), known=self.due.get(job_id))
         if deadline is None:
-            self.due.pop(record.id, None)
+            self.due.pop(job_id, None)
         else:
-            self.due[record.id] = deadline
+            self.due[job_id] = deadline
 
     def next_due(self) -> datetime | None:
         return min(self.due.values(), default=None)
 
     async def expire_once(self, *, now: datetime | None = None) -> int:
         """Fail the jobs whose deadline has passed and cancel their pods; how many failed."""
-        moment = now or status.utcnow()
+        moment = now or self.clock()
         passed = sorted(job_id for job_id, at in self.due.items() if at <= moment)[:BATCH]
         if not passed:
             return 0
@@ -77,7 +115,7 @@ class Deadlines:
                 if record is None or record.status.state.terminal or record.status.cancel_requested:
                     self.due.pop(job_id, None)
                     continue
-                deadline = transitions.active_deadline(record)
+                deadline = self.due.get(job_id)
                 if deadline is None or deadline > moment:
                     continue
                 holding = record.status.state in book.HOLDING
@@ -124,7 +162,7 @@ class Deadlines:
             pause = MAX_PAUSE_SECONDS
             try:
                 await self.expire_once()
-                pause = self.pause(now=status.utcnow())
+                pause = self.pause(now=self.clock())
                 failures = 0
             except errors.NotLeaderError:
                 raise  # the term ended: the leader's work stops this task
