@@ -56,6 +56,13 @@ profile (total, free, nodes by free), only to a broker whose welcome says `v` >=
 to an older one, which forbids unknown fields, the field is left out (None), and that broker
 sends no MIG job anywhere (it cannot tell where the slices are). A summary without the field
 is a model without MIG devices: a newer broker sends an older agent no MIG job.
+
+Trusted images (protocol 8): an offer carries the image prefixes the job may run
+(`Offer.allowed_images`, `broker.api.images`: its tenant's allotment narrowed by its queue, as
+the broker has them when it offers), and the agent refuses an offer naming another image,
+creating nothing. It is sent only to an agent whose hello says `v` >= `IMAGES_SINCE`
+(`encode(..., peer=)`): an older one, which forbids unknown fields, is sent none and relies on
+the broker's check at submit. An offer without the field restricts no image.
 """
 
 from __future__ import annotations
@@ -66,18 +73,19 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from broker.api import inventory, jobs, policies, status
+from broker.api import images, inventory, jobs, policies, status
 
 # every number on the wire is bounded (int64): a frame with a larger one is refused
 WireInt = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, Field(ge=1, le=2**63 - 1)]
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 ACKS_SINCE = 2  # the protocol version from which brokers acknowledge final reports
 LEASE_SINCE = 3  # the protocol version from which agents read the broker's grace in welcome
 CHECKPOINTS_SINCE = 4  # the protocol version from which brokers read `JobUpdate.checkpoint`
 LABELS_SINCE = 5  # the protocol version from which brokers read `ClusterSummary.labels`
 GPU_HEALTH_SINCE = 6  # the protocol version from which brokers read `ClusterSummary.gpu_health`
 MIG_SINCE = 7  # the protocol version from which brokers read `ModelSummary.mig`
+IMAGES_SINCE = 8  # the protocol version from which agents read `Offer.allowed_images`
 
 
 class _Msg(BaseModel):
@@ -132,6 +140,8 @@ class Offer(_Msg):
     job: jobs.GPUJob
     # the broker's dispatch count of the job: 2 and up when it runs again
     attempt: Positive = 1
+    # the image prefixes the job may run, normalized (protocol 8; None: any image)
+    allowed_images: Annotated[list[str], Field(max_length=images.MAX_PREFIXES)] | None = None
 
 
 class Accepted(_Msg):
@@ -239,12 +249,15 @@ def decode(text: str | bytes) -> Message:
     return MESSAGE.validate_json(text)
 
 
-def encode(message: _Msg) -> str:
+def encode(message: _Msg, *, peer: int = PROTOCOL_VERSION) -> str:
+    """One frame of `message` for a peer of protocol `peer` (what its hello or welcome said)."""
     exclude = _first_attempts(message)
     if isinstance(message, Summary) and not message.summary.labels:
         exclude = {"summary": {"labels"}}  # no labels: a frame every broker version reads
     if isinstance(message, Offer):
         exclude = {"job": {"spec": policies.BROKER_ONLY}, **({"attempt": True} if exclude else {})}
+        if peer < IMAGES_SINCE:
+            exclude["allowed_images"] = True
     return message.model_dump_json(by_alias=True, exclude_none=True, exclude=exclude)
 
 

@@ -13,7 +13,8 @@ capacity changes as clusters come and go.
 
 An allotment (`allotments` in the file) is what the fleet admin lets one tenant claim with all
 its queues together: guarantees and limits per GPU model, the highest weight and priority
-class, the cohorts. A tenant-admin's PUT beyond it is refused; `broker.api.allotments` says
+class, the cohorts, the images its jobs may run (`allowedImages`, which a queue may narrow:
+`broker.api.images`). A tenant-admin's PUT beyond it is refused; `broker.api.allotments` says
 what fits and what a tenant gets where the file declares no allotment.
 
 The queue mode (`QueueMode`, `--queue-mode`) says what a queue name nobody declared means:
@@ -27,9 +28,9 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from broker.api import jobs
+from broker.api import images, jobs
 
 ANY_MODEL = "*"
 
@@ -76,6 +77,10 @@ class ModelQuota(_Model):
 
 OPEN_QUOTA = ModelQuota()
 
+# an allowed-images prefix, normalized (`images.check_prefix`); a list of them, bounded
+ImagePrefix = Annotated[str, AfterValidator(images.check_prefix)]
+ImagePrefixes = Annotated[list[ImagePrefix], Field(max_length=images.MAX_PREFIXES)]
+
 
 class QueueSpec(_Model):
     """The body of `PUT /v1/queues/{name}`."""
@@ -85,6 +90,14 @@ class QueueSpec(_Model):
     weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
     priority_class: str | None = Field(None, alias="priorityClass")
     quotas: dict[str, ModelQuota] = Field(default_factory=dict)
+    allowed_images: ImagePrefixes | None = Field(
+        None,
+        alias="allowedImages",
+        description="image prefixes (registry host first, e.g. `nvcr.io/nvidia/`) the queue's "
+        "jobs may run, within its tenant's allotment's `allowedImages`: it narrows that list, "
+        "never widens it (null: the allotment's list alone; []: no image). See "
+        "`broker.api.images` for the matching rules",
+    )
 
     def quota(self, model: str) -> ModelQuota | None:
         """The quota of `model` (or the `"*"` entry); None: the queue may not use it."""
@@ -139,6 +152,14 @@ class Allotment(_Model):
     )
     cohorts: list[Annotated[str, Field(min_length=1, max_length=63)]] = Field(
         default_factory=lambda: ["default"], description="the cohorts its queues may join"
+    )
+    allowed_images: ImagePrefixes | None = Field(
+        None,
+        alias="allowedImages",
+        description="image prefixes (registry host first, e.g. `registry.example.com/team-a/`, "
+        "`nvcr.io/nvidia/`) the tenant's jobs may run; its queues may narrow it, not widen it "
+        "(null: any image; []: no image). Checked at submit and by the agent before it "
+        "creates pods; see `broker.api.images` for the matching rules",
     )
 
     def quota(self, model: str) -> ModelQuota | None:

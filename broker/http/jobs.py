@@ -137,6 +137,15 @@ async def why(request: web.Request) -> web.Response:
     return web.json_response(answer.model_dump(mode="json", by_alias=True))
 
 
+def _rejections(record: status.JobRecord) -> dict[str, str]:
+    """Per cluster, what its agent said when it last rejected the job (kept with the job)."""
+    said: dict[str, list[str]] = {}
+    for text in record.status.reasons:
+        cluster, _, message = text.partition(": ")
+        said.setdefault(cluster, []).append(message)
+    return {cluster: "; ".join(messages) for cluster, messages in said.items()}
+
+
 def why_answer(
     record: status.JobRecord,
     book: service.Jobs,
@@ -149,8 +158,15 @@ def why_answer(
     queued job, its position and ETA from the leader's scheduler (`lines`, None: not here);
     for a waiting one, the dependencies it waits for (`depends`: what they say now)."""
     waiting = book.waiting(record.id)
+    said = _rejections(record)  # what a cluster said when it "turned the job down", added
     reasons = [
-        queues.WhyReason(cluster=r.cluster, code=r.code, message=r.message)
+        queues.WhyReason(
+            cluster=r.cluster,
+            code=r.code,
+            message=f"{r.message}; last: {said[r.cluster]}"
+            if r.code == queues.ReasonCode.REJECTED and r.cluster in said
+            else r.message,
+        )
         for r in (waiting.details if waiting is not None else ())
     ]
     if depends is not None and record.status.state == status.JobState.WAITING:

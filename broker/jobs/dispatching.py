@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.api import clusterchoice, gangs, messages, status
@@ -22,6 +23,8 @@ from broker.state import errors
 from broker.telemetry import jobspans
 
 logger = logging.getLogger(__name__)
+
+ImagesOf = Callable[[str, str], list[str] | None]  # (tenant, queue) → allowed image prefixes
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,13 @@ class Dispatcher:
             self.book.note_waiting(miss.job_id, book.Waiting(miss.reasons, miss.details))
             self.spans.waiting(miss.job_id, miss.reasons, now=now)
 
-    async def dispatch(self, plan: planning.CyclePlan) -> Dispatched:
-        """Commit a cycle's assignments (Dispatched) and send the offers.
+    async def dispatch(
+        self, plan: planning.CyclePlan, *, images: ImagesOf | None = None
+    ) -> Dispatched:
+        """Commit a cycle's assignments (Dispatched) and send the offers; each offer carries
+        the image prefixes `images` says its job may run (tenant, queue → prefixes; None: any
+        image), as they are now: a job submitted before they were narrowed is refused by the
+        agent.
 
         The drafts are made under the book's lock and written without it (`JobBook.launch`):
         agents' reports, cancels and the group commit go on during the store's round trip,
@@ -164,6 +172,7 @@ class Dispatcher:
                 job=draft.job,
                 traceparent=self.spans.offer_traceparent(draft),
                 attempt=transitions.attempt_of(draft),
+                allowed_images=images(draft.tenant, draft.job.spec.queue) if images else None,
             )
             if await self.fleet.send(cluster.name, offer):
                 sent += 1

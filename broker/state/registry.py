@@ -44,7 +44,7 @@ from pathlib import Path
 import pydantic
 import yaml
 
-from broker.api import allotments, errors, jobs, queues
+from broker.api import allotments, errors, images, jobs, queues
 from broker.state import errors as store_errors
 from broker.state import quarantine, store
 
@@ -77,6 +77,12 @@ class BeyondAllotmentError(errors.Forbidden):
     """A tenant-admin's queue would claim more than its tenant's allotment."""
 
     title = "Beyond the tenant's allotment"
+
+
+class UntrustedImageError(errors.Invalid):
+    """A job names an image its tenant's allotment or its queue does not allow."""
+
+    title = "Image not allowed"
 
 
 def _refusal(kind: type[errors.GpufedError], field: str, message: str) -> errors.GpufedError:
@@ -181,6 +187,8 @@ class QueueRegistry:
             classes={c.name: c.value for c in config.priority_classes},
             default_class=config.policy.default_priority_class,
         )
+        excesses.extend(self._images_beyond(allotment, queue, previous))
+        excesses.sort(key=lambda e: e.field)
         if not excesses:
             return
         source = "declared by the fleet admin" if declared else "what the queues file gives it"
@@ -188,6 +196,41 @@ class QueueRegistry:
         raise BeyondAllotmentError(
             f"{detail} (the allotment is {source}; only the fleet admin may claim more)",
             field=excesses[0].field,
+        )
+
+    @staticmethod
+    def _images_beyond(
+        allotment: queues.Allotment, queue: queues.Queue, previous: queues.Queue | None
+    ) -> list[allotments.Excess]:
+        """The prefixes of `queue.allowedImages` that let through an image the allotment does
+        not (and its previous list did not: keeping what it had always fits). Such a prefix
+        would change nothing, the allotment's list applies at submit all the same; the PUT is
+        refused so that the queue does not seem to allow what its jobs may not run."""
+        if allotment.allowed_images is None or queue.allowed_images is None:
+            return []
+        wider = images.within(queue.allowed_images, allotment.allowed_images)
+        if previous is not None and previous.allowed_images is not None:
+            wider = images.within(wider, previous.allowed_images)
+        if not wider:
+            return []
+        allowed = ", ".join(allotment.allowed_images) or "none"
+        return [
+            allotments.Excess(
+                "allowedImages",
+                f"{', '.join(wider)}: beyond tenant {queue.tenant}'s allotment (allowedImages "
+                f"{allowed}); a queue may narrow it, not widen it",
+            )
+        ]
+
+    def allowed_images(self, tenant: str, queue: str) -> list[str] | None:
+        """The image prefixes the jobs of `tenant` in `queue` may run: the allotment's list
+        (declared by the fleet admin) narrowed by the queue's (`images.narrow`); None: any."""
+        allotment = self.base.allotment(tenant)
+        declared = self.config.queue(queue)
+        mine = declared if declared is not None and declared.tenant == tenant else None
+        return images.narrow(
+            allotment.allowed_images if allotment is not None else None,
+            mine.allowed_images if mine is not None else None,
         )
 
     # ---- jobs ---------------------------------------------------------------------------
@@ -207,7 +250,8 @@ class QueueRegistry:
             )
         queue = self.config.queue(spec.queue)
         if queue is None and not self.declared:
-            return  # open mode: an undeclared queue is an open queue
+            self._check_images(tenant, job)  # open mode: an undeclared queue is an open queue
+            return
         if queue is None:
             mine = sorted(q.name for q in self.config.queues if q.tenant == tenant)
             raise _refusal(
@@ -222,6 +266,18 @@ class QueueRegistry:
                 f"queue {spec.queue!r} belongs to tenant {queue.tenant}",
             )
         self._check_priority(tenant, job)
+        self._check_images(tenant, job)
+
+    def _check_images(self, tenant: str, job: jobs.GPUJob) -> None:
+        """UntrustedImageError (422, naming the first image's field, every one in `errors`) if
+        `job` names an image its tenant's allotment or its queue does not allow."""
+        found = images.refusals(job, self.allowed_images(tenant, job.spec.queue))
+        if found:
+            raise UntrustedImageError(
+                "; ".join(f"{r.field}: {r.message}" for r in found),
+                field=found[0].field,
+                errors=[{"field": r.field, "message": r.message} for r in found],
+            )
 
     def _check_priority(self, tenant: str, job: jobs.GPUJob) -> None:
         """BeyondAllotmentError if `job` asks for a priority above the allotment the fleet
@@ -295,8 +351,11 @@ class QueueRegistry:
             if bounded:
                 self.check_allotment(queue)
             config = self.config.with_queue(queue)
+            # without `allowedImages` when unset: a broker from before the field reads it
+            unset = {"allowed_images"} if queue.allowed_images is None else None
             revision = await self.backing.put(
-                f"{QUEUES}{queue.name}", queue.model_dump_json(by_alias=True).encode()
+                f"{QUEUES}{queue.name}",
+                queue.model_dump_json(by_alias=True, exclude=unset).encode(),
             )
             self.config = config
             self.stored.add(queue.name)

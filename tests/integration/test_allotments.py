@@ -215,6 +215,7 @@ async def test_each_tenant_reads_its_own_allotment_and_the_admin_every_one(
         "maxWeight": 1.0,
         "maxPriorityClass": None,
         "cohorts": ["default"],
+        "allowedImages": None,  # any image
     }
 
 

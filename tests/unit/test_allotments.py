@@ -206,6 +206,7 @@ def test_a_tenant_without_a_declared_allotment_gets_what_the_file_gives_it() -> 
         "maxWeight": 2.0,
         "maxPriorityClass": "normal",  # training names none: the policy's default
         "cohorts": ["research"],
+        "allowedImages": None,  # derived: any image
     }
     team_b = allotments.derive("team-b", bare)
     assert (team_b.max_priority_class, team_b.cohorts) == ("high", ["research", "serving"])

@@ -4,8 +4,9 @@
 event stream (`app.run_agent`); it owns the job table (`table`), which starts with the jobs
 found in the cluster (`adopt`, see `adopting`). Offers and cancels are handled one at a time
 under `lock`, so two offers never book the same GPUs. An offer goes through four steps, each a
-method of its own: check (`_check`: the gang's shape, the limits file and the namespace's
-ResourceQuotas, `placement.limits.check_gpus`), place (`_place`: `placement.gang.place_gang` on
+method of its own: check (`_check`: the gang's shape, its images against the offer's
+`allowed_images` (`broker.api.images`), the limits file and the namespace's ResourceQuotas,
+`placement.limits.check_gpus`), place (`_place`: `placement.gang.place_gang` on
 the live inventory, through `placing.Placer`), bind (`_bind`: `binding.create_gang`,
 all-or-nothing) and reply (`_accept` / `_reject`). Pod events move jobs through Running,
 Succeeded and Failed; a failed gang has its remaining pods deleted (`deleting.Deleter`). No
@@ -44,7 +45,7 @@ from datetime import UTC, datetime, timedelta
 
 from prometheus_client import Histogram
 
-from broker.api import gangs, jobs, messages, status
+from broker.api import gangs, images, jobs, messages, status
 from member_agent.binding import binding
 from member_agent.cluster import base
 from member_agent.jobs import adopting, deleting, placing, spans, table, updating
@@ -67,7 +68,7 @@ FINISHED_PODS_TTL_SECONDS = 600.0
 class Rejection:
     """An offer turned down: the result `JobHandler.offers` counts, and the reasons sent."""
 
-    result: str  # stale, fenced, invalid, limit, unplaceable, binding_failed
+    result: str  # stale, fenced, invalid, image, limit, unplaceable, binding_failed
     reasons: list[str]
 
 
@@ -225,12 +226,16 @@ class JobHandler:
         return "resent"
 
     def _check(self, offer: messages.Offer) -> gangs.GangRequest | Rejection:
-        """The offer's gang, if its shape is valid and it fits the namespace's GPU limits (the
-        limits file and the cluster's ResourceQuotas)."""
+        """The offer's gang, if its shape is valid, its images are allowed (the broker checked
+        them at submit; the list may have narrowed since) and it fits the namespace's GPU
+        limits (the limits file and the cluster's ResourceQuotas)."""
         try:
             request = gangs.gang_request(offer.job_id, offer.job, attempt=offer.attempt)
         except jobs.ShapeError as exc:
             return Rejection("invalid", [str(exc)])
+        untrusted = images.refusals(offer.job, offer.allowed_images)
+        if untrusted:
+            return Rejection("image", [f"{r.field}: {r.message}" for r in untrusted])
         namespace = offer.job.metadata.namespace
         limited = self.limits.gpu_limit(namespace) is not None  # else nothing to count against
         over = limits.check_gpus(
