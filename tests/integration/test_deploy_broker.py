@@ -354,8 +354,15 @@ def test_prometheus_scrapes_the_brokers_metrics() -> None:
 
 
 def test_the_rendered_file_has_what_the_templates_produce() -> None:
-    # sqlite only; the ServiceMonitor toggle is off; cert-manager's Certificate (tls) is off
-    skipped = {"pvc.yaml", "servicemonitor.yaml", "certificate.yaml"}
+    # sqlite only; the ServiceMonitor toggle is off; cert-manager's Certificate (tls) is off;
+    # so are the dashboards' ConfigMaps and the PrometheusRule
+    skipped = {
+        "pvc.yaml",
+        "servicemonitor.yaml",
+        "certificate.yaml",
+        "dashboards.yaml",
+        "prometheusrule.yaml",
+    }
     kinds: set[str] = set()
     for template in (CHART / "templates").glob("*.yaml"):
         if template.name not in skipped:

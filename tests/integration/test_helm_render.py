@@ -127,13 +127,27 @@ BROKER_VARIANTS = {
             }
         }
     },
+    "API sources named, etcd clients added": {
+        "networkPolicy": {
+            "api": {
+                "ingressNamespaceSelector": {"kubernetes.io/metadata.name": "ingress-nginx"},
+                "cidrs": ["203.0.113.0/24", "2001:db8::/32"],
+                "from": [{"podSelector": {"matchLabels": {"app": "console-proxy"}}}],
+            },
+            "monitoringNamespace": "monitoring",
+            "etcd": {"clientsFrom": [{"podSelector": {"matchLabels": {"app": "etcd-backup"}}}]},
+        }
+    },
+    "Grafana dashboards as ConfigMaps": {
+        "grafana": {"dashboards": {"enabled": True, "annotations": {"grafana_folder": "gpufed"}}}
+    },
     "five of each, spread over zones": {
         "replicas": 5,
         "podAntiAffinity": {"type": "required", "topologyKey": "topology.kubernetes.io/zone"},
         "etcd": {"replicas": 5, "podAntiAffinity": {"topologyKey": "topology.kubernetes.io/zone"}},
     },
 }
-AGENT_VARIANTS = {
+AGENT_VARIANTS: dict[str, Any] = {
     "one broker URL": None,
     "every broker replica's URL": {
         "broker": {"url": "", "urls": [f"https://b{i}.gpufed.example.com" for i in range(3)]}
@@ -159,6 +173,14 @@ AGENT_VARIANTS = {
             ],
             "interval": "30s",
         }
+    },
+    "metrics from another namespace and a CIDR, traces out": {
+        "networkPolicy": {
+            "monitoringNamespace": "observability",
+            "metricsFrom": [{"ipBlock": {"cidr": "10.8.0.0/16"}}],
+        },
+        "otel": {"endpoint": "http://otel-collector.observability:4317", "protocol": "grpc"},
+        "extraEnv": [{"name": "OTEL_TRACES_SAMPLER", "value": "always_on"}],
     },
     "GPU health and auto-cordon": {
         "gpuHealth": {
@@ -207,6 +229,16 @@ def test_every_rendered_object_is_valid_kubernetes(
             kubernetes_validate.validate(obj, version, strict=True)
         if obj["kind"] not in {"ClusterRole", "ClusterRoleBinding"}:
             assert obj["metadata"]["namespace"]
+
+
+@pytest.mark.parametrize("chart", ["broker", "member-agent"])
+def test_either_chart_takes_the_global_values_of_an_umbrella_chart(
+    render: Render, chart: str
+) -> None:
+    """As a dependency, a chart gets the parent's `global` values merged into its own, and
+    Helm checks them against its values.schema.json like any other key."""
+    umbrella = {"global": {"imageRegistry": "registry.example.com", "storageClass": "fast"}}
+    assert render(chart, umbrella).text == render(chart).text
 
 
 @pytest.mark.parametrize("chart", ["broker", "member-agent"])
@@ -497,7 +529,7 @@ def test_the_agent_gets_every_broker_replicas_url(render: Render) -> None:
         "containers"
     ]
     args = cli.build_parser().parse_args(["agent", "--backend", "kubernetes", *container["args"]])
-    assert args.broker == ",".join(override["broker"]["urls"])  # type: ignore[index]
+    assert args.broker == ",".join(override["broker"]["urls"])
 
 
 def test_the_agent_reports_the_cluster_labels_of_its_values(render: Render) -> None:
@@ -600,7 +632,7 @@ def test_device_plugin_mode_renders_no_dra_rules_nor_flags(render: Render) -> No
 def test_the_dcgm_urls_and_interval_are_values(render: Render) -> None:
     override = AGENT_VARIANTS["GPU utilisation from DCGM"]
     settings = agent_settings(render("member-agent", override))
-    assert settings.dcgm_urls == override["dcgm"]["urls"]  # type: ignore[index]
+    assert settings.dcgm_urls == override["dcgm"]["urls"]
     assert settings.dcgm_interval_seconds == 30.0
     assert agent_settings(render("member-agent")).dcgm_urls == []  # none by default
 

@@ -1,6 +1,7 @@
 """The broker chart and the scrape configs reach /metrics now that it needs a token: the
 ServiceMonitor sends one from a Secret, and `metrics.public` passes --metrics-public to a
-broker that takes it.
+broker that takes it. The agent chart serves the agent's /metrics on a Service, with scrape
+annotations or a ServiceMonitor; both monitors name the scrape jobs the rules match.
 
 Rendered by Helm's engine (tests/integration/test_helm_render.py's renderer; skipped without Go).
 """
@@ -10,7 +11,13 @@ from __future__ import annotations
 from gpufed import daemons
 from tests.integration import test_helm_render
 from tests.integration.test_deploy_broker import parse_broker_args
-from tests.integration.test_helm_render import BROKER, Render, broker_container
+from tests.integration.test_helm_render import (
+    AGENT,
+    BROKER,
+    Render,
+    agent_settings,
+    broker_container,
+)
 
 renderer = test_helm_render.renderer  # the module's fixtures: the renderer built once
 render = test_helm_render.render
@@ -40,3 +47,40 @@ def test_the_service_monitor_sends_the_metrics_token_from_its_secret(render: Ren
     without = render("broker", {"metrics": {"serviceMonitor": {"enabled": True}}})
     [endpoint] = without.one("ServiceMonitor", BROKER)["spec"]["endpoints"]
     assert "authorization" not in endpoint
+
+
+def test_the_agent_serves_metrics_on_a_service_its_service_monitor_scrapes(render: Render) -> None:
+    rendered = render("member-agent")
+    deployment = rendered.one("Deployment", AGENT)
+    pod = deployment["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    port = {p["name"]: p["containerPort"] for p in container["ports"]}["health"]
+    # metrics on by default, on the port the Service and the scrape annotations name
+    assert agent_settings(rendered).metrics_port == port == rendered.values["healthPort"]
+    service = rendered.one("Service", AGENT)
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    [service_port] = service["spec"]["ports"]
+    assert (service_port["targetPort"], service_port["port"]) == ("health", port)
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert (annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == (
+        str(port),
+        "/metrics",
+    )
+    assert "ServiceMonitor" not in rendered.kinds()  # needs the Prometheus Operator's CRDs
+
+    monitor = {"enabled": True, "interval": "15s", "labels": {"release": "kps"}}
+    with_monitor = render("member-agent", {"metrics": {"serviceMonitor": monitor}})
+    servicemonitor = with_monitor.one("ServiceMonitor", AGENT)
+    assert servicemonitor["metadata"]["labels"]["release"] == "kps"
+    assert servicemonitor["spec"]["selector"]["matchLabels"].items() <= (
+        with_monitor.one("Service", AGENT)["metadata"]["labels"].items()
+    )
+    [endpoint] = servicemonitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == (
+        service_port["name"],
+        "/metrics",
+        "15s",
+    )
+    # every agent series has its own `cluster` label: no target label may shadow it
+    assert not any(r.get("targetLabel") == "cluster" for r in endpoint.get("relabelings", []))
