@@ -11,7 +11,9 @@ watchdog (offer timeouts, lost clusters), the idempotency sweep, the cancels fol
 whose dependencies end (`jobs.dependents`), the cluster views
 for the followers (`state.views`) and the retirement of finished jobs (`jobs.retiring`: to
 the history store; without one, only the jobs past their own `ttlSecondsAfterFinished`,
-deleted). Only then is it `active`: `http.clusters` accepts agents on an active leader only.
+deleted) and the agents' knocks at followers (`knocking`: a leader its agents reach only
+through followers steps aside). Only then is it `active`: `http.clusters` accepts agents on an
+active leader only, and on any other replica records the refused agent's knock (`knocked`).
 
 When the term ends (`following` set: lease lost, a fenced commit refused, resigned), the tasks
 are cancelled at once, every agent session is closed (the agents reconnect to the new
@@ -29,7 +31,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from broker.api import inventory
-from broker.dispatch import connecting
+from broker.dispatch import connecting, knocking
 from broker.jobs import retiring, scheduling, service, watching
 from broker.state import electing, errors, records, store, views
 from broker.telemetry import metrics
@@ -69,6 +71,21 @@ class LeaderWork:
         self.scheduler: scheduling.Scheduler | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        # agents followers refuse, and the leader's watch over them (`knocking`)
+        self.knocks: knocking.Knocks | None = None
+        if isinstance(leadership, electing.Election):
+            self.knocks = knocking.Knocks(
+                leadership.backing,
+                leadership,
+                heartbeat=sessions.heartbeat,
+                on_error=meters.background_errors.labels(task="knocks").inc,
+            )
+
+    def knocked(self, cluster: str) -> None:
+        """An agent of `cluster` was refused here (this replica does not lead, or its work
+        has not started): a follower records the knock for the leader (`knocking`)."""
+        if self.knocks is not None:
+            self.knocks.note(cluster)
 
     async def run(self) -> None:
         """Lead whenever elected, until cancelled."""
@@ -124,6 +141,8 @@ class LeaderWork:
         ]
         if self.leadership.replicated:
             work.append(("cluster-views", self._publish_views()))
+        if self.knocks is not None:  # a leader its agents reach only through followers
+            work.append(("knocks", self.knocks.watch_term(self.jobs.fleet)))
         history = self.jobs.history
         if self.retention is not None:  # without a history: only the jobs' own TTLs
             retain, ttl = self.retention

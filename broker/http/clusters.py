@@ -28,6 +28,8 @@ async def list_clusters(request: web.Request) -> web.Response:
 async def connect_agent(request: web.Request) -> web.StreamResponse:
     principal = auth.caller(request)  # an agent's (broker.http.roles)
     if not request.app[keys.LEADER_WORK].active:
+        assert principal.cluster is not None
+        request.app[keys.LEADER_WORK].knocked(principal.cluster)  # for the leader (knocking)
         leader = request.app[keys.LEADERSHIP].leader_url
         raise errors.NotLeader(
             f"this broker replica does not lead: connect to the leader ({leader or 'none yet'})",

@@ -53,6 +53,9 @@ DEFAULT_TTL = 5
 BACKOFF_INITIAL = 0.1
 BACKOFF_MAX = 2.0
 REVOKE_TIMEOUT = 1.0
+ASIDE_MEMORY = 600.0  # a step aside doubles the hold-off of those this recent ...
+MAX_HOLD_OFF_FACTOR = 8  # ... up to this many times
+HOLD_OFF_LOOK_SECONDS = 0.5  # holding off, the leader key is read again this often
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -210,6 +213,8 @@ class Election:
         self._renewal: renewing.Renewal | None = None  # the current term's lease, renewed
         self._stop = asyncio.Event()  # ends the current term
         self._resigned = False
+        self._hold_until = 0.0  # monotonic: no campaign before (`step_aside`, `_back_off`)
+        self._asides: list[float] = []  # when this replica stepped aside, lately
 
     # ---- what the broker reads ------------------------------------------------------------
 
@@ -272,6 +277,27 @@ class Election:
         self._stop.set()
         self._changed()
 
+    def step_aside(self, reason: str, *, hold_off: float) -> None:
+        """Stop leading and let another replica lead (the lease is revoked as the term
+        ends): no campaign for `hold_off` seconds, doubled for each step aside within
+        `ASIDE_MEMORY` (at most `MAX_HOLD_OFF_FACTOR` times), so replicas that cannot keep the
+        lead for this reason do not pass it back and forth."""
+        if not self.is_leader:
+            return
+        now = time.monotonic()
+        self._asides = [at for at in self._asides if now - at < ASIDE_MEMORY] + [now]
+        factor = min(MAX_HOLD_OFF_FACTOR, 2 ** (len(self._asides) - 1))
+        self._hold(hold_off * factor)
+        self.step_down(f"{reason}; stepping aside, no campaign for {hold_off * factor:g} s")
+
+    def _hold(self, seconds: float) -> None:
+        self._hold_until = max(self._hold_until, time.monotonic() + seconds)
+
+    @property
+    def holding_off(self) -> float:
+        """Seconds until this replica campaigns again (0: it may now)."""
+        return max(0.0, self._hold_until - time.monotonic())
+
     async def resign(self) -> None:
         """Give the leadership up and campaign no more (SIGTERM): the lease is revoked, its
         key deleted, and a follower takes over within a round trip."""
@@ -303,6 +329,10 @@ class Election:
 
     async def _round(self) -> None:
         current = await self.backing.get(LEADER_KEY)
+        if self.holding_off and (current is None or decode_leader(current).replica == self.replica):
+            self._note(None)  # vacant, and this replica holds off: others campaign
+            await asyncio.sleep(min(self.holding_off, HOLD_OFF_LOOK_SECONDS))
+            return
         if current is None or decode_leader(current).replica == self.replica:
             # vacant, or held by this replica before (restarted within its lease: a replica
             # id is unique among live replicas): take it
