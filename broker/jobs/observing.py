@@ -79,7 +79,8 @@ class JobTelemetry:
                 )
         elif state.terminal and not before.terminal:
             self.spans.finished(record, now=now)
-            self.meters.jobs_finished.labels(state=state.value).inc()
+            queue = self.meters.queue_label(record.job.spec.queue)
+            self.meters.jobs_finished.labels(queue=queue, state=state.value).inc()
         if state == JobState.RUNNING and before != JobState.RUNNING:
             started = record.event_time(JobState.QUEUED) or record.created
             self.meters.submit_to_running.observe((now - started).total_seconds())

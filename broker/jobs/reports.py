@@ -114,7 +114,7 @@ class AgentReports:
         if record is None:
             await self._cancel_stale(cluster.name, message.job_id, message.epoch, message.attempt)
             return
-        self.meters.placements.labels(result="accepted").inc()
+        self.meters.placements.labels(cluster=cluster.name, result="accepted").inc()
         draft = book.draft_of(record)
         draft.status.pods = [
             status.PodStatus(name=p.name, task=p.task, node=p.node, gpus=p.gpus)
@@ -182,7 +182,7 @@ class AgentReports:
         self.spans.answered(message.job_id, accepted=False, reasons=message.reasons)
         if record is None or record.status.state != JobState.DISPATCHED:
             return None
-        self.meters.placements.labels(result="rejected").inc()
+        self.meters.placements.labels(cluster=cluster.name, result="rejected").inc()
         cluster.rejected[record.id] = cluster.summary.seq if cluster.summary else 0
         reasons = [f"{cluster.name}: {r}" for r in message.reasons]
         draft = book.draft_of(record)
@@ -398,7 +398,7 @@ class AgentReports:
                 cluster.inflight.pop(draft.id, None)
                 cluster.rejected[draft.id] = cluster.summary.seq if cluster.summary else 0
                 self.spans.answered(draft.id, accepted=False, reasons=[text])
-                self.meters.placements.labels(result="timeout").inc()
+                self.meters.placements.labels(cluster=cluster.name, result="timeout").inc()
                 await self.fleet.send_cancel(
                     cluster.name,
                     draft.id,

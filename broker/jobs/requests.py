@@ -61,8 +61,7 @@ class Requests:
         results = await self.book.create_many(new)
         for record, result in zip(new, results, strict=True):
             if result is record:
-                queue = self.meters.queue_label(record.job.spec.queue)
-                self.meters.jobs_submitted.labels(queue=queue).inc()
+                self.meters.count_submitted(self.meters.queue_label(record.job.spec.queue))
         return results
 
     async def cancel(

@@ -181,7 +181,7 @@ class Starts:
         self.due.pop(draft.id, None)
         cluster.inflight.pop(draft.id, None)
         cluster.rejected[draft.id] = cluster.summary.seq if cluster.summary else 0
-        self.meters.placements.labels(result="start_timeout").inc()
+        self.meters.placements.labels(cluster=cluster.name, result="start_timeout").inc()
         logger.warning(
             "job %s withdrawn: %s",
             draft.id,

@@ -1,6 +1,7 @@
 """The agent's `/metrics` and `/healthz`: a few numbers read from its parts at scrape time.
 
-`gpufed_agent_session_connected`, `gpufed_agent_sessions_total`,
+`gpufed_agent_session_connected`, `gpufed_agent_sessions_total` (this process's sessions: a
+restart starts it again, so the broker's `gpufed_cluster_sessions_total` is the one to alert on),
 `gpufed_agent_offers_total{result}`, `gpufed_agent_pods{phase}`, `gpufed_agent_jobs{state}`,
 `gpufed_agent_summaries_total`, `gpufed_agent_final_reports_unacknowledged`,
 `gpufed_agent_final_reports_resent_total`, `gpufed_agent_fenced` (1 while the cluster lease has
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -28,12 +29,38 @@ from prometheus_client import aiohttp as prometheus_aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from broker.api import status
 from member_agent.cluster import gpuhealth
 from member_agent.jobs import handling
 from member_agent.session import connecting, reporting
 from member_agent.utilisation import exporting, scraping
 
 logger = logging.getLogger(__name__)
+
+# Label values exported at 0 until they happen: a counter born at 1 hides its first event
+# from increase() and rate(), and a gauge that vanishes leaves a line hanging at its last value.
+# Every result `handling.JobHandler` counts an offer under.
+OFFER_RESULTS = (
+    "accepted",
+    "binding_failed",
+    "fenced",
+    "image",
+    "invalid",
+    "limit",
+    "resent",
+    "stale",
+    "unplaceable",
+)
+POD_PHASES = tuple(p.value for p in status.PodPhase)
+# an agent holds a job from its offer on: never Waiting or Queued
+JOB_STATES = tuple(
+    s.value for s in status.JobState if s not in (status.JobState.WAITING, status.JobState.QUEUED)
+)
+
+
+def with_zeros(counts: Mapping[str, int], known: Iterable[str]) -> dict[str, int]:
+    """`counts` with every `known` key it lacks at 0."""
+    return {**dict.fromkeys(known, 0), **counts}
 
 
 class AgentCollector(Collector):
@@ -69,7 +96,7 @@ class AgentCollector(Collector):
         offers = CounterMetricFamily(
             "gpufed_agent_offers", "Offers handled, by result", labels=["cluster", "result"]
         )
-        for result, count in sorted(self.handler.offers.items()):
+        for result, count in sorted(with_zeros(self.handler.offers, OFFER_RESULTS).items()):
             offers.add_metric([self.cluster, result], count)
         yield offers
         pods = GaugeMetricFamily(
@@ -77,13 +104,14 @@ class AgentCollector(Collector):
             "Pods of the jobs the agent holds, by phase",
             labels=["cluster", "phase"],
         )
-        for phase, count in sorted(self.handler.pods_by_phase().items()):
+        phases = with_zeros(self.handler.pods_by_phase(), POD_PHASES)
+        for phase, count in sorted(phases.items()):
             pods.add_metric([self.cluster, phase], count)
         yield pods
         jobs = GaugeMetricFamily(
             "gpufed_agent_jobs", "Jobs the agent holds, by state", labels=["cluster", "state"]
         )
-        states = Counter(record.state.value for record in self.handler.table)
+        states = with_zeros(Counter(r.state.value for r in self.handler.table), JOB_STATES)
         for state, count in sorted(states.items()):
             jobs.add_metric([self.cluster, state], count)
         yield jobs

@@ -348,25 +348,92 @@ def find_overlaps(panels: list[dict[str, Any]]) -> list[tuple[int, int]]:
     return sorted(set(overlaps))
 
 
-def test_dashboards_have_unique_panel_ids_a_tidy_grid_and_provisioned_data_sources() -> None:
+# each dashboard picks its data sources with these variables: imported into a Grafana whose
+# Prometheus has another uid (kube-prometheus-stack's is `prometheus`), every panel still works
+SOURCE_VARIABLES = {"datasource": "prometheus", "tempo": "tempo"}
+
+
+def test_dashboards_have_unique_panel_ids_a_tidy_grid_and_data_source_variables() -> None:
     boards = read_dashboards()
     assert {"gpufed-fleet.json", "gpufed-job.json"} <= set(boards)
     sources = yaml.safe_load((PROVISIONING / "datasources" / "gpufed.yaml").read_text())
     provisioned = {s["uid"]: s["type"] for s in sources["datasources"]}
     assert provisioned == {"gpufed-prometheus": "prometheus", "gpufed-tempo": "tempo"}
+    assert not any(s.get("isDefault") for s in sources["datasources"]), "a Grafana's default stays"
     for source in sources["datasources"]:
         for key in ("serviceMap", "tracesToMetrics"):
             linked = source.get("jsonData", {}).get(key, {}).get("datasourceUid")
             assert linked is None or linked in provisioned, (source["uid"], key)
     uids = [board["uid"] for board in boards.values()]
     assert len(set(uids)) == len(uids)
+    allowed = {"${" + name + "}" for name in SOURCE_VARIABLES}
     for name, board in boards.items():
         ids = [panel["id"] for panel in walk_panels(board["panels"])]
         assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
         assert find_overlaps(board["panels"]) == [], name
-        assert set(find_datasource_uids(board)) <= set(provisioned), name
+        variables = {v["name"]: v for v in board["templating"]["list"]}
+        for variable, kind in SOURCE_VARIABLES.items():
+            assert variables[variable]["type"] == "datasource", (name, variable)
+            assert variables[variable]["query"] == kind, (name, variable)
+        assert set(find_datasource_uids(board)) <= allowed, f"{name}: a data source by uid"
+        for uid in provisioned:
+            assert uid not in json.dumps(board), f"{name} names the data source {uid}"
         linked = re.findall(r"/d/([\w-]+)", json.dumps(board))
         assert set(linked) <= set(uids), f"{name}: links to a dashboard that is not here"
+
+
+def test_each_query_uses_the_data_source_variable_of_its_kind() -> None:
+    variable_of = {kind: name for name, kind in SOURCE_VARIABLES.items()}
+    for board in read_dashboards().values():
+        for panel in walk_panels(board["panels"]):
+            for target in panel.get("targets", []):
+                source = target["datasource"]
+                assert source["uid"] == "${" + variable_of[source["type"]] + "}", panel["id"]
+
+
+PICKERS = ("cluster", "model", "queue")  # the fleet dashboard's variables
+
+
+def test_fleet_panels_honour_the_cluster_model_and_queue_pickers() -> None:
+    """A panel over a family that has a picker's label filters on it: a queue picked shows
+    that queue, never every queue summed."""
+    families = collect_families()
+    series = {n: fam for family in families.values() for n, fam in family.series().items()}
+    board = read_dashboards()["gpufed-fleet.json"]
+    missing = []
+    for panel in walk_panels(board["panels"]):
+        for target in panel.get("targets", []):
+            for selector in promql.select_metrics(target["expr"]):
+                family = series.get(selector.name)
+                if family is None:
+                    continue
+                for picker in PICKERS:
+                    if f"(all {picker}s)" in panel["title"]:
+                        continue  # a figure of the whole cluster, and its title says so
+                    if picker in family.labels and f'{picker}=~"${picker}"' not in target["expr"]:
+                        missing.append(f"panel {panel['id']} {selector.name}: no ${picker}")
+    assert missing == []
+
+
+def read_ratio_queries() -> Iterator[Query]:
+    """The dashboard targets and recording rules that divide (alerts compare, and a NaN
+    compares false)."""
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        yield from (q for q in read_dashboard_queries(path) if " / " in q.expr)
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "record" in rule and " / " in rule["expr"]:
+                yield Query(rule["record"], rule["expr"])
+
+
+def test_ratios_divide_only_by_a_positive_denominator() -> None:
+    """`x / (y > 0)`: no value where nothing was measured, instead of NaN or +Inf."""
+    unguarded = [
+        f"{q.where}: {q.expr}"
+        for q in read_ratio_queries()
+        if not re.search(r"/ (on \(\w+\) )?\(.*> 0\)\s*$", q.expr, re.DOTALL)
+    ]
+    assert unguarded == []
 
 
 def test_the_job_dashboard_goes_from_a_trace_id_to_its_trace_in_tempo() -> None:
@@ -375,9 +442,9 @@ def test_the_job_dashboard_goes_from_a_trace_id_to_its_trace_in_tempo() -> None:
     assert {"trace_id", "job_id"} <= variables
     traces = [p for p in walk_panels(board["panels"]) if p["type"] == "traces"]
     assert [t["query"] for p in traces for t in p["targets"]] == ["${trace_id}"]
-    assert all(t["datasource"]["uid"] == "gpufed-tempo" for p in traces for t in p["targets"])
+    assert all(t["datasource"]["uid"] == "${tempo}" for p in traces for t in p["targets"])
     explore = [link["url"] for link in board["links"] if link["url"].startswith("/explore")]
-    assert explore and "gpufed-tempo" in explore[0] and "${trace_id}" in explore[0]
+    assert explore and "%22${tempo}%22" in explore[0] and "${trace_id}" in explore[0]
 
 
 def read_mounts(service: dict[str, Any]) -> dict[str, str]:
