@@ -78,6 +78,7 @@ class AgentCollector(Collector):
         self.connector = connector
         self.reporter = reporter
         self.dcgm = dcgm
+        self._queues: set[str] = set()  # every queue exported so far (`exporting.collect`)
 
     def collect(self) -> Iterator[Metric]:
         labels = ["cluster"]
@@ -138,7 +139,9 @@ class AgentCollector(Collector):
         yield from _gpu_health(self.cluster, self.handler.backend.gpu_health())
         for family in self.handler.placement_duration.collect():
             yield label_cluster(family, self.cluster)
-        yield from exporting.collect(self.cluster, self.handler.table, self.dcgm)
+        yield from exporting.collect(
+            self.cluster, self.handler.table, self.dcgm, known=self._queues
+        )
 
     def _lease(self, labels: list[str]) -> Iterator[Metric]:
         lease = self.connector.lease

@@ -14,6 +14,7 @@ from broker.planning import preemption
 from broker.telemetry import metrics
 from member_agent import telemetry
 from member_agent.jobs import handling
+from member_agent.utilisation import exporting
 
 
 def sample(meters: metrics.BrokerMetrics, name: str, **labels: str) -> float | None:
@@ -102,3 +103,9 @@ def test_the_known_label_values_are_the_code_s() -> None:
     results = set(re.findall(r'Rejection\(\s*"(\w+)"', source))
     results |= set(re.findall(r'^\s+return "(\w+)"$', source, re.MULTILINE))
     assert results == set(telemetry.OFFER_RESULTS)
+
+
+def test_an_agent_queue_holding_no_gpu_any_more_reads_0() -> None:
+    known = {"train"}  # what the collector exported before: train held GPUs then
+    [allocated] = exporting.collect("h100", [], None, known=known)
+    assert [(s.labels["queue"], s.value) for s in allocated.samples] == [("train", 0.0)]

@@ -52,13 +52,27 @@ _PER_QUEUE = (
 )
 
 
+# queues remembered to export at 0 once they hold nothing (their lines go to 0, not stop)
+KNOWN_QUEUES_LIMIT = 100
+
+
 def collect(
-    cluster: str, jobs: Iterable[table.TrackedJob], scraper: scraping.DCGMScraper | None
+    cluster: str,
+    jobs: Iterable[table.TrackedJob],
+    scraper: scraping.DCGMScraper | None,
+    *,
+    known: set[str] | None = None,
 ) -> Iterator[Metric]:
-    """The families above; without a scraper, allocation only."""
+    """The families above; without a scraper, allocation only. `known`: the queues exported
+    before (kept up to date here, up to `KNOWN_QUEUES_LIMIT`), at 0 when they hold nothing."""
     labels = ["cluster", "queue"]
     holdings = readings.holdings_of(jobs)
     uses = readings.join(scraper.gpus() if scraper is not None else (), holdings)
+    if known is not None:
+        for queue in uses:
+            if len(known) < KNOWN_QUEUES_LIMIT:
+                known.add(queue)
+        uses = {**{queue: readings.QueueUse() for queue in known}, **uses}
     allocated = GaugeMetricFamily(
         "gpufed_agent_queue_gpus_allocated",
         "GPUs held by the queue's live pods (a shared GPU counts its share)",
