@@ -28,6 +28,7 @@ from aiohttp import WSMsgType, web
 
 from broker.api import messages
 from broker.jobs import fleet, reports
+from broker.planning import snapshot
 from broker.state import electing, errors, records
 from broker.telemetry import metrics
 
@@ -55,15 +56,16 @@ def describe(exc: Exception) -> str:
 
 
 class SocketLink:
-    """AgentLink over an aiohttp WebSocket."""
+    """AgentLink over an aiohttp WebSocket to an agent of protocol `peer` (its hello's)."""
 
-    def __init__(self, ws: web.WebSocketResponse) -> None:
+    def __init__(self, ws: web.WebSocketResponse, *, peer: int = messages.PROTOCOL_VERSION) -> None:
         self.ws = ws
+        self.peer = peer
 
     async def send(self, message: messages._Msg) -> None:
         if self.ws.closed:
             raise ConnectionResetError("agent session closed")
-        await self.ws.send_str(messages.encode(message))
+        await self.ws.send_str(messages.encode(message, peer=self.peer))
 
     async def close(self, *, reason: str) -> None:
         await self.ws.close(code=4000, message=reason.encode()[:120])
@@ -128,7 +130,7 @@ class Sessions:
             request[REFUSED_HELLO] = refusal
             await ws.close(code=4003, message=refusal.encode()[:120])
             return ws
-        link = SocketLink(ws)
+        link = SocketLink(ws, peer=hello.v)
         try:
             fence = self.leadership.fence() if self.leadership is not None else None
             epoch = await self.job_store.next_epoch(cluster_name, fence=fence)
@@ -158,6 +160,7 @@ class Sessions:
                 hello, epoch=epoch, heartbeat_seconds=self.heartbeat, lost_after_seconds=grace
             )
             await link.send(welcome)
+            self.meters.welcome_session(cluster_name)
             cluster.unapplied, cluster.applied_read_at = 0, time.monotonic()
             self._fall_behind(cluster, link)  # its next frames wait while its hello is applied
             try:
@@ -296,7 +299,7 @@ class Sessions:
             match message:
                 case messages.Summary():
                     cluster.apply_summary(message)
-                    self._export_summary(cluster)
+                    self._export_cluster(cluster, now=time.monotonic())
                     self.fleet.changed.set()
                 case messages.Heartbeat():
                     pass
@@ -307,20 +310,21 @@ class Sessions:
             self.meters.agent_messages_failed.labels(cluster=cluster.name, type=kind).inc()
             logger.exception("handling %s from %s failed", kind, cluster.name)
 
-    def _export_summary(self, cluster: fleet.Cluster) -> None:
-        if cluster.summary is None:
-            return
-        self.meters.cluster_fragmentation.labels(cluster=cluster.name).set(
-            cluster.summary.fragmentation_milli / 1000
+    def _export_cluster(self, cluster: fleet.Cluster, *, now: float) -> None:
+        """The cluster's session state and GPUs as the broker sees them now."""
+        summary = cluster.summary
+        models = None
+        if summary is not None:
+            models = {
+                m.model: metrics.model_gpus(m, total=snapshot.total_gpus_of(m))
+                for m in summary.models
+            }
+        self.meters.set_cluster(
+            cluster.name,
+            health=cluster.health(now=now, stale_after=self.fleet.stale_after),
+            models=models,
+            fragmentation=summary.fragmentation_milli / 1000 if summary is not None else 0.0,
         )
-        for model in cluster.summary.models:
-            gauge = self.meters.cluster_gpus
-            allocated = model.total_gpus - model.free_gpus - model.unavailable_gpus
-            gauge.labels(cluster=cluster.name, model=model.model, state="free").set(model.free_gpus)
-            gauge.labels(cluster=cluster.name, model=model.model, state="allocated").set(allocated)
-            gauge.labels(cluster=cluster.name, model=model.model, state="unavailable").set(
-                model.unavailable_gpus
-            )
 
     async def _beat(self, link: SocketLink) -> None:
         seq = 0
@@ -382,5 +386,4 @@ class Sessions:
             moved = await self.reports.cluster_lost(cluster.name)
             cluster.lost = True
             logger.warning("cluster %s lost: %d jobs requeued", cluster.name, moved)
-        health = cluster.health(now=now, stale_after=self.fleet.stale_after)
-        self.meters.set_session_state(cluster.name, health)
+        self._export_cluster(cluster, now=now)

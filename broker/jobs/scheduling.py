@@ -291,7 +291,7 @@ class Scheduler:
             self.reservations = plan.reservations
             self._note_set_aside(plan, fleet)
             await self.victims.preempt(plan.preemptions)
-            outcome = await self.dispatcher.dispatch(plan)
+            outcome = await self.dispatcher.dispatch(plan, images=self.queues.allowed_images)
             offers = outcome.sent
             if cycle.deferred and not plan.busy:  # a slice of a deep backlog: plan on
                 self.book.wakeup.set()  # (every agent busy: its answers wake the next cycle)
@@ -335,19 +335,17 @@ class Scheduler:
 
     def _export_gauges(self) -> None:
         now = status.utcnow()
-        self.meters.pending_jobs.clear()
         self.meters.parked_jobs.set(len(self.backlog.parked()))
-        self.meters.pending_oldest_age.clear()
-        ages: dict[str, float] = {}  # per label: queues past the labelled ones share `other`
+        counts: dict[str, int] = {}  # per label: queues past the labelled ones share `other`
+        ages: dict[str, float] = {}
         for queue, count in self.waits.counts.items():
             label = self.meters.queue_label(queue)
-            self.meters.pending_jobs.labels(queue=label).inc(count)
+            counts[label] = counts.get(label, 0) + count
             oldest = self.waits.oldest(queue)
             if oldest is not None:
                 age = max(0.0, (now - oldest).total_seconds())
                 ages[label] = max(age, ages.get(label, 0.0))
-        for label, age in ages.items():
-            self.meters.pending_oldest_age.labels(queue=label).set(age)
+        self.meters.set_pending(counts, ages)
 
     def _export_queue_gauges(self) -> None:
         """GPUs in use, guaranteed and fair share per queue and model (at most every

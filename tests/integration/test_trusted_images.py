@@ -7,6 +7,7 @@ list it would refuse."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from broker import app as broker_app
 from broker.api import jobs, messages
-from tests.builders import make_job
+from tests.builders import make_job, make_model_summary, make_summary
 from tests.unit.agent import builders, harnesses
 
 TOKENS = [
@@ -26,10 +27,11 @@ TOKENS = [
     {"token": "a-admin", "tenant": "team-a", "role": "tenant-admin"},
     {"token": "team-a", "tenant": "team-a"},
     {"token": "team-b", "tenant": "team-b"},
+    {"token": "agent", "agent": "c1"},
 ]
 QUEUES = {
     "queues": [
-        {"name": "a-q", "tenant": "team-a"},
+        {"name": "a-q", "tenant": "team-a", "quotas": {"*": {}}},
         {"name": "a-torch", "tenant": "team-a", "allowedImages": ["nvcr.io/nvidia/pytorch"]},
         {"name": "b-q", "tenant": "team-b"},  # team-b has no list: any image, as before
     ],
@@ -196,6 +198,44 @@ async def test_a_tenant_admin_narrows_the_allotments_list_and_cannot_widen_it(
     assert status == 201, view
     status, problem = await submit(api, "team-a", job_with("a-any", "quay.io/x/y"))
     assert (status, problem["field"]) == (422, MAIN)
+
+
+@pytest.mark.parametrize(
+    ("version", "sent"),
+    [
+        pytest.param(
+            messages.IMAGES_SINCE,
+            ["nvcr.io/nvidia/", "registry.example.com/team-a/"],
+            id="an agent of protocol 8 is sent the tenant's list",
+        ),
+        pytest.param(
+            messages.IMAGES_SINCE - 1, None, id="an older agent, which would refuse it, none"
+        ),
+    ],
+)
+async def test_the_offer_carries_the_list_to_an_agent_that_reads_it(
+    api: TestClient[Any, Any], version: int, sent: list[str] | None
+) -> None:
+    ws = await api.ws_connect("/v1/agents/connect", headers=bearer("agent"))
+    try:
+        await ws.send_str(messages.encode(messages.Hello(cluster="c1", v=version)))
+        welcome = messages.decode(await ws.receive_str())
+        assert isinstance(welcome, messages.Welcome)
+        summary = make_summary("c1", make_model_summary("NVIDIA-L4", nodes_by_free=[0] * 8 + [2]))
+        await ws.send_str(messages.encode(messages.Summary(summary=summary)))
+        status, answer = await submit(
+            api, "team-a", job_with("a-q", "registry.example.com/team-a/app:1")
+        )
+        assert status == 202, answer
+        async with asyncio.timeout(10):
+            while True:
+                frame = json.loads(await ws.receive_str())
+                if frame["type"] == "offer":
+                    break
+        assert frame["job_id"] == answer["id"]
+        assert frame.get("allowed_images") == sent
+    finally:
+        await ws.close()
 
 
 # -- at the agent -------------------------------------------------------------------------------
