@@ -241,6 +241,27 @@ def test_either_chart_takes_the_global_values_of_an_umbrella_chart(
     assert render(chart, umbrella).text == render(chart).text
 
 
+@pytest.mark.parametrize(
+    ("chart", "override"),
+    [
+        pytest.param("broker", None, id="broker"),
+        pytest.param("broker", {"metrics": {"podAnnotations": False}}, id="broker, no scrape"),
+        pytest.param("member-agent", None, id="member-agent"),
+    ],
+)
+def test_the_cluster_autoscaler_may_move_gpufeds_own_pods(
+    render: Render, chart: str, override: dict[str, Any] | None
+) -> None:
+    """The cluster autoscaler keeps a node whose pods have local storage unless each such
+    volume is named safe to lose: the brokers' and the agent's only one is /tmp, scratch."""
+    pod = render(chart, override).one("Deployment", f"gpufed-{chart}")["spec"]["template"]
+    scratch = {v["name"] for v in pod["spec"]["volumes"] if "emptyDir" in v}
+    named = pod["metadata"]["annotations"][
+        "cluster-autoscaler.kubernetes.io/safe-to-evict-local-volumes"
+    ]
+    assert set(named.split(",")) == scratch == {"tmp"}
+
+
 @pytest.mark.parametrize("chart", ["broker", "member-agent"])
 def test_the_notes_render(renderer: Path, chart: str) -> None:
     directory = CHARTS / chart
