@@ -20,6 +20,7 @@ from prometheus_client import parser
 
 from broker.telemetry import metrics
 from gpufed.local import processes
+from member_agent import telemetry
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
@@ -173,11 +174,9 @@ async def test_a_job_moves_every_broker_and_agent_metric(fleet: processes.LocalF
     # pending jobs by queue, and how long the oldest has waited
     assert broker.value("gpufed_pending_jobs", queue=QUEUE) == 1
     assert broker.value("gpufed_pending_oldest_age_seconds", queue=QUEUE) > 0.1
-    # GPUs per cluster and model by state: every model has all three states, summing to its total
+    # GPUs per cluster and model by state: every model has every state, summing to its total
     states = broker.label_sets("gpufed_cluster_gpus", "cluster", "model", "state")
-    assert states == {
-        (CLUSTER, m, s) for m in seen["totals"] for s in ("free", "allocated", "unavailable")
-    }
+    assert states == {(CLUSTER, m, s) for m in seen["totals"] for s in metrics.GPU_STATES}
     for model, total in seen["totals"].items():
         assert broker.value("gpufed_cluster_gpus", cluster=CLUSTER, model=model) == total
     assert broker.label_sets("gpufed_cluster_fragmentation_gpus", "cluster") == {(CLUSTER,)}
@@ -190,6 +189,23 @@ async def test_a_job_moves_every_broker_and_agent_metric(fleet: processes.LocalF
     assert broker.value("gpufed_agent_session_connected", cluster=CLUSTER) == 1
     assert agent.value("gpufed_agent_session_connected", cluster=CLUSTER) == 1
     assert agent.value("gpufed_agent_sessions_total", cluster=CLUSTER) == 1
+    assert broker.value("gpufed_cluster_sessions_total", cluster=CLUSTER) == 1
+    # every value a counter can take is there from the start, at 0 until it happens
+    assert broker.label_sets("gpufed_placements_total", "cluster", "result") == {
+        (CLUSTER, r) for r in metrics.PLACEMENT_RESULTS
+    }
+    assert broker.label_sets("gpufed_jobs_finished_total", "queue", "state") == {
+        (QUEUE, s) for s in metrics.FINISHED_STATES
+    }
+    assert broker.value("gpufed_jobs_finished_total", state="Failed") == 0
+    assert broker.label_sets("gpufed_preemptions_total", "queue", "reason") == {
+        (QUEUE, r) for r in metrics.PREEMPTION_REASONS
+    }
+    assert agent.label_sets("gpufed_agent_offers_total", "result") == {
+        (r,) for r in telemetry.OFFER_RESULTS
+    }
+    assert agent.label_sets("gpufed_agent_pods", "phase") == {(p,) for p in telemetry.POD_PHASES}
+    assert agent.label_sets("gpufed_agent_jobs", "state") == {(s,) for s in telemetry.JOB_STATES}
     assert seen["health"] == {"status": "ok", "connected": True}
     # every agent family carries the cluster label
     for name, samples in agent.samples.items():
