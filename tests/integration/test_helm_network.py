@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
+import yaml
 
 from tests.integration import test_helm_render
 from tests.integration.test_helm_render import AGENT, BROKER, ETCD, NAMESPACE, Render, Rendered
@@ -243,3 +245,39 @@ def test_the_agents_metrics_port_takes_the_monitoring_namespace_only(render: Ren
 def test_the_schema_refuses_a_bad_cidr(render: Render) -> None:
     with pytest.raises(jsonschema.ValidationError, match="does not match"):
         render("broker", {"networkPolicy": {"api": {"cidrs": ["203.0.113.0"]}}})
+
+
+@pytest.mark.parametrize(
+    ("chart", "override", "said"),
+    [
+        pytest.param(
+            "broker",
+            None,
+            "the brokers' port is open to anyone until networkPolicy.api names its sources",
+            id="broker, API open",
+        ),
+        pytest.param(
+            "broker",
+            RESTRICTED_API,
+            "the brokers' port from the sources in networkPolicy.api only",
+            id="broker, API sources",
+        ),
+        pytest.param(
+            "member-agent",
+            None,
+            "metrics port (8081) only the namespace monitoring",
+            id="member-agent",
+        ),
+    ],
+)
+def test_the_notes_say_who_may_connect(
+    renderer: Path, tmp_path: Path, chart: str, override: dict[str, Any] | None, said: str
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(override or {}))
+    directory = test_helm_render.CHARTS / chart
+    done = test_helm_render.run_renderer(
+        renderer, directory, [directory / "ci" / "example-values.yaml", values], "--notes"
+    )
+    assert done.returncode == 0, done.stderr
+    assert said in " ".join(done.stdout.split())
