@@ -128,7 +128,7 @@ class BrokerSettings(BaseModel):
     retain_finished_seconds: float = Field(3600.0, ge=0)
     # history keeps a finished job this long, then prunes it
     history_ttl_seconds: float = Field(7 * 86400.0, gt=0)
-    # the console's link to a job's trace: "http://grafana/explore?traceId={trace_id}"
+    # the console's link to a job's trace: a Grafana Explore URL holding "{trace_id}"
     trace_url_template: str | None = None
     # HTTPS (and wss for agents): the listener's certificate chain and key, reloaded on change
     tls_cert_file: Path | None = None

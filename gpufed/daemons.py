@@ -134,7 +134,8 @@ def add_broker_parser(sub: Any) -> None:
         "--trace-url-template",
         metavar="URL",
         help="the console links a job to its trace with this URL, {trace_id} replaced "
-        "(e.g. http://grafana:3000/explore?traceId={trace_id}; default: no link)",
+        "(a Grafana Explore URL whose TraceQL query is {trace_id}, as the broker chart's "
+        "traceUrlTemplate; default: no link)",
     )
     add_etcd_flags(broker)
     tlsflags.add_broker_flags(broker)

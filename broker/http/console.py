@@ -11,7 +11,7 @@ show nothing until the API answers them.
 The files are read once, when the app is made, and served from memory by name: a path that is
 not one of them is a 404 (no file system path is ever built from a request). The index names
 the `--trace-url-template` in a `<meta>` tag, from which a job's page builds the link to its
-trace ("http://grafana/explore?traceId={trace_id}").
+trace (a Grafana Explore URL whose query is `{trace_id}`: the broker chart's traceUrlTemplate).
 """
 
 from __future__ import annotations
