@@ -46,8 +46,9 @@ if ! command -v mmdebstrap >/dev/null || ! command -v umoci >/dev/null; then
     command -v apt-get >/dev/null || die "mmdebstrap and umoci are missing, and there is no apt-get"
     say "installing mmdebstrap and umoci (apt-get)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q mmdebstrap umoci >/dev/null \
-        || { apt-get update -q >/dev/null && apt-get install -y -q mmdebstrap umoci >/dev/null; }
+    apt-get install -y -q mmdebstrap umoci debian-archive-keyring >/dev/null \
+        || { apt-get update -q >/dev/null \
+            && apt-get install -y -q mmdebstrap umoci debian-archive-keyring >/dev/null; }
 fi
 
 VERSION=$("$PYTHON" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
@@ -76,6 +77,7 @@ has_tag() { umoci ls --layout "$LAYOUT" | grep -x "$1" >/dev/null; }  # no -q: S
 in_root() {
     local rootfs=$1 over=$2
     shift 2
+    # shellcheck disable=SC2016 # the inner shell expands them
     unshare --mount --propagation private -- sh -euc '
         root=$1 over=$2 wheels=$3; shift 3
         if [ -n "$over" ]; then
@@ -117,12 +119,18 @@ sources=(
     "deb $DEBIAN_SECURITY_MIRROR $DEBIAN_SUITE-security main"
 )
 ARCH=$(dpkg --print-architecture)
+# Debian's keys, also where the host is not Debian (Ubuntu's debian-archive-keyring has them
+# there); not part of the key: the same packages whatever vouched for them
+keyring=()
+if [ -f /usr/share/keyrings/debian-archive-keyring.gpg ]; then
+    keyring=(--keyring=/usr/share/keyrings/debian-archive-keyring.gpg)
+fi
 base_tag=base-$( { printf '%s\n' "$ARCH" "$DEBIAN_SUITE" "${recipe[@]}" "${sources[@]}"; cat "$HOOK"; } | key)
 if has_tag "$base_tag"; then
     say "base: cached ($base_tag)"
 else
     say "base: Debian $DEBIAN_SUITE with $PACKAGES (mmdebstrap, a minute or two)"
-    mmdebstrap --quiet "${recipe[@]}" --customize-hook="sh '$PWD/$HOOK' \"\$1\"" \
+    mmdebstrap --quiet "${recipe[@]}" "${keyring[@]}" --customize-hook="sh '$PWD/$HOOK' \"\$1\"" \
         "$DEBIAN_SUITE" "$WORK/base.tar" "${sources[@]}"
     umoci new --image "$LAYOUT:$base_tag"
     umoci raw add-layer --image "$LAYOUT:$base_tag" \
