@@ -12,6 +12,9 @@ connection goes where its first request line says (`GET http://host:port/path HT
 rewritten to the origin form), then bytes flow both ways as above (a WebSocket upgrade too).
 An agent whose every connection goes through it can be cut off whichever broker URL it dials.
 
+`delay` (seconds, each way; 0 by default, changed at any time) holds every chunk that long
+before passing it on, in order: a slow link, e.g. a store a round trip of `2 * delay` away.
+
 `heal()` forwards new connections again. The connections that lived through a cut have lost
 bytes, so they are reset then (as TCP would, once the peers notice). The proxy runs in the
 test's event loop; `close()` stops it and resets everything.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,6 +55,7 @@ class TcpProxy:
         self.upstream_port = upstream_port
         self.http_proxy = http_proxy
         self.mode: Mode | None = None
+        self.delay = 0.0  # seconds each chunk is held, each way
         self.port = 0
         self.accepted = 0
         self._server: asyncio.Server | None = None
@@ -131,18 +136,46 @@ class TcpProxy:
         writer: asyncio.StreamWriter | None,
         connection: _Connection,
     ) -> None:
-        """Copy one direction; while cut, drop what comes. An end that closes is passed on
-        only while the connection is not cut (a partition hides it)."""
+        """Copy one direction, each chunk `delay` later (a task of its own sends); while
+        cut, drop what comes. An end that closes is passed on, after what came before it, only
+        while the connection is not cut (a partition hides it)."""
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        sender = None
+        if writer is not None:
+            sender = asyncio.create_task(_send(queue, writer, connection))
+            connection.tasks.append(sender)
         try:
             while data := await reader.read(CHUNK):
                 if connection.cut or writer is None:
                     continue
-                writer.write(data)
-                await writer.drain()
+                queue.put_nowait((time.monotonic() + self.delay, data))
         except (ConnectionError, OSError):
             pass
+        if sender is not None:
+            queue.put_nowait(None)
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
         if not connection.cut:
             self._drop(connection)
+
+
+async def _send(
+    queue: asyncio.Queue[tuple[float, bytes] | None],
+    writer: asyncio.StreamWriter,
+    connection: _Connection,
+) -> None:
+    """Write what `_pump` read, each chunk once it is due, in order, until its end."""
+    try:
+        while (item := await queue.get()) is not None:
+            due, data = item
+            if (wait := due - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            if connection.cut:
+                continue
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
 
 
 async def _request_line(reader: asyncio.StreamReader) -> tuple[bytes, tuple[str, int]]:

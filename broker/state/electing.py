@@ -15,6 +15,16 @@ one with each new leader (Kubernetes' `leaseTransitions`). Followers watch the k
 campaign the moment it is deleted: a leader that resigns (SIGTERM: the lease revoked) is
 replaced within a round trip, one killed with -9 within its lease's TTL.
 
+A campaign spends as little of its lease as it can, so that a slow store slows the leader down
+rather than electing a new one every few seconds: the keeper's connection (opened once, kept
+across terms) and the term counter come before the grant, the lease's local deadline counts
+from when the grant was sent, and the first renewal is sent with the campaign's transaction:
+two round trips of the lease's budget before the first renewal is answered. Renewals wait for
+two of their measured round trips when the lease leaves room (`renewing`). A replica that
+loses its lease within two TTLs of winning holds off campaigning for a TTL, doubled for each
+such term in a row (`_back_off`); one that steps aside because its agents reach only followers
+(`step_aside`, `dispatch.knocking`) holds off too. `docs/design/failover.md` argues both.
+
 Fencing (etcd's `Mutex.IsOwner`): the leader key is written once per term, so its mod
 revision names the term. Every leader write carries `fence()` — a compare on that revision —
 so a deposed leader's in-flight transaction fails instead of landing, whatever its process
@@ -56,6 +66,7 @@ REVOKE_TIMEOUT = 1.0
 ASIDE_MEMORY = 600.0  # a step aside doubles the hold-off of those this recent ...
 MAX_HOLD_OFF_FACTOR = 8  # ... up to this many times
 HOLD_OFF_LOOK_SECONDS = 0.5  # holding off, the leader key is read again this often
+SHORT_TERM_TTLS = 2.0  # a term that lost its lease sooner than this many TTLs backs off
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
@@ -215,6 +226,9 @@ class Election:
         self._resigned = False
         self._hold_until = 0.0  # monotonic: no campaign before (`step_aside`, `_back_off`)
         self._asides: list[float] = []  # when this replica stepped aside, lately
+        self._own: store.DurableStore | None = None  # the lease keeper's connection (`connect`)
+        self._term_began = 0.0  # monotonic: when the current (or last) term began
+        self._short_terms = 0  # terms in a row that lost their lease soon after they began
 
     # ---- what the broker reads ------------------------------------------------------------
 
@@ -312,20 +326,26 @@ class Election:
     async def run(self) -> None:
         """Campaign, lead, follow, until cancelled or resigned; never dies of an error."""
         delay = BACKOFF_INITIAL
-        while not self._resigned:
-            check_cancelled()
-            try:
-                await self._round()
-                delay = BACKOFF_INITIAL
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.step_down(f"the election failed: {exc}")
-                if self._on_error is not None:
-                    self._on_error()
-                logger.warning("leader election: %s; again in %.2f s", exc, delay)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, BACKOFF_MAX)
+        try:
+            while not self._resigned:
+                check_cancelled()
+                try:
+                    await self._round()
+                    delay = BACKOFF_INITIAL
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    self.step_down(f"the election failed: {exc}")
+                    if self._on_error is not None:
+                        self._on_error()
+                    logger.warning("leader election: %s; again in %.2f s", exc, delay)
+                    await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                    delay = min(delay * 2, BACKOFF_MAX)
+        finally:
+            own, self._own = self._own, None
+            if own is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(own.close(), REVOKE_TIMEOUT)
 
     async def _round(self) -> None:
         current = await self.backing.get(LEADER_KEY)
@@ -381,11 +401,16 @@ class Election:
         True if this replica won."""
         if self._resigned:
             return False
+        # what costs no lease time comes first: the keeper's connection, the term counter
+        keeper = await self._keeper_store()
+        counter = await self.backing.get(TERM_KEY)
+        term = int(counter.value) + 1 if counter is not None else 1
         started = time.monotonic()  # the lease runs from no earlier than this
         lease = await self.backing.grant_lease(self.ttl)
+        renewed = time.monotonic()  # the first renewal goes with the campaign's transaction
+        first = asyncio.ensure_future(keeper.keep_alive(lease))
+        first.add_done_callback(renewing.retrieve)
         try:
-            counter = await self.backing.get(TERM_KEY)
-            term = int(counter.value) + 1 if counter is not None else 1
             revision = await self.backing.commit(
                 store.Txn(
                     compares=[
@@ -401,15 +426,22 @@ class Election:
                 )
             )
         except BaseException as exc:
+            first.cancel()
             await self._revoke(lease)
             if isinstance(exc, errors.ConflictError):
                 return False  # another replica won this vacancy: follow it
             raise
         if self._resigned_meanwhile():  # SIGTERM while campaigning: give it back at once
+            first.cancel()
             await self._revoke(lease)
             return False
+        renewal = renewing.Renewal(lease, renewed_at=started)
+        if await renewing.answered(first, by=started + self.ttl - self.safety):
+            renewal.renewed_at = renewed
+            renewal.note_round_trip(time.monotonic() - renewed)
         self._lease = lease
-        self._renewal = renewing.Renewal(lease, renewed_at=started)
+        self._renewal = renewal
+        self._term_began = time.monotonic()
         self.leader = Leader(self.replica, self.url, term, revision)
         self.reason = ""
         self._stop.clear()
@@ -447,17 +479,50 @@ class Election:
                 self._stop.clear()  # still leading: the keeper's wake-up, not a step-down
                 await self._check_key()
         finally:
+            self._back_off()  # before any wait: the term's end is known to all
             await keeper.stop()
             lease, self._lease = self._lease, None
             self.step_down(self.reason or "the term ended")
             if lease is not None:
                 await self._revoke(lease)
 
+    def _back_off(self) -> None:
+        """After a term that lost its lease within `SHORT_TERM_TTLS` lease times of its
+        start: no campaign for a lease time, doubled for each such term in a row (at most
+        `MAX_HOLD_OFF_FACTOR` times), so a replica that cannot keep the lead leaves it to
+        the others rather than winning it back and losing it again."""
+        lasted = time.monotonic() - self._term_began
+        if "lease" not in self.reason or lasted >= SHORT_TERM_TTLS * self.ttl:
+            self._short_terms = 0
+            return
+        self._short_terms += 1
+        seconds = self.ttl * min(MAX_HOLD_OFF_FACTOR, 2 ** (self._short_terms - 1))
+        logger.warning(
+            "replica %s lost its lease %.1f s into its term: no campaign for %g s",
+            self.replica,
+            lasted,
+            seconds,
+        )
+        self._hold(seconds)
+
     def _keeper(self, renewal: renewing.Renewal) -> renewing.Keeper:
         keeping = renewing.Keeping(
             renewal, self.ttl, self.safety, notify=self._stop.set, on_error=self._on_error
         )
-        return renewing.Keeper(self.backing, keeping, connect=self.connect)
+        return renewing.Keeper(self._own or self.backing, keeping)
+
+    async def _keeper_store(self) -> store.DurableStore:
+        """The lease keeper's connection, opened once and kept across terms (opening it
+        costs round trips a campaign must not spend of its lease); the election's store
+        when it cannot be opened, or none is to be (`connect` None)."""
+        if self._own is None and self.connect is not None:
+            try:
+                self._own = await self.connect()
+            except errors.StoreError as exc:
+                if self._on_error is not None:
+                    self._on_error()
+                logger.warning("the lease keeper's connection: %s; using the election's", exc)
+        return self._own or self.backing
 
     async def _check_key(self) -> None:
         """Step down if the leader key is gone or another term's (a store error: looked at

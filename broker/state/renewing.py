@@ -9,9 +9,12 @@ first loss: a keep-alive that timed out with the loop not stalled), or the loop 
 
 `Keeper` renews from a task of its own on the main loop, over a store connection of its own
 (`connect`: for etcd a client on the same members, credentials and TLS, opened on this
-loop), so a renewal no longer queues behind the book's transactions. It cannot renew while
-the loop is held; `telemetry.garbage` times its full pass to fit in the lease's slack
-(`Election.pause_budget`), and the planner's budget keeps a cycle short.
+loop; the election opens it once and hands it to each term's keeper, so a campaign does not
+pay for it), so a renewal no longer queues behind the book's transactions. Each renewal may
+take two of the renewals' measured round trips when the lease leaves room
+(`Renewal.round_trip`). It cannot renew while the loop is held; `telemetry.garbage` times
+its full pass to fit in the lease's slack (`Election.pause_budget`), and the planner's budget
+keeps a cycle short.
 
 Not a thread: a keeper on a thread and event loop of its own renewed through a held loop
 (tested), but gRPC's asyncio stack shares one completion queue and one wake-up socket among
@@ -51,6 +54,27 @@ class Renewal:
     renewed_at: float  # monotonic: when the latest renewal that got an answer was sent
     expired: bool = False  # the store said the lease is gone
     renewals: int = 0
+    round_trip: float = 0.0  # the renewals' round trip lately (moving average)
+
+    def note_round_trip(self, seconds: float) -> None:
+        before = self.round_trip
+        self.round_trip = seconds if before == 0.0 else 0.7 * before + 0.3 * seconds
+
+
+def retrieve(future: asyncio.Future[Any]) -> None:
+    """A done callback: the future's error is taken (it was answered, or no longer matters)."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def answered(renewal: asyncio.Future[int], *, by: float) -> bool:
+    """Whether the renewal `renewal` got through (waited for until the monotonic `by`, then
+    cancelled); its errors are its answer."""
+    try:
+        await asyncio.wait_for(renewal, max(0.0, by - time.monotonic()))
+    except (errors.StoreError, TimeoutError):
+        return False
+    return True
 
 
 async def keep_renewing(
@@ -72,9 +96,10 @@ async def keep_renewing(
             await asyncio.sleep(RETRY_SECONDS)
             continue
         sent = time.monotonic()
-        # half the time left, at least a third of the TTL: a slow answer (a busy store)
-        # still renews in time, and a lost one leaves room for another try
-        timeout = max(0.05, min(left, max(ttl / 3, left / 2)))
+        # half the time left, at least a third of the TTL and two round trips: a slow
+        # answer (a busy or distant store) still renews in time, and a lost one leaves room
+        # for another try
+        timeout = max(0.05, min(left, max(ttl / 3, left / 2, 2 * renewal.round_trip)))
         try:
             await asyncio.wait_for(backing.keep_alive(renewal.lease), timeout)
         except errors.LeaseExpiredError:
@@ -89,6 +114,7 @@ async def keep_renewing(
             continue
         renewal.renewed_at = sent
         renewal.renewals += 1
+        renewal.note_round_trip(time.monotonic() - sent)
         await asyncio.sleep(max(0.0, sent + ttl / 3 - time.monotonic()))
 
 
