@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import socket
 import time
@@ -52,7 +51,8 @@ from broker.state import (
     store,
 )
 from broker.state.history import protocol as history_store
-from broker.telemetry import garbage, metrics, stalls
+from broker.telemetry import metrics, stalls
+from kits import garbage
 
 logger = logging.getLogger(__name__)
 
@@ -323,8 +323,7 @@ def create_app(settings: BrokerSettings) -> web.Application:
         # what is loaded now lives as long as the broker: keep it out of the collector's
         # full passes, which otherwise stall scheduling cycles for milliseconds
         if settings.freeze_gc:
-            gc.collect()
-            gc.freeze()
+            garbage.settle()
         await queue_registry.load(backing)
         meters.set_quarantined(await quarantine.report(backing))
         queue_registry.report_undeclared(book.unfinished_queues())

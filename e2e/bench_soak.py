@@ -38,11 +38,11 @@ import aiohttp
 
 from broker.state import records
 from broker.state.history import sqlite as sqlite_history
-from broker.telemetry import garbage
 from e2e import bench_throughput, helpers
 from gpufed import client
 from gpufed.daemons import duration
 from gpufed.local import processes
+from kits import garbage
 from tests import etcdserver
 
 CLUSTERS = bench_throughput.CLUSTERS

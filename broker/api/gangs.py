@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from broker.api import memo, tables
 from broker.api.jobs import NO_TOPOLOGY, GPUJob, PodShape, Topology, shape_of
+from kits import memo, tables
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,7 +31,8 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
-from broker.api import affinity, arrays, clusterchoice, dependencies, policies, shapes, tables
+from broker.api import affinity, arrays, clusterchoice, dependencies, policies, shapes
+from kits import tables
 
 # the policies live in `policies`; their names here too, as `jobs.ClusterLostPolicy` is read
 ClusterLostPolicy = policies.ClusterLostPolicy

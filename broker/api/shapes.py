@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from broker.api import affinity, mig, tables
+from broker.api import affinity, mig
+from kits import tables
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = affinity.GPU_PRODUCT_LABEL

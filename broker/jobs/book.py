@@ -50,13 +50,14 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from broker.api import status, tables
+from broker.api import status
 from broker.api.status import JobState
 from broker.jobs import aging, creating, grouping, launching
 from broker.planning import planning
 from broker.state import electing, errors, records
 from broker.state.history import held
 from broker.state.history import protocol as history_store
+from kits import tables
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

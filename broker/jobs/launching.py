@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from broker.api import status, tables
+from broker.api import status
+from kits import tables
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import overload
 
-from broker.api import status, tables
+from broker.api import status
 from broker.api.status import JobState
 from broker.jobs import accounting, book, dispatching, fleet, positions, preempting
 from broker.planning import (
@@ -48,6 +48,7 @@ from broker.planning import (
 )
 from broker.state import errors, registry
 from broker.telemetry import metrics
+from kits import tables
 
 logger = logging.getLogger(__name__)
 

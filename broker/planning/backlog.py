@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TypeVar
 
-from broker.api import tables
 from broker.planning import bounds, reservation, snapshot
+from kits import tables
 
 Order = tuple[int, datetime, str]  # (-priority, created, id): the place in its queue
 Band = tuple[int, str | None]  # (priority, class) of a job's spec: its queue's jobs alike in order

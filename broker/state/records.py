@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from broker.api import errors as api_errors
-from broker.api import jobs, memo, status
+from broker.api import jobs, status
 from broker.state import errors, quarantine, store
+from kits import memo
 
 logger = logging.getLogger(__name__)
 

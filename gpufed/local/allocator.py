@@ -7,7 +7,7 @@ index tables, a page of history being served) are spread across all of it. After
 20,000-job soak (`python -m e2e.bench_soak --jobs 20000 --retain 10s`) the broker held
 58 MiB of live allocations in a 337 MiB heap, 279 MiB of it free, and its resident memory
 stayed 103-128 MiB above its start (three runs) despite `malloc_trim`
-(`broker.telemetry.garbage`). jemalloc keeps objects of one size class together and returns
+(`kits.garbage`). jemalloc keeps objects of one size class together and returns
 dirty pages on a timer: the same soak ended 55 MiB above its start, at the same pods/s.
 
 The agent too: after the same 20,000-job soak, with its finished pods deleted

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import importlib
 import logging
 import signal
@@ -32,6 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from broker.api import affinity, inventory
+from kits import garbage
 from member_agent import telemetry
 from member_agent.cluster import base, gpuhealth, simulated, simulated_pods
 from member_agent.cluster import kubernetes_health as health
@@ -41,8 +41,6 @@ from member_agent.session import brokers, connecting, reporting, tls
 from member_agent.utilisation import scraping
 
 logger = logging.getLogger(__name__)
-
-YOUNG_THRESHOLD = 20_000  # allocations net of frees between young collector passes (`run`)
 
 # the ResourceSlice attributes (and the memory capacity) whose names DRA mode can be told
 DRA_ATTRIBUTES = (
@@ -354,14 +352,11 @@ async def run_agent(
             stack.push_async_callback(cluster.close)
         await cluster.start()
         # the inventory lives as long as the agent: keep it out of the collector's full
-        # passes, which otherwise stall placements for milliseconds; and a young pass every
-        # YOUNG_THRESHOLD allocations, not CPython's 700 (as the broker's collector does:
-        # most of what a busy agent allocates, a message decoded or encoded, is freed by
-        # reference counting a moment later)
+        # passes, which otherwise stall placements for milliseconds; and young passes as
+        # the broker's collector has them (most of what a busy agent allocates, a message
+        # decoded or encoded, is freed by reference counting a moment later)
         if settings.freeze_gc:
-            gc.collect()
-            gc.freeze()
-            gc.set_threshold(YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+            garbage.settle(young=garbage.THRESHOLDS[0])
         reporter = reporting.SummaryReporter(
             cluster.inventory,
             cluster=settings.cluster,

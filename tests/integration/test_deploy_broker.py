@@ -295,7 +295,7 @@ def test_traces_go_where_the_otel_values_say() -> None:
 
 def test_the_broker_runs_on_the_c_allocator_whose_free_pages_it_gives_back() -> None:
     env = {e["name"]: e.get("value") for e in broker_container()["env"]}
-    assert env["PYTHONMALLOC"] == "malloc"  # broker.telemetry.garbage trims it
+    assert env["PYTHONMALLOC"] == "malloc"  # kits.garbage trims it
 
 
 def test_the_broker_preloads_the_jemalloc_the_image_links_with_the_local_brokers_settings() -> None:

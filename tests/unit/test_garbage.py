@@ -1,4 +1,4 @@
-"""The collector housekeeping of `broker.telemetry.garbage`: passes measured, survivors
+"""The collector housekeeping of `kits.garbage`: passes measured, survivors
 frozen out of full passes, a cycle that died frozen reclaimed by the next full pass, and
 freed memory given back to the system at a trim."""
 
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from broker.telemetry import garbage
+from kits import garbage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -199,7 +199,7 @@ def test_nothing_counts_the_frozen_objects(
 
 TRIMMED = """
 import gc, os
-from broker.telemetry import garbage
+from kits import garbage
 from prometheus_client import CollectorRegistry, Histogram
 
 def rss():

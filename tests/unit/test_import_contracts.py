@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
-PACKAGES = {"broker": ROOT / "broker", "gpufed": ROOT / "gpufed"}
+PACKAGES = {"broker": ROOT / "broker", "gpufed": ROOT / "gpufed", "kits": ROOT / "kits"}
 PACKAGES["member_agent"] = ROOT / "member-agent" / "member_agent"
 
 
@@ -86,6 +86,12 @@ def test_the_tree_keeps_every_contract(tmp_path: Path) -> None:
             "import kubernetes_asyncio",
             "kubernetes_asyncio is imported only",
             id="kubernetes outside cluster/",
+        ),
+        pytest.param(
+            "kits/tables.py",
+            "from broker.api import jobs",
+            "kits (the runtime kits",
+            id="a kit imports the wire contract",
         ),
         pytest.param(
             "gpufed/sim/traces.py",

@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from broker.api import gangs, memo, status
+from broker.api import gangs, status
 from broker.jobs import book
 from broker.state import records
+from kits import memo
 from tests.builders import make_job
 
 

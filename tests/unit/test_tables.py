@@ -1,4 +1,4 @@
-"""Tables given back once far emptier than they were (`broker.api.tables`)."""
+"""Tables given back once far emptier than they were (`kits.tables`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from broker.api import tables
+from kits import tables
 
 
 @pytest.mark.parametrize("kind", [dict, set])

@@ -14,8 +14,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator
 
-from broker.api import status, tables
+from broker.api import status
 from broker.state.history import query as queries
+from kits import tables
 
 Key = tuple[bool, int, str]  # a Cursor's fields: (live, time in µs, job id)
 LOAD = 256

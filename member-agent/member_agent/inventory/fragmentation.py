@@ -24,6 +24,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kits import tables
+
 GPU_MILLI = 1000
 MEMO_LIMIT = 500_000  # canonical states remembered before the memo starts afresh
 
@@ -91,9 +93,7 @@ class Workload:
                 free=free,
                 classes=(cpu_class, memory_class),
             )
-            if len(self._memo) >= MEMO_LIMIT:
-                self._memo.clear()
-            self._memo[key] = cached
+            tables.remember(self._memo, key, cached, limit=MEMO_LIMIT)
         return cached
 
     def node_fragmentation(

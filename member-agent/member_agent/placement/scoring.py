@@ -12,6 +12,7 @@ import math
 import random
 from collections.abc import Sequence
 
+from kits import tables
 from member_agent.inventory import fragmentation
 from member_agent.placement import filtering, indexing
 
@@ -193,10 +194,8 @@ class FGD(Scorer):
             after_free = free[taken:] + (0,) * taken if taken else free
             after_value = workload.fragmentation(entry.model, after_free, after_class, mem_after)
             result = (self._value(before - after_value), ())
-        if len(self._memo) >= MEMO_LIMIT:  # a long-lived agent: forget, do not grow forever
-            self._memo.clear()
-        self._memo[key] = result
-        return result
+        # a long-lived agent: forgotten wholesale when full, never grown forever
+        return tables.remember(self._memo, key, result, limit=MEMO_LIMIT)
 
     def score(self, entry: indexing.Entry, demand: filtering.Demand) -> float:
         value = self._evaluate(entry, demand)[0]

@@ -1,11 +1,14 @@
-"""Hash tables given back once far emptier than they were: CPython never shrinks a dict or a
-set when entries are deleted, so a book that held 100,000 jobs kept tables of several MiB
-each (a dozen of them: the records, the queued, the order lists keep, the planner's live
-set) for the few jobs left. `shrink`, called where entries leave, rebuilds a table in place
-(same object, so every holder keeps it) once it is at least 8 times the size a table of its
-entries needs and over 64 KiB: each rebuild costs its live entries once and comes only
-after many more deletions than that, so an entry's share stays constant. `remember` keeps
-one object per kind in a table bounded by a count (shapes, templates read alike)."""
+"""Bounded tables: hash tables given back once far emptier than they were, and tables of one
+object per kind that never grow past a count.
+
+CPython never shrinks a dict or a set when entries are deleted, so a table that once held a
+great many entries keeps its size for the few left. `shrink`, called where entries leave,
+rebuilds a table in place (same object, so every holder keeps it) once it is at least `SLACK`
+times the size a table of its entries needs and over `SMALLEST` bytes: a rebuild costs its
+live entries once and comes only after many more deletions than that, so an entry's share
+stays constant. `remember` keeps one object per kind (shapes, templates read alike) in a
+table bounded by a count, forgotten wholesale when full.
+"""
 
 from __future__ import annotations
 

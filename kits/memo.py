@@ -1,9 +1,9 @@
 """A value computed once per live object, forgotten with the object. Pure, no I/O.
 
-A job's spec never changes after submit, and one spec object is shared by every draft of its
-record (`jobs.book.draft_of`): what is read off it (its gang, its stored JSON) can be read
-once, not at every commit and every cycle. Keyed by identity, held through a weak reference:
-a spec that goes out of the book takes its values with it.
+For objects not changed once made (a job's spec after submit, shared by every draft of its
+record): what is read off one (its gang, its stored JSON) can be read once, not at every
+commit and every cycle. Keyed by identity, held through a weak reference: an object that
+goes away takes its values with it. Whoever reads makes its own `PerObject` and keeps it.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import weakref
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from broker.api import tables
+from kits import tables
 
 T = TypeVar("T")
 V = TypeVar("V")
 
 
 class _Ref(weakref.ref[T]):
-    """A weak reference that knows its key (no closure per entry: a few hundred bytes less
-    for each of 100,000 jobs)."""
+    """A weak reference that knows its key (no closure per entry: one is held per live
+    object)."""
 
     __slots__ = ("key",)
     key: int

@@ -1,71 +1,57 @@
 """The garbage collector's pauses: measured, and kept to what changed lately.
 
-CPython's collector stops the world for a full pass over every container object that lives
-in its oldest generation. A broker with 20,000 jobs in its book holds about 1.1 million
-(some 56 per record: models, their dicts, lists of events and pods); one full pass over
-them took 0.5 s here, on two loaded cores, and a full pass comes each time a quarter again as
-many objects have survived into that generation: with jobs going through at hundreds a
-second, every few tens of seconds. Passes of 1-2 s were what made a single leader miss its
-lease renewals in the soak benchmark (its TTL is 5 s: renewals every 1.7 s, and it steps
-down 4 s after the last one) and the watchdog take healthy agents for silent ones.
+CPython's collector stops the world for a full pass over every container object in its
+oldest generation, and a broker holds tens of objects per job in its book (models, their
+dicts, lists of events and pods). A full pass over a large book holds the event loop long
+enough for a leader to miss its lease renewals (`broker.state.renewing`) and for the
+watchdog to take healthy agents for silent ones, and one comes each time a quarter again as
+many objects have survived into that generation: with jobs going through quickly, often.
 
-`Collector` does three things:
+`settle` is for a process's start: what it has loaded by then (the book, the inventory)
+lives as long as it does, so it is collected once and frozen out of every later pass, and
+the youngest generation's threshold raised (below). The broker and the agent both call it.
 
-- while installed, it raises the youngest generation's threshold (`gc.set_threshold`,
-  `THRESHOLDS`): CPython's default, a young pass every 700 allocations net of frees, costs a
-  busy broker a pass every few hundred microseconds, over objects most of which reference
-  counting would free a moment later (a request's parsed body, a record being encoded), and
-  it moves them on to the older generations, whose passes then look at them again. With a
-  young pass every 20,000, a 20,000-job soak spent 0.19-0.24 ms of garbage collection per
-  job instead of 0.34-0.41, and the broker 2.8-3.4 ms of CPU per job instead of 3.5-4.2
-  (three pairs; `python -m e2e.bench_soak --jobs 20000`); its peak memory did not change.
-  A young pass over 20,000 surviving objects took 1.0 ms here (`gc.collect(0)`, median);
+`Collector` (the broker's) does three things more:
+
+- while installed, it raises the youngest generation's threshold (`THRESHOLDS`): CPython's
+  default, a young pass every 700 allocations net of frees, costs a busy process a pass
+  every few hundred microseconds over objects most of which reference counting frees a
+  moment later (a request's parsed body, a record being encoded), and moves them on to the
+  older generations, whose passes then look at them again;
 - it measures every pass (`gc.callbacks`) in `gpufed_gc_pause_seconds{generation}` and logs
   a pass longer than `warn_seconds`;
 - every `freeze_every` seconds it moves everything the generations hold into the permanent
   generation (`gc.freeze`), with no pass first: automatic full passes then look only at
-  what survived since, two seconds' worth (with 10 s, passes over what a busy broker kept in
-  that time still took 0.3-0.7 s in the soak). No pass, not even of the youngest
-  generation: a young pass walks every object allocated since the last one, and the
-  youngest generation's count (allocations less deallocations of any age) stays near zero
-  while jobs retire as fast as new ones come, so no automatic young pass empties it between
-  two freezes. The `gc.collect(0)` a freeze began with walked two seconds of allocations:
-  up to 140 ms a time, 7% of the broker's samples holding the interpreter lock in a
-  20,000-job soak (`py-spy --gil`), collecting about 3 objects a time. Collecting the
-  middle generation too (`gc.collect(1)`) had taken about 100 ms a time. What dies in a
-  cycle before a freeze is then frozen with the rest (that memory). Frozen
-  objects are still freed by reference counting when dropped (records, models: no cycles);
-  only a cycle that dies while frozen, or is frozen dead, waits for the reclaiming pass:
-  every `full_every` seconds, everything is unfrozen, fully
-  collected once and frozen again. On the leader that pass waits for the moment just after
-  a lease renewal (`just_renewed`), when the lease has the most time left, and it runs only
-  if it fits (`budget`: the lease's slack, and two heartbeats, within which the agents hear
-  nothing: they reconnect after three). The pass holds the interpreter lock throughout, so
-  the lease keeper (`state.renewing`) cannot renew during it. Its length is
+  what survived since. No pass, not even of the youngest generation: a young pass walks
+  every object allocated since the last one, and while jobs retire as fast as new ones come
+  the youngest generation's count (allocations less deallocations of any age) stays near
+  zero, so that walk would cover everything since the last freeze. What dies in a cycle
+  before a freeze is frozen with the rest; frozen objects are still freed by reference
+  counting when dropped (records, models: no cycles). Only a cycle that dies while frozen,
+  or is frozen dead, waits for the reclaiming pass: every `full_every` seconds everything is
+  unfrozen, fully collected once and frozen again. On the leader that pass waits for the
+  moment just after a lease renewal (`just_renewed`), when the lease has the most time
+  left, and runs only if it fits (`budget`: the lease's slack, and two heartbeats, within
+  which the agents hear nothing: they reconnect after three). The pass holds the
+  interpreter lock throughout, so the lease keeper cannot renew during it. Its length is
   foreseen from the process's resident memory and the seconds per MiB the last pass took
-  (4 ms before the first: a 2.4 s pass at about 800 MiB, a 6.6 s one at 1.5 GiB, the peak of
-  a 100,000-job soak, which cost the leader its lease). Not from the frozen objects' count:
-  `gc.get_freeze_count()` walks the whole permanent generation, and at 4 million objects
-  each call held the loop for over a second. A pass that does not fit waits; memory falls
-  as the jobs leave the book (the trim gives it back), and the pass runs.
+  (`SECONDS_PER_MIB` before the first); not from the frozen objects' count, as
+  `gc.get_freeze_count()` walks the whole permanent generation. A pass that does not fit
+  waits; memory falls as the jobs leave the book, and the pass runs.
 
-Memory given back. Every `trim_every` seconds (a minute), and as soon as the book holds
-`trim_after_jobs` (1,000) fewer jobs than at its highest since the last trim (`held`: jobs
-retired to history, their records freed), the C allocator is asked to return its free pages
-to the system (glibc's `malloc_trim`; 45 ms over a 310 MiB heap here). On the minute alone,
-the trim of a 10,000-job soak could come just before the jobs retired, and the broker ended
-100 MiB higher until the next one. That does something only when the
-broker runs with `PYTHONMALLOC=malloc` (the chart and `gpufed local` set it): Python's own
-allocator keeps objects in 1 MiB arenas and frees an arena only when every object in it is
-gone, so after a 50,000-job soak 662 arenas held 35 MB of objects and 606 MB of empty pools
-(`sys._debugmallocstats`), and the broker's RSS stayed at its peak. With the C allocator
-and the trim, a 10,000-job soak ended at 189 MiB instead of 342 (started at 88), at the same
-pods/s.
-`gpufed local` preloads jemalloc where the system has it (`gpufed.local.allocator`), which
-returns dirty pages on its own timer; the trim then finds glibc's heap empty and costs nothing.
+Memory given back. Every `trim_every` seconds, and as soon as the book holds
+`trim_after_jobs` fewer jobs than at its highest since the last trim (`held`: jobs retired
+to history, their records freed), the C allocator is asked to return its free pages to the
+system (glibc's `malloc_trim`); on a timer alone, a trim could come just before a wave of
+jobs retired, and the memory stay taken until the next one. That does something only when
+the process runs with `PYTHONMALLOC=malloc` (the chart and `gpufed local` set it): Python's
+own allocator frees a 1 MiB arena only when every object in it is gone, so a process that
+once held many jobs keeps its peak. `gpufed local` preloads jemalloc where the system has
+it (`gpufed.local.allocator`), which returns dirty pages on its own timer; the trim then
+finds glibc's heap empty and costs nothing.
 
-`broker.app` starts it when `freeze_gc` is set (the service's default; tests of the app
-leave the collector alone).
+`broker.app` starts the collector when `freeze_gc` is set (the service's default; tests of
+the app leave the collector alone).
 """
 
 from __future__ import annotations
@@ -114,6 +100,16 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MEASURED_FROM_MIB = 64.0  # a pass over less memory than this measures no rate
 PASS_HEADROOM = 1.5  # a full pass runs if 1.5 times its foreseen length...
 PASS_MARGIN_SECONDS = 0.5  # ...and half a second more fit in the budget
+
+
+def settle(*, young: int | None = None) -> None:
+    """Collect once and freeze what survives: what a process has loaded by now lives as long
+    as it does, and later passes need not look at it. `young`: the youngest generation's
+    threshold from now on (the older ones' left as they are; None: left alone)."""
+    gc.collect()
+    gc.freeze()
+    if young is not None:
+        gc.set_threshold(young, *gc.get_threshold()[1:])
 
 
 def resident_mib() -> float:
