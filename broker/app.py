@@ -38,7 +38,7 @@ from broker.http import (
     tls,
 )
 from broker.jobs import fleet, scheduling, service, watching
-from broker.planning import budget
+from broker.planning.backlog import budget
 from broker.state import (
     electing,
     etcd,
@@ -352,7 +352,7 @@ def create_app(settings: BrokerSettings) -> web.Application:
                 meters=meters,
                 queues=queue_registry,
                 min_interval=settings.cycle_interval_seconds,
-                # parked planning (the inadmissible set, `planning.parking`) is on: True
+                # parked planning (the inadmissible set, `planning.backlog.parking`) is on: True
                 # plans every queued job every cycle (the same decisions, O(backlog))
                 full_replan=False,
                 plan_limit=settings.plan_limit,

@@ -15,7 +15,7 @@ no queues and with `config/queues.yaml` (quotas, fair share). Figures only, no a
 `jobs.scheduling.Scheduler`, the fleet's clusters attached (offers go nowhere) with nodes
 mostly in use (a few with 8 GPUs free), N gangs of 12–24 pods × 8 GPUs that fit nowhere
 (some rack-required, some NVLink-required) and `--cycles` + 20 1-GPU jobs that fit. After
-the first pass (every job planned once, `--plan-limit` a cycle: `planning.budget`; the
+the first pass (every job planned once, `--plan-limit` a cycle: `planning.backlog.budget`; the
 agents then accept its offers, so none stays in flight) and the cycles that plan again the
 jobs it told that others took their room (so that `why` tells them what they wait for now),
 `--cycles` cycles with nothing new, then `--cycles` cycles each after one running job
@@ -42,7 +42,8 @@ import yaml
 from broker.api import gangs, inventory, jobs, messages, queues, status
 from broker.api.status import JobState
 from broker.jobs import fleet, scheduling, service
-from broker.planning import budget, planning, snapshot
+from broker.planning import planning, snapshot
+from broker.planning.backlog import budget
 from broker.state import records, registry, sqlite
 from broker.telemetry import metrics
 from tests.builders import make_job

@@ -85,7 +85,7 @@ def add_broker_parser(sub: Any) -> None:
     broker.add_argument(
         "--plan-limit",
         type=int,
-        default=500,  # broker.planning.budget.DEFAULT_LIMIT
+        default=500,  # broker.planning.backlog.budget.DEFAULT_LIMIT
         help="pending jobs one scheduling cycle plans, at most (heads of every queue first; "
         "a deeper backlog is planned in slices over the next cycles)",
     )

@@ -28,7 +28,8 @@ from datetime import datetime, timedelta
 
 from broker.api import jobs, status
 from broker.jobs import accounting, book, fleet, transitions
-from broker.planning import backlog, fairshare, position, quotas, snapshot
+from broker.planning import fairshare, position, quotas, snapshot
+from broker.planning.backlog import backlog
 from broker.state import registry
 
 MAX_AHEAD = 2000  # competing jobs ahead of it past which no ETA is simulated

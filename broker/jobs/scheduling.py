@@ -9,7 +9,7 @@ chosen (Cancel, reason Preempted)  5. commit Dispatched (compare-and-swap) and s
 the reservations for the next cycle; export the per-queue gauges.
 The backlog is kept between cycles (`planning.backlog`): a book observer notes the jobs that
 changed, and a cycle with nothing new costs O(clusters + live jobs), not O(queued jobs). A
-cycle plans at most `plan_limit` jobs (`planning.budget`) and reads at most `look_limit`
+cycle plans at most `plan_limit` jobs (`planning.backlog.budget`) and reads at most `look_limit`
 changed ones into the backlog: a deep backlog is worked through in slices, cycle after cycle,
 each slice smaller while planning is slow (`budget.next_limit`: about a quarter of a second).
 `full_replan=True` plans every pending job every cycle instead (the same decisions, the old
@@ -36,16 +36,8 @@ from typing import overload
 from broker.api import status
 from broker.api.status import JobState
 from broker.jobs import accounting, book, dispatching, fleet, positions, preempting
-from broker.planning import (
-    backlog,
-    budget,
-    cyclestart,
-    parking,
-    planning,
-    reservation,
-    snapshot,
-    usage,
-)
+from broker.planning import planning, reservation, snapshot, usage
+from broker.planning.backlog import backlog, budget, cyclestart, parking
 from broker.state import errors, registry
 from broker.telemetry import metrics
 from kits import tables
@@ -164,7 +156,7 @@ class Scheduler:
         self._resynced_at = time.monotonic()
         self.commit_failures = 0  # dispatch commits failed in a row: the next cycle waits
         self.full_replan = full_replan  # plan every pending job every cycle, park none
-        self.plan_limit = plan_limit  # pending jobs planned per cycle (`planning.budget`)
+        self.plan_limit = plan_limit  # pending jobs planned per cycle (`planning.backlog.budget`)
         self.limit = plan_limit  # the next cycle's: less while planning is slow (`next_limit`)
         # changed jobs read into the backlog per cycle (reading is cheaper than planning)
         self.look_limit = 4 * (plan_limit or budget.DEFAULT_LIMIT)

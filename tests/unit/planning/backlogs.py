@@ -13,7 +13,8 @@ from typing import Any
 
 from broker.api import clusterchoice
 from broker.api import queues as api
-from broker.planning import backlog, cyclestart, parking, planning, quotas, reservation, snapshot
+from broker.planning import planning, quotas, reservation, snapshot
+from broker.planning.backlog import backlog, cyclestart, parking
 from tests.builders import make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"

@@ -9,7 +9,8 @@ from datetime import timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.planning import backlog, budget, snapshot
+from broker.planning import snapshot
+from broker.planning.backlog import backlog, budget
 from tests.unit.planning.backlogs import T0, JobSpec, request_of
 
 CLASSES = {None: None, "high": 7, "low": -3, "broken": None}

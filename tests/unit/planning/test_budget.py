@@ -1,5 +1,5 @@
 """A cycle plans at most its budget of pending jobs, heads of every queue first
-(`planning.budget`), and a deep backlog is worked through in slices: nothing is left live
+(`planning.backlog.budget`), and a deep backlog is worked through in slices: nothing is left live
 for ever, and nothing is planned twice in one cycle."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from datetime import timedelta
 import pydantic
 import pytest
 
-from broker.planning import backlog, budget, cyclestart, parking, quotas, snapshot
+from broker.planning import quotas, snapshot
+from broker.planning.backlog import backlog, budget, cyclestart, parking
 from gpufed import cli, daemons
 from tests.unit.planning.backlogs import T0, JobSpec, World, request_of
 

@@ -11,7 +11,8 @@ import pytest
 from broker.api.dependencies import Condition, Resolved
 from broker.api.queues import ReasonCode
 from broker.api.status import JobState
-from broker.planning import backlog, dependencies, parking, planning, snapshot
+from broker.planning import dependencies, planning, snapshot
+from broker.planning.backlog import backlog, parking
 from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"

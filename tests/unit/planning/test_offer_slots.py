@@ -7,7 +7,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from broker.api.queues import ReasonCode
-from broker.planning import backlog, parking, planning, snapshot
+from broker.planning import planning, snapshot
+from broker.planning.backlog import backlog, parking
 from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"

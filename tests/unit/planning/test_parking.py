@@ -1,4 +1,4 @@
-"""When a job parks and what wakes it: one named case per rule (`planning.parking`), each
+"""When a job parks and what wakes it: one named case per rule (`planning.backlog.parking`), each
 driven through the full re-plan and the parked backlog side by side (`backlogs.Twins`), so
 every case also checks that both decide the same."""
 
@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.planning import backlog, bounds, fitting, snapshot
+from broker.planning import fitting, snapshot
+from broker.planning.backlog import backlog, bounds
 from tests.builders import make_job
 from tests.unit.planning.backlogs import A100, H100, JobSpec, Outcome, Twins, World, differences
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TypeVar
 
-from broker.planning import bounds, reservation, snapshot
+from broker.planning import reservation, snapshot
+from broker.planning.backlog import bounds
 from kits import tables
 
 Order = tuple[int, datetime, str]  # (-priority, created, id): the place in its queue

@@ -12,12 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from broker.api import queues as queues_api
-from broker.planning import (
-    backlog,
-    containment,
-    quotas,
-    snapshot,
-)
+from broker.planning import containment, quotas, snapshot
+from broker.planning.backlog import backlog
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,9 @@ from datetime import datetime
 
 from broker.api import clusterchoice
 from broker.api.queues import ReasonCode
-from broker.planning import (
-    backlog,
-    bounds,
-    containment,
-    planning,
-    quotas,
-    reservation,
-    snapshot,
-)
-from broker.planning.cyclestart import Start
+from broker.planning import containment, planning, quotas, reservation, snapshot
+from broker.planning.backlog import backlog, bounds
+from broker.planning.backlog.cyclestart import Start
 
 # a job with one of these reasons acts or may act next cycle: it stays in the plan
 ACTING = frozenset(

@@ -75,17 +75,10 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from broker.api import queues as queues_api
-from broker.planning import (
-    backlog,
-    bounds,
-    budget,
-    planning,
-    quotas,
-    reservation,
-    snapshot,
-)
-from broker.planning.cyclestart import Reference, Start
-from broker.planning.parks import decide_parks
+from broker.planning import planning, quotas, reservation, snapshot
+from broker.planning.backlog import backlog, bounds, budget
+from broker.planning.backlog.cyclestart import Reference, Start
+from broker.planning.backlog.parks import decide_parks
 
 
 @dataclass

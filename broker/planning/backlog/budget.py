@@ -27,7 +27,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
-from broker.planning import backlog, snapshot
+from broker.planning import snapshot
+from broker.planning.backlog import backlog
 
 DEFAULT_LIMIT = 500  # jobs planned per cycle: about half a second at worst (large gangs)
 
