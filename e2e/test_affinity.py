@@ -13,7 +13,7 @@ import pytest
 from e2e.helpers import wait_for
 from gpufed import client
 from gpufed.local import processes
-from member_agent.cluster import simulated
+from member_agent.cluster.simulated import backend as simulated
 from tests.builders import expr, make_job
 
 pytestmark = pytest.mark.e2e

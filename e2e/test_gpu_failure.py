@@ -22,7 +22,7 @@ from prometheus_client import parser
 
 from e2e.helpers import FINAL, run_cli, wait_for
 from gpufed.local import processes
-from member_agent.cluster import simulated_faults
+from member_agent.cluster.simulated import faults
 from tests.builders import make_job
 
 pytestmark = pytest.mark.e2e
@@ -75,7 +75,7 @@ async def test_a_gang_on_a_failing_gpu_fails_gpufailed_and_is_retried_elsewhere(
     )
     await fleet.wait_clusters_ready(["gpus"])
     job = make_job("fragile", gpus=4).model(H100).gang(2).duration(1.5)
-    job.annotate(simulated_faults.SIM_GPU_FAILURE_ANNOTATION, "0.3@1")
+    job.annotate(faults.SIM_GPU_FAILURE_ANNOTATION, "0.3@1")
     async with fleet.client("team-a") as api:
         job_id = (await api.submit(json.dumps(job.document())))["id"]
         first = await wait_for(api, job_id, {"Running"})

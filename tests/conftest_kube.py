@@ -10,8 +10,9 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client import ApiClient
 
 from broker.api import jobs, messages
-from member_agent.cluster import base, watching
-from member_agent.cluster import kubernetes as k8s
+from member_agent.cluster import base
+from member_agent.cluster.kubernetes import backend as k8s
+from member_agent.cluster.kubernetes import watching
 from member_agent.jobs import handling
 from member_agent.placement import limits
 from tests import helmrender, kubeauthz, kubeemulator

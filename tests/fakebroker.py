@@ -12,7 +12,7 @@ from aiohttp import WSMsgType, web
 
 from broker.api import messages
 from member_agent import app
-from member_agent.cluster import simulated
+from member_agent.cluster.simulated import backend as simulated
 
 M = TypeVar("M")
 TOKEN = "s3cret"

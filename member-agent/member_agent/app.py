@@ -33,8 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from broker.api import affinity, inventory
 from kits import garbage
 from member_agent import telemetry
-from member_agent.cluster import base, gpuhealth, simulated, simulated_pods
-from member_agent.cluster import kubernetes_health as health
+from member_agent.cluster import base, gpuhealth
+from member_agent.cluster.kubernetes import health
+from member_agent.cluster.simulated import backend as simulated
+from member_agent.cluster.simulated import pods as simulated_pods
 from member_agent.jobs import handling
 from member_agent.placement import limits
 from member_agent.session import brokers, connecting, reporting, tls
@@ -303,7 +305,7 @@ def load_limits(path: Path | str | None) -> limits.AgentLimits:
 def make_backend(settings: AgentSettings) -> base.ClusterBackend:
     if settings.backend == "kubernetes":
         # written separately; imported only when asked for
-        module: Any = importlib.import_module("member_agent.cluster.kubernetes")
+        module: Any = importlib.import_module("member_agent.cluster.kubernetes.backend")
         backend: base.ClusterBackend = module.KubernetesBackend(
             settings.cluster,
             kubeconfig=settings.kubeconfig,

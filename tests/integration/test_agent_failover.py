@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 from broker.api import messages, status
 from gpufed.local import processes
 from member_agent import app
-from member_agent.cluster import simulated
+from member_agent.cluster.simulated import backend as simulated
 from member_agent.session import brokers
 from tests import fakebroker, tcpproxy
 from tests.unit.agent import builders

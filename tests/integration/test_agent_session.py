@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from broker.api import messages, status
 from member_agent import app
-from member_agent.cluster import simulated
+from member_agent.cluster.simulated import backend as simulated
 from tests import fakebroker
 from tests.unit.agent import builders
 

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from gpufed import cli
-from member_agent.cluster import kubernetes as k8s
-from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster.kubernetes import backend as k8s
+from member_agent.cluster.kubernetes import objects
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "member-agent"

@@ -28,9 +28,8 @@ import yaml
 from broker.http import openapi
 from broker.state import opening
 from gpufed import cli, daemons
-from member_agent.cluster import kubernetes as k8s
-from member_agent.cluster import kubernetes_devices as devices
-from member_agent.cluster import kubernetes_health
+from member_agent.cluster.kubernetes import backend as k8s
+from member_agent.cluster.kubernetes import devices, health
 from tests import helmrender, kubeauthz
 from tests.integration.test_deploy_broker import flag_values, parse_broker_args
 from tests.integration.test_deploy_manifests import KUBERNETES_VERSIONS, rules_of
@@ -619,7 +618,7 @@ def test_dra_mode_grants_the_claims_rbac_and_passes_the_dra_flags(render: Render
         for r in ("resourceslices", "resourceclaims")
         for v in ("get", "list", "watch")
     }
-    # in each namespace pods go to: what kubernetes_claiming calls, nothing more
+    # in each namespace pods go to: what cluster.kubernetes.claiming calls, nothing more
     roles = agent_roles(rendered)
     assert sorted(roles) == sorted(rendered.values["namespaces"])
     for rules in roles.values():
@@ -663,14 +662,14 @@ def test_gpu_health_keys_and_auto_cordon_are_values(render: Render) -> None:
     settings = agent_settings(rendered)
     assert (settings.auto_cordon, settings.cordon_after) == (True, 3)
     assert settings.health_settings().cordon_window == 1800.0
-    assert settings.health_keys() == kubernetes_health.HealthKeys(
+    assert settings.health_keys() == health.HealthKeys(
         taints=("example.com/gpu-xid",), labels=("example.com/gpu-bad",), conditions=("XidError",)
     )
     # cordoning patches nodes and records Events on them: those verbs more, cluster-wide
     rules = rules_of(rendered.one("ClusterRole", AGENT))
     assert rules == AGENT_CLUSTER_RULES | {("", "nodes", "patch"), (EVENTS, "events", "create")}
     default = agent_settings(render("member-agent"))
-    assert not default.auto_cordon and default.health_keys() == kubernetes_health.HealthKeys()
+    assert not default.auto_cordon and default.health_keys() == health.HealthKeys()
     assert default.health_settings().cordon_window == 3600.0
     assert rules_of(render("member-agent").one("ClusterRole", AGENT)) == AGENT_CLUSTER_RULES
 

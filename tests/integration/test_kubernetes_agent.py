@@ -13,7 +13,7 @@ import pytest
 
 from broker.api import messages, status
 from member_agent.cluster import base
-from member_agent.cluster import kubernetes as k8s
+from member_agent.cluster.kubernetes import backend as k8s
 from member_agent.jobs import handling
 from member_agent.placement import limits
 from tests import kubeemulator

@@ -12,10 +12,10 @@ import yaml
 from kubernetes_asyncio.client import exceptions as k8s_exceptions
 
 from broker.api import status
-from member_agent.cluster import base, errors, retrying
-from member_agent.cluster import kubernetes as k8s
-from member_agent.cluster import kubernetes_errors as k8s_errors
-from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster import base, errors
+from member_agent.cluster.kubernetes import backend as k8s
+from member_agent.cluster.kubernetes import errors as k8s_errors
+from member_agent.cluster.kubernetes import objects, retrying
 from member_agent.inventory import summary
 from tests.conftest_kube import FAST, Kube, Start
 from tests.kubeemulator import GPU, H100, next_event, pod_request, until

@@ -12,8 +12,8 @@ import pytest
 
 from broker.api import messages
 from member_agent.binding import binding
-from member_agent.cluster import kubernetes as k8s
-from member_agent.cluster import retrying
+from member_agent.cluster.kubernetes import backend as k8s
+from member_agent.cluster.kubernetes import retrying
 from tests.conftest_kube import Kube, KubeAgent, Start, gpu_job
 from tests.kubeemulator import Emulator, Fault, until
 

@@ -13,8 +13,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from broker.api import jobs, messages
-from member_agent.cluster import base, errors, retrying
-from member_agent.cluster import kubernetes_devices as devices
+from member_agent.cluster import base, errors
+from member_agent.cluster.kubernetes import devices, retrying
 from member_agent.inventory import summary
 from tests import kubeemulator
 from tests.conftest_kube import Kube, KubeAgent, Start, gpu_job

@@ -13,7 +13,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 
 from broker.api import messages
 from member_agent.cluster import gpuhealth
-from member_agent.cluster import kubernetes_events as events
+from member_agent.cluster.kubernetes import events
 from tests.conftest_kube import Kube, KubeAgent, Start
 from tests.integration.test_kubernetes_gpu_health import XID, following, offer, updates
 from tests.kubeemulator import until

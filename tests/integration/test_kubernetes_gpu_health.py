@@ -16,7 +16,7 @@ import pytest
 
 from broker.api import messages
 from member_agent.cluster import errors, gpuhealth
-from member_agent.cluster import kubernetes as k8s
+from member_agent.cluster.kubernetes import backend as k8s
 from member_agent.inventory import summary
 from tests import kubeemulator
 from tests.conftest_kube import Kube, KubeAgent, Start, gpu_job

@@ -11,7 +11,7 @@ from typing import Any
 import kubernetes_validate  # type: ignore[import-untyped]
 
 from broker.api import jobs, messages, mig
-from member_agent.cluster import kubernetes_mig as migs
+from member_agent.cluster.kubernetes import mig as migs
 from member_agent.inventory import summary
 from tests.conftest_kube import Kube, KubeAgent, Start, gpu_job
 from tests.kubeemulator import GPU, H100, until

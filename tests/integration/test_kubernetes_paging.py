@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
-from member_agent.cluster import kubernetes_errors as k8s_errors
-from member_agent.cluster import watching
+from member_agent.cluster.kubernetes import errors as k8s_errors
+from member_agent.cluster.kubernetes import watching
 from tests.conftest_kube import FAST, Kube
 from tests.kubeemulator import Fault
 

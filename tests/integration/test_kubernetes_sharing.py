@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from broker.api import messages
-from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster.kubernetes import objects
 from member_agent.inventory import model
 from tests.conftest_kube import Kube, KubeAgent, Start, gpu_job
 from tests.kubeemulator import GPU, until

@@ -15,9 +15,10 @@ import pytest
 
 from broker.api import messages, status
 from member_agent.binding import binding
-from member_agent.cluster import base, retrying
-from member_agent.cluster import kubernetes as k8s
-from member_agent.cluster import kubernetes_errors as k8s_errors
+from member_agent.cluster import base
+from member_agent.cluster.kubernetes import backend as k8s
+from member_agent.cluster.kubernetes import errors as k8s_errors
+from member_agent.cluster.kubernetes import retrying
 from member_agent.jobs import handling
 from tests.conftest_kube import Kube, Start
 from tests.kubeemulator import Emulator, Fault, pod_request, until

@@ -27,7 +27,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from broker.telemetry import metrics
 from gpufed.local import processes
 from member_agent import telemetry
-from member_agent.cluster import simulated
+from member_agent.cluster.simulated import backend as simulated
 from member_agent.jobs import handling
 from member_agent.session import connecting, reporting
 from member_agent.utilisation import scraping

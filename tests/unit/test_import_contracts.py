@@ -88,6 +88,30 @@ def test_the_tree_keeps_every_contract(tmp_path: Path) -> None:
             id="kubernetes outside cluster/",
         ),
         pytest.param(
+            "member_agent/cluster/simulated/pods.py",
+            "import kubernetes_asyncio",
+            "kubernetes_asyncio is imported only",
+            id="the simulated backend imports kubernetes_asyncio",
+        ),
+        pytest.param(
+            "member_agent/cluster/base.py",
+            "from member_agent.cluster.kubernetes import backend",
+            "kubernetes_asyncio is imported only",
+            id="the protocol reaches kubernetes_asyncio through the Kubernetes backend",
+        ),
+        pytest.param(
+            "member_agent/cluster/simulated/backend.py",
+            "from member_agent.cluster.kubernetes import health",
+            "The agent's backends",
+            id="the simulated backend imports the Kubernetes one",
+        ),
+        pytest.param(
+            "member_agent/cluster/kubernetes/state.py",
+            "from member_agent.cluster.simulated import pods",
+            "The agent's backends",
+            id="the Kubernetes backend imports the simulated one",
+        ),
+        pytest.param(
             "kits/tables.py",
             "from broker.api import jobs",
             "kits (the runtime kits",

@@ -5,7 +5,7 @@ The session calls `build_requests` with the placement `placement.gang.place_gang
 ones created are deleted again, and so are the ones whose create may have been applied though
 it failed (a lost answer), by name; then BindingError is raised. Nothing here decides where a
 pod goes. The backend makes each create idempotent and retries it before it fails (see
-`kubernetes_writing`), and a delete of a missing pod is done.
+`kubernetes.writing`), and a delete of a missing pod is done.
 
 Each pod carries what an agent restarted later needs to rebuild the job from its pods alone
 (`base.held_job` reads it back): the labels `gpufed.io/job` and `gpufed.io/task`, and the

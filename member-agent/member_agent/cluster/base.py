@@ -1,7 +1,8 @@
 """The ClusterBackend protocol: what the agent needs from the cluster it runs in.
 
-Implementations: `simulated.SimulatedBackend` (YAML node pools, pods that run for a while) and
-`kubernetes.KubernetesBackend` (kubernetes-asyncio). The agent core never knows which.
+Implementations: `simulated.backend.SimulatedBackend` (YAML node pools, pods that run for a
+while) and `kubernetes.backend.KubernetesBackend` (kubernetes-asyncio). The agent core never
+knows which.
 
 Every pod gpufed creates carries, besides its labels, the annotations a restarted agent needs
 to rebuild the job from its pods (`held_job` reads them back): the epoch of the offer that

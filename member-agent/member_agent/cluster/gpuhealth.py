@@ -1,7 +1,7 @@
 """GPU health, whichever backend reads it: GPUs that failed, nodes cordoned for it, the counts.
 
 A backend decides which GPUs of a node are unhealthy (the Kubernetes backend from the device
-plugin's allocatable, health taints and labels and DRA device taints, `kubernetes_health`; the
+plugin's allocatable, health taints and labels and DRA device taints, `kubernetes.health`; the
 simulated one from what a test injects) and takes them out of its inventory
 (`model.Inventory.set_unhealthy`) at once. It tells the `HealthBook` each time a node's set
 changes (`observe`); the book answers which GPUs have just failed, so that the backend fails

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.api import jobs, messages
-from member_agent.cluster import simulated
+from member_agent.cluster.simulated import backend as simulated
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 L4 = "NVIDIA-L4"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.api import messages
-from member_agent.cluster import simulated
+from member_agent.cluster.simulated import backend as simulated
 from member_agent.jobs import handling
 from member_agent.placement import limits
 from tests.unit.agent import builders

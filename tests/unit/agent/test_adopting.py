@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from broker.api import messages, status
-from member_agent.cluster import base, simulated
+from member_agent.cluster import base
+from member_agent.cluster.simulated import backend as simulated
 from member_agent.jobs import adopting, handling, table
 from tests.unit.agent import builders
 

@@ -9,7 +9,8 @@ import pytest
 
 from broker.api import gangs, jobs
 from member_agent.binding import binding
-from member_agent.cluster import base, errors, simulated
+from member_agent.cluster import base, errors
+from member_agent.cluster.simulated import backend as simulated
 from member_agent.placement import gang
 from tests.unit.agent import builders
 

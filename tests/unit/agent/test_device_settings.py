@@ -8,8 +8,8 @@ import pytest
 
 from gpufed import cli, daemons
 from member_agent import app
-from member_agent.cluster import kubernetes as k8s
-from member_agent.cluster import kubernetes_devices as devices
+from member_agent.cluster.kubernetes import backend as k8s
+from member_agent.cluster.kubernetes import devices
 
 BASE = ["agent", "--broker", "http://b:8080", "--cluster", "c1", "--token-file", "t"]
 KUBE = [*BASE, "--backend", "kubernetes", "--kubeconfig", "/nonexistent"]

@@ -13,12 +13,10 @@ import pytest
 from broker.api import inventory as api
 from broker.api import messages, status
 from broker.jobs import fleet
-from member_agent.cluster import base, gpuhealth, simulated
-from member_agent.cluster import kubernetes_claims as claims
-from member_agent.cluster import kubernetes_devices as devices
-from member_agent.cluster import kubernetes_health as health
-from member_agent.cluster import kubernetes_objects as objects
-from member_agent.cluster import simulated_faults as faults
+from member_agent.cluster import base, gpuhealth
+from member_agent.cluster.kubernetes import claims, devices, health, objects
+from member_agent.cluster.simulated import backend as simulated
+from member_agent.cluster.simulated import faults
 from member_agent.inventory import summary
 from member_agent.placement import gang
 from member_agent.session import reporting

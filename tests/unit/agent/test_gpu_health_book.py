@@ -11,7 +11,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from member_agent.cluster import gpuhealth
-from member_agent.cluster import kubernetes_events as events
+from member_agent.cluster.kubernetes import events
 from tests.kubeevents import api_server_problems
 
 

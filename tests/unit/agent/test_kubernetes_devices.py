@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from member_agent.cluster import kubernetes_claims as claims
-from member_agent.cluster import kubernetes_devices as devices
+from member_agent.cluster.kubernetes import claims, devices
 from member_agent.inventory import model
 from tests import kubeemulator
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from member_agent.cluster import kubernetes_quotas as quotas
+from member_agent.cluster.kubernetes import quotas
 
 REQ = "requests.nvidia.com/gpu"
 LIM = "limits.nvidia.com/gpu"

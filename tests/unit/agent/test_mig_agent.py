@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from broker.api import messages, mig
-from member_agent.cluster import simulated
+from member_agent.cluster.simulated import backend as simulated
 from member_agent.jobs import handling
 from member_agent.session import reporting
 from tests.unit.agent import builders

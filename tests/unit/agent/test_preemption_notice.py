@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from broker.api import messages
-from member_agent.cluster import base, simulated
+from member_agent.cluster import base
+from member_agent.cluster.simulated import backend as simulated
 from tests.unit.agent import harnesses
 
 

@@ -1,5 +1,5 @@
 """Retrying one request to the API server (`retrying.call`): the waits, the deadline, and the
-Kubernetes errors it reads (`kubernetes_errors`: Retry-After, what is temporary)."""
+Kubernetes errors it reads (`kubernetes.errors`: Retry-After, what is temporary)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from email.utils import format_datetime
 
 import pytest
 
-from member_agent.cluster import errors, retrying, watching
-from member_agent.cluster import kubernetes_errors as k8s_errors
+from member_agent.cluster import errors
+from member_agent.cluster.kubernetes import errors as k8s_errors
+from member_agent.cluster.kubernetes import retrying, watching
 
 
 class FakeTime:

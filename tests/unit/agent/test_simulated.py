@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from broker.api import status
-from member_agent.cluster import base, errors, simulated
+from member_agent.cluster import base, errors
+from member_agent.cluster.simulated import backend as simulated
 from tests.unit.agent import builders
 
 POOL = """

@@ -10,7 +10,8 @@ import pytest
 
 from broker.api import status
 from gpufed import cli, daemons
-from member_agent.cluster import base, kubernetes_objects
+from member_agent.cluster import base
+from member_agent.cluster.kubernetes import objects
 from member_agent.jobs import adopting, table
 from member_agent.utilisation import readings
 from tests import dcgmpages
@@ -321,8 +322,8 @@ def test_the_kubernetes_backend_reads_the_queue_of_gpufeds_pods_from_their_label
     }
     foreign = {**pod, "metadata": {**pod["metadata"], "labels": {"gpufed.io/queue": "q"}}}
 
-    assert kubernetes_objects.read_pod(pod).queue == "q"
-    assert kubernetes_objects.read_pod(foreign).queue == ""  # not gpufed's pod
+    assert objects.read_pod(pod).queue == "q"
+    assert objects.read_pod(foreign).queue == ""  # not gpufed's pod
 
 
 AGENT = ["agent", "--broker", "http://b", "--cluster", "c", "--nodes", "n", "--token-file", "t"]

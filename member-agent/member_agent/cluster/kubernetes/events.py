@@ -37,8 +37,8 @@ from kubernetes_asyncio import client
 
 from broker.api import status
 from member_agent.cluster import base, errors, gpuhealth
-from member_agent.cluster import kubernetes_errors as k8s_errors
-from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster.kubernetes import errors as k8s_errors
+from member_agent.cluster.kubernetes import objects
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from member_agent.cluster import errors
-from member_agent.cluster import kubernetes_errors as k8s_errors
+from member_agent.cluster.kubernetes import errors as k8s_errors
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """ResourceClaims as gpufed writes and reads them in DRA mode. Pure: JSON dicts in and out;
-`kubernetes_claiming` sends them.
+`claiming` sends them.
 
 Every pod gpufed creates holds its GPUs through one claim allocated to exactly the devices
 placement chose, written as the scheduler would write it (`allocation`, `reservation`):
@@ -38,9 +38,8 @@ from typing import Any
 
 from broker.api import jobs, mig
 from member_agent.cluster import base
-from member_agent.cluster import kubernetes_devices as devices
-from member_agent.cluster import kubernetes_mig as migs
-from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster.kubernetes import devices, objects
+from member_agent.cluster.kubernetes import mig as migs
 
 GROUP = "resource.k8s.io"
 VERSIONS = ("v1", "v1beta2")  # in the order preferred

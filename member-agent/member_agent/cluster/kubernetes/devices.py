@@ -9,7 +9,7 @@ devices, not a node's GPUs). Of the slices of one pool only those of the highest
 when its `type` attribute, if published, is `gpu` (MIG devices and VFIO devices are not). A
 device with a NoSchedule or NoExecute taint, or a health taint of any effect
 (`DeviceKeys.health_taints`: NVIDIA's driver's `gpu.nvidia.com/xid` and
-`gpu.nvidia.com/gpu-lost` by default, see `kubernetes_health`), is an unhealthy GPU of the
+`gpu.nvidia.com/gpu-lost` by default, see `health`), is an unhealthy GPU of the
 node, as is one a claim's status gives a health condition (`DeviceBook.set_claim_health`).
 What is read of it (attribute names configurable through `DeviceKeys`; an unqualified name is
 also looked up in the driver's domain, as `gpu.nvidia.com/uuid`):
@@ -37,7 +37,7 @@ The inventory node (`with_devices`): GPU index i is the device whose index is i;
 driver does not publish below the node's highest (a GPU turned into MIG devices or gone) is
 counted as taken, so gpufed never places on it; a tainted device is one of the node's
 unhealthy GPUs (`model.Node.unhealthy`): never free, counted unavailable, and gpufed's pods
-holding it fail `GPUFailed` (`kubernetes_state`). The model is the node's GFD product
+holding it fail `GPUFailed` (`state`). The model is the node's GFD product
 label when it has one (what jobs select and the broker knows), else the product with spaces
 made dashes, as GFD writes it; memory is the smallest device's; the NVLink domain the clique
 all the node's devices share, else the node's label.
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.api import jobs
-from member_agent.cluster import kubernetes_health as health
+from member_agent.cluster.kubernetes import health
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """gpufed's pods in DRA mode: each created with the ResourceClaim that holds its GPUs, and its
 claim deleted with it. The Kubernetes backend's `create_pod` and `delete_pod` hand their DRA
-half to `ClaimedPods`; the bodies are `kubernetes_claims`', the calls `kubernetes_claiming`'s.
+half to `ClaimedPods`; the bodies are `claims`', the calls `claiming`'s.
 
 A pod's creation, in order: its claim (created unallocated; one a sharing pod's GPU has already
 is joined), the pod bound to its node and naming the claim, then the claim owned by the pod,
@@ -30,11 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from member_agent.cluster import base, errors
-from member_agent.cluster import kubernetes_claiming as claiming
-from member_agent.cluster import kubernetes_claims as claims
-from member_agent.cluster import kubernetes_devices as devices
-from member_agent.cluster import kubernetes_objects as objects
-from member_agent.cluster import kubernetes_state as state
+from member_agent.cluster.kubernetes import claiming, claims, devices, objects, state
 
 logger = logging.getLogger(__name__)
 

@@ -11,17 +11,17 @@ from the moment the create succeeds, before any watch reports them, and the watc
 then replaces that entry instead of adding to it.
 
 It also counts the GPUs every namespace's live pods request (for ResourceQuotas, see
-`kubernetes_quotas`) and groups gpufed's pods by job (`held_jobs`: what a restarted agent
+`quotas`) and groups gpufed's pods by job (`held_jobs`: what a restarted agent
 adopts).
 
-DRA mode (`kubernetes_devices`): nodes carry no GPUs of their own (`device_plugin=False`); the
+DRA mode (`devices`): nodes carry no GPUs of their own (`device_plugin=False`); the
 `node_view` hook gives each node the GPUs its ResourceSlices publish, and ResourceClaims that
 other schedulers allocated are held like pods (`hold`: a record per claim, never reported).
 
 A Pending pod of gpufed's that says why it does not start (`pending_reason`: an image that
 cannot be pulled, PodScheduled=False) is reported with that reason, and again when it changes.
 
-GPU health (`kubernetes_health`): each time a node is built its unhealthy GPUs leave the
+GPU health (`health`): each time a node is built its unhealthy GPUs leave the
 inventory and the `gpuhealth.HealthBook` is told; gpufed's pods on a GPU that has just failed,
 and a pod the kubelet reports an allocated device of Unhealthy, are reported Failed GPUFailed.
 """
@@ -36,9 +36,8 @@ from typing import Any
 
 from broker.api import status
 from member_agent.cluster import base, gpuhealth
-from member_agent.cluster import kubernetes_health as health
-from member_agent.cluster import kubernetes_mig as migs
-from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster.kubernetes import health, objects
+from member_agent.cluster.kubernetes import mig as migs
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)

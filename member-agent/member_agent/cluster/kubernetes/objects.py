@@ -14,7 +14,7 @@ Node labels read (keys configurable through `LabelKeys`, defaults below):
 | shared replicas per GPU | `nvidia.com/gpu.replicas` | GFD, with time-slicing or MPS sharing |
 
 GPUs are `status.allocatable["nvidia.com/gpu"]`; MIG devices are every `nvidia.com/mig-<profile>`
-in `allocatable` (`kubernetes_mig`: names read, not hard-coded), the inventory Node's `mig`;
+in `allocatable` (`mig`: names read, not hard-coded), the inventory Node's `mig`;
 `mig_slices(node)` reads them back. Nodes without GPUs are in the inventory too, with
 `gpu_count` 0 and model "" (CPU-only tasks of a gang can go there).
 
@@ -27,14 +27,14 @@ resource (`build_pod`). A node whose `nvidia.com/gpu` are themselves replicas (r
 above 1 and no renamed resource) is marked the same, its sharing pods requesting one
 `nvidia.com/gpu`. Any other GPU node is `model.SHARING_NONE`: whole GPUs only, since a pod asking
 part of a GPU there would be handed a whole one. A foreign pod holding shared replicas holds a
-replica's share (1000 / replicas milli) of a GPU for each. In DRA mode (`kubernetes_devices`) the
+replica's share (1000 / replicas milli) of a GPU for each. In DRA mode (`devices`) the
 GPUs come from ResourceSlices instead and claims share them, so none of this applies.
 
 A node is available when its Ready condition is True, `spec.unschedulable` is false and it has
 no NoSchedule/NoExecute taint outside `LabelKeys.tolerated_taints` (default `nvidia.com/gpu`,
 the taint many providers put on every GPU node). Per-pod tolerations are not evaluated: a taint
 either keeps gpufed off the node or is tolerated for all gpufed pods, which then carry a
-matching toleration (pods are bound with `spec.nodeName`, see `kubernetes.py`, so no scheduler
+matching toleration (pods are bound with `spec.nodeName`, see `backend.py`, so no scheduler
 checks taints for them).
 """
 
@@ -51,7 +51,7 @@ from typing import Any
 
 from broker.api import jobs, status
 from member_agent.cluster import base
-from member_agent.cluster import kubernetes_mig as migs
+from member_agent.cluster.kubernetes import mig as migs
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ comma-separated list, matched against the pod's `gpufed.io/attempt`, 1 when abse
 those attempts of the job and lets the others succeed: with `Failed:NodeLost@1` the first
 attempt fails with NodeLost and the broker's retry succeeds. Timers are asyncio `call_later`
 handles, never polling loops. Fault injection for tests and chaos runs: `fail_creates_after`,
-`set_node_ready`, GPU failures (`gpus`, `simulated_faults`: `fail_gpu`, or a job's
+`set_node_ready`, GPU failures (`gpus`, `faults`: `fail_gpu`, or a job's
 `gpufed.io/sim-gpu-failure` annotation), and pools whose pods never start (`stay_pending`).
 
 Graceful deletion, as the kubelet does it: a running pod deleted with a grace period gets its
@@ -21,7 +21,7 @@ sooner. A workload that checkpoints is `gpufed.io/sim-checkpoint-every`: it
 writes `gpufed.io/last-checkpoint` on its pod that often while it runs. Annotations the agent
 writes (`annotate_pod`: the preemption notice) are kept on the pod.
 
-A `simulated_pods.Journal` (`gpufed agent --sim-journal FILE`) records a JSON line each time
+A `pods.Journal` (`gpufed agent --sim-journal FILE`) records a JSON line each time
 a pod starts or stops running (finished, deleted, or gone with the agent process), and when a
 running pod is told to terminate (`terminate`, with its `grace` and the `notice` annotation it
 saw then), with the wall-clock time: what the e2e tests read to check that no two copies of a
@@ -49,8 +49,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from broker.api import jobs, mig, status
-from member_agent.cluster import base, errors, gpuhealth, simulated_pods
-from member_agent.cluster import simulated_faults as faults
+from member_agent.cluster import base, errors, gpuhealth
+from member_agent.cluster.simulated import faults
+from member_agent.cluster.simulated import pods as simulated_pods
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)

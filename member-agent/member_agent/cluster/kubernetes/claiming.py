@@ -1,5 +1,5 @@
 """Writing gpufed's ResourceClaims (DRA mode): which `resource.k8s.io` version the server
-offers, create, reserve for a pod, delete. The bodies are `kubernetes_claims`'; this sends them
+offers, create, reserve for a pod, delete. The bodies are `claims`'; this sends them
 through kubernetes-asyncio's generated `ResourceV1Api` or `ResourceV1beta2Api` (the same calls
 in both), raw JSON in and out as elsewhere in the backend.
 
@@ -19,7 +19,7 @@ was lost may have been applied:
   its own. Held by no pod (no owner, not reserved), it is the claim an earlier try created (or a
   failed create left behind) and counts as created; held, it exists already (a shared claim
   other pods hold) and is joined. Being deleted, the create is tried again until it is gone; a
-  claim of another job, other devices, or not gpufed's is `kubernetes_errors.Conflict`, and is
+  claim of another job, other devices, or not gpufed's is `k8s_errors.Conflict`, and is
   left alone;
 - a delete answered 404 is done;
 - a patch answered 409 is not sent again as it was: it carries the resourceVersion it was
@@ -40,12 +40,9 @@ from typing import Any
 from kubernetes_asyncio import client
 
 from broker.api import status
-from member_agent.cluster import errors, retrying, watching
-from member_agent.cluster import kubernetes_claims as claims
-from member_agent.cluster import kubernetes_devices as devices
-from member_agent.cluster import kubernetes_errors as k8s_errors
-from member_agent.cluster import kubernetes_objects as objects
-from member_agent.cluster import kubernetes_state as state
+from member_agent.cluster import errors
+from member_agent.cluster.kubernetes import claims, devices, objects, retrying, state, watching
+from member_agent.cluster.kubernetes import errors as k8s_errors
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)

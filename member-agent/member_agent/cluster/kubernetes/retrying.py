@@ -24,7 +24,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from member_agent.cluster import errors, watching
+from member_agent.cluster import errors
+from member_agent.cluster.kubernetes import watching
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ place of `nvidia.com/gpu` (`requesting`: what the pod template asked as `nvidia.
 the devices). Another workload's pod requesting `nvidia.com/mig-<profile>` holds that many of
 the node's devices of the profile, counted from the top (`slots_for`).
 
-DRA mode (`kubernetes_devices`): the devices are the driver's ResourceSlices' MIG devices; a
-MIG pod's claim is allocated to exactly the ones placement chose (`kubernetes_claims`), and the
+DRA mode (`devices`): the devices are the driver's ResourceSlices' MIG devices; a
+MIG pod's claim is allocated to exactly the ones placement chose (`claims`), and the
 annotation names them by their index among the node's devices of that profile.
 """
 

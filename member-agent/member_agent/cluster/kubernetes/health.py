@@ -1,5 +1,5 @@
 """Which GPUs of a Kubernetes node are unhealthy, from what the API shows. Pure functions on
-the JSON dicts the API server sends; `kubernetes_state` applies them to the inventory and
+the JSON dicts the API server sends; `state` applies them to the inventory and
 `gpuhealth.HealthBook` counts the failures.
 
 What is read (keys configurable through `HealthKeys`: `--gpu-health-taint`,
@@ -19,11 +19,11 @@ What is read (keys configurable through `HealthKeys`: `--gpu-health-taint`,
 - **a health label on the Node**: its key in `HealthKeys.labels` (default
   `gpufed.io/gpu-unhealthy`), any value but `false`, `none`, `healthy`, `ok`; GPUs as for
   taints.
-- **a DRA device taint** in a ResourceSlice (`kubernetes_devices`): NoSchedule or NoExecute,
+- **a DRA device taint** in a ResourceSlice (`devices`): NoSchedule or NoExecute,
   or any effect with a key in `HealthKeys.taints` (NVIDIA's DRA driver's health taints
   `gpu.nvidia.com/xid` and `gpu.nvidia.com/gpu-lost`, effect None): that device.
 - **a DRA device condition** in a ResourceClaim's `status.devices[]` (what a driver reports of
-  an allocated device; `kubernetes_claims.sick_devices`): a condition of a
+  an allocated device; `claims.sick_devices`): a condition of a
   `HealthKeys.conditions` type, status True: that device, while a claim says so.
 - **the kubelet, on a pod** (`ResourceHealthStatus`, KEP-4680):
   `status.containerStatuses[].allocatedResourcesStatus[].resources[].health: Unhealthy`. The
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.api import jobs
-from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster.kubernetes import objects
 from member_agent.inventory import model
 
 DEFAULT_TAINTS = (
@@ -143,7 +143,7 @@ def read_node_health(raw: Mapping[str, Any], keys: HealthKeys) -> NodeHealth:
 def read_node(
     raw: Mapping[str, Any], keys: objects.LabelKeys, health: HealthKeys, *, plugin: bool
 ) -> tuple[model.Node | None, NodeHealth]:
-    """The inventory node of a Node (`kubernetes_objects.read_node`, its health taints left
+    """The inventory node of a Node (`objects.read_node`, its health taints left
     out, its missing GPUs counted; `plugin`: device-plugin mode) and its GPUs' health."""
     found = read_node_health(raw, health)
     node = objects.read_node(without_health_taints(raw, health), keys, device_plugin=plugin)

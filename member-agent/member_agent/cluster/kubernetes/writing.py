@@ -7,7 +7,7 @@ Every write can be sent twice, because a try whose answer was lost may have been
 - a create answered 409 AlreadyExists reads the pod of that name: when its `gpufed.io/job`
   label, `gpufed.io/attempt` and `gpufed.io/epoch` annotations and node are the ones sent, it
   is the pod an earlier try created, and the create has succeeded (the pod read is returned);
-  a pod of another job, attempt, epoch or node is `kubernetes_errors.Conflict`, and is left
+  a pod of another job, attempt, epoch or node is `k8s_errors.Conflict`, and is left
   alone; one of ours being deleted (`deletionTimestamp`) is tried again until it is gone;
 - a delete answered 404 is done (`delete_pod` says whether the pod was there);
 - a merge patch of annotations or of a node's fields writes the same thing again.
@@ -20,9 +20,9 @@ from typing import Any
 
 from kubernetes_asyncio import client
 
-from member_agent.cluster import base, errors, retrying
-from member_agent.cluster import kubernetes_errors as k8s_errors
-from member_agent.cluster import kubernetes_objects as objects
+from member_agent.cluster import base, errors
+from member_agent.cluster.kubernetes import errors as k8s_errors
+from member_agent.cluster.kubernetes import objects, retrying
 
 RawCall = Callable[..., Awaitable[Any]]  # a generated API call made with _preload_content=False
 MERGE_PATCH = "application/merge-patch+json"

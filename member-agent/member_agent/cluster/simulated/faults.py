@@ -1,4 +1,4 @@
-"""GPU failures on the simulated backend, composed into `simulated.SimulatedBackend` as its
+"""GPU failures on the simulated backend, composed into `backend.SimulatedBackend` as its
 `gpus`: what a test or a job injects, applied as the Kubernetes backend applies what its
 cluster says (`gpuhealth`).
 
@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from broker.api import status
-from member_agent.cluster import base, gpuhealth, simulated_pods
+from member_agent.cluster import base, gpuhealth
+from member_agent.cluster.simulated import pods as simulated_pods
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)

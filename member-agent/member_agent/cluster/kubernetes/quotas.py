@@ -1,7 +1,7 @@
 """Kubernetes ResourceQuotas on GPUs, as the agent reads them: what a namespace may still ask.
 
 The Kubernetes backend lists and watches the ResourceQuotas of the namespaces it may create pods
-in (`kubernetes.py`, one `watching.ListWatch` per namespace, as the chart's Roles allow) into a
+in (`backend.py`, one `watching.ListWatch` per namespace, as the chart's Roles allow) into a
 `QuotaBook`. `QuotaBook.gpu_quotas` gives, per quota on `requests.nvidia.com/gpu` or
 `limits.nvidia.com/gpu`, its `hard` value and what is used: the larger of the quota's
 `status.used` (the API server's count, updated at admission) and the GPUs requested by the

@@ -3,10 +3,10 @@
 `start` lists Nodes, the Pods of all namespaces and the ResourceQuotas of the namespaces it may
 create pods in (all namespaces when unrestricted), then watches them in the background
 (`watching.ListWatch`: resume from the last resourceVersion, relist on 410 Gone, reconnect with
-exponential backoff and jitter). `kubernetes_state.ClusterState` turns what they report into
-the GPU inventory and the events the agent reads; `kubernetes_objects` reads nodes (GPU Feature
+exponential backoff and jitter). `state.ClusterState` turns what they report into
+the GPU inventory and the events the agent reads; `objects` reads nodes (GPU Feature
 Discovery labels, allocatable GPUs and MIG devices, taints, readiness; label keys are
-configurable, defaults documented there) and builds the pods; `kubernetes_quotas` reads the GPU
+configurable, defaults documented there) and builds the pods; `quotas` reads the GPU
 quotas (`gpu_quotas`), which the agent checks before it creates anything.
 
 Restart: gpufed's pods found by the first list are its jobs (`held_jobs`), rebuilt from their
@@ -25,8 +25,8 @@ to the pod as tolerations. A hostname selector would keep the kube-scheduler in 
 plugins, its preemption) at the cost of a scheduling round per pod and a gang that may bind
 only in part.
 
-Writes (`kubernetes_writing`): every pod create, delete and patch, every node patch and, in
-DRA mode, every ResourceClaim request (`kubernetes_claiming`) is sent again on 429 (after its
+Writes (`writing`): every pod create, delete and patch, every node patch and, in
+DRA mode, every ResourceClaim request (`claiming`) is sent again on 429 (after its
 Retry-After), 5xx, a timeout or a connection failure, with a jittered exponential backoff,
 within `retry` (`retrying.RetryPolicy`: a 20 s deadline per request by default, backoff 0.1 s
 doubling to 5 s); a create that meets its own pod or claim (an earlier try's answer lost) has
@@ -43,7 +43,7 @@ deletes it with the grace period; a pod's `gpufed.io/last-checkpoint` is read wi
 (`PodRecord.checkpoint`) and a change of it is a PodEvent too.
 
 Events: a PodEvent when one of gpufed's pods changes phase (Pending only with the reason it
-does not start, `kubernetes_state.pending_reason`; Unknown is reported as Failed/NodeLost),
+does not start, `state.pending_reason`; Unknown is reported as Failed/NodeLost),
 with the pod's `status.reason` (Evicted, OutOfnvidia.com/gpu), a container's termination
 reason (OOMKilled first, else the first failing one) or NodeLost (the taint manager deleting
 it, its node deleted) as the reason; Deleted when it disappears. A node
@@ -54,25 +54,25 @@ changed (coalesced: at most one waits unread).
 Devices (`devices`): `device-plugin` (the default) reads a node's GPUs from its allocatable
 `nvidia.com/gpu` and leaves the choice of devices to the kubelet, as above; sharing pods go only
 to nodes advertising the device plugin's shared replicas and request one of those
-(`kubernetes_objects`). `dra` reads the GPUs from the ResourceSlices of a DRA driver
-(`kubernetes_devices`, `gpu.nvidia.com` by default) and gives every pod a ResourceClaim
-allocated to exactly the devices placement chose (`kubernetes_claims`: a claim of its own, or
+(`objects`). `dra` reads the GPUs from the ResourceSlices of a DRA driver
+(`devices`, `gpu.nvidia.com` by default) and gives every pod a ResourceClaim
+allocated to exactly the devices placement chose (`claims`: a claim of its own, or
 one claim shared by the sharing pods of a GPU, with the driver's time-slicing or MPS
 configuration), created, then the pod bound to it, then the claim owned, allocated and reserved
-for the pod as the scheduler would (`kubernetes_claimed`; the calls are `kubernetes_claiming`'s,
+for the pod as the scheduler would (`claimed`; the calls are `claiming`'s,
 which also finds the version of `resource.k8s.io` the server offers: v1 from 1.34, else
 v1beta2). Deleting a pod deletes its
 claim (a shared one once no pod of gpufed's holds it); the pod's ownership deletes it too.
 Between the pod's create and its claim's reservation the kubelet, if it sees the pod, waits:
 it starts no container for a claim not reserved for the pod. See docs/kubernetes.md.
 
-GPU health (`kubernetes_health`, `gpuhealth`): a GPU the device plugin drops from allocatable,
+GPU health (`health`, `gpuhealth`): a GPU the device plugin drops from allocatable,
 that a health taint or label of its node names, or whose DRA device is tainted leaves the
 inventory within the watch event that says so, and gpufed's pods on it fail `GPUFailed` (the
 gang with them, retried by the broker within its budget). With `--auto-cordon`, a node that has
 had `--cordon-after` GPU failures is cordoned: `spec.unschedulable: true` and the annotation
 `gpufed.io/cordoned` (why) in one merge patch of the Node; a warning is logged and an Event
-recorded on the Node (`kubernetes_events`, as for each pod failed GPUFailed). GPUs unhealthy
+recorded on the Node (`events`, as for each pod failed GPUFailed). GPUs unhealthy
 in the first lists are not failures (`HealthBook.seeded`): a restarted agent fails the pods
 on them but does not count them toward cordoning again.
 
@@ -99,16 +99,20 @@ from typing import Any, Literal
 from kubernetes_asyncio import client, config
 
 from broker.api import status
-from member_agent.cluster import base, errors, gpuhealth, retrying, watching
-from member_agent.cluster import kubernetes_claimed as claimed
-from member_agent.cluster import kubernetes_claiming as claiming
-from member_agent.cluster import kubernetes_devices as devices
-from member_agent.cluster import kubernetes_events as node_events
-from member_agent.cluster import kubernetes_health as health
-from member_agent.cluster import kubernetes_objects as objects
-from member_agent.cluster import kubernetes_quotas as quotas
-from member_agent.cluster import kubernetes_state as state
-from member_agent.cluster import kubernetes_writing as writing
+from member_agent.cluster import base, errors, gpuhealth
+from member_agent.cluster.kubernetes import (
+    claimed,
+    claiming,
+    devices,
+    health,
+    objects,
+    quotas,
+    retrying,
+    state,
+    watching,
+    writing,
+)
+from member_agent.cluster.kubernetes import events as node_events
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)
