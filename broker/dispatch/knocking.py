@@ -8,9 +8,10 @@ records a *knock* (`note`): the key `/gpufed/knocks/<cluster>` written (at most 
 second per cluster) on a lease of its own that expires by itself. The leader watches those
 keys from its term's start (`watch_term`) and notes, on its own clock, when each cluster last
 knocked. `decide` (pure) then says whether to step aside: a majority of the clusters it
-counts (those with a session on it, and those knocking) have no session on it and knocked at
-a follower within `window`, continuously for `hold`, and not within `settle` of the term's
-start (agents that are finding a new leader knock first). The leader then resigns and does
+counts (those with a live session on it, and those knocking) have none (no session, or one
+silent for two heartbeats) and knocked at a follower within `window`, continuously for
+`hold`, and not within `settle` of the term's start (agents that are finding a new leader
+knock first). The leader then resigns and does
 not campaign for a hold-off (`electing.Election.step_aside`), so a replica the agents reach
 takes over. `docs/design/failover.md` argues the rule and why it does not flap.
 """
@@ -34,7 +35,8 @@ PREFIX = "/gpufed/knocks/"
 KNOCK_EVERY = 1.0  # a follower writes one cluster's knock at most this often
 LEASE_TTL = 60  # the knocks' lease: they vanish this long after the last one at most
 LEASE_RENEW_AFTER = 30.0  # a follower takes a new lease for its knocks this often
-ASSESS_MAX_SECONDS = 1.0  # the leader looks at least this often
+ASSESS_MAX_SECONDS = 0.5  # the leader looks at least this often
+SILENT_BEATS = 2.0  # a session silent this many heartbeats does not count as one
 BACKOFF_SECONDS = 1.0
 
 
@@ -51,11 +53,11 @@ class Rule:
     def for_heartbeat(cls, heartbeat: float) -> Rule:
         """An agent that lost its session knocks again every connect wait (at most two
         heartbeats) and a Retry-After: a window of four heartbeats and 2 s holds two knocks.
-        The cut must outlast two heartbeats, and agents find a new leader within about the
-        window, so a term's first window is not judged. A replica that stepped aside waits
-        until its successor has been judged by the same rule."""
+        The cut must outlast a heartbeat (at least a second), and agents find a new leader
+        within about the window, so a term's first window is not judged. A replica that
+        stepped aside waits until its successor has been judged by the same rule."""
         window = 4 * heartbeat + 2.0
-        hold = max(1.0, 2 * heartbeat)
+        hold = max(1.0, heartbeat)
         return cls(window=window, hold=hold, settle=window, hold_off=window + hold + window)
 
 
@@ -111,7 +113,8 @@ class Knocks:
         self.backing = backing
         self.leadership = leadership
         self.rule = Rule.for_heartbeat(heartbeat)
-        self.every = min(ASSESS_MAX_SECONDS, heartbeat)
+        self.heartbeat = heartbeat
+        self.every = min(ASSESS_MAX_SECONDS, heartbeat / 2)
         self.on_error = on_error
         self._written: dict[str, float] = {}  # cluster -> when this follower last wrote
         self._writing: set[asyncio.Task[None]] = set()
@@ -167,11 +170,17 @@ class Knocks:
         try:
             while self.leadership.is_leader:
                 await asyncio.sleep(self.every)
-                sessions = {name for name, c in clusters.clusters.items() if c.link is not None}
+                now = time.monotonic()
+                quiet = SILENT_BEATS * self.heartbeat  # past it, the watchdog closes it soon
+                sessions = {
+                    name
+                    for name, c in clusters.clusters.items()
+                    if c.link is not None and c.silent_for(now) <= quiet
+                }
                 verdict = decide(
                     sessions,
                     self.heard,
-                    now=time.monotonic(),
+                    now=now,
                     term_began=began,
                     cut_since=cut_since,
                     rule=self.rule,

@@ -24,35 +24,33 @@ collaborator sees a record change between its draft and its commit); a job the w
 delivered yet is read from the store (`fetch`): a submitter reads its own write anywhere.
 
 The lock: collaborators hold it from their draft to their commit, so what they decided on
-does not change under them. Two writers let it go for the store's round trip. The group
-commit (`run_flusher`) writes only drafts of `commit_soon`, which `latest` showed, so
-whatever a collaborator drafted of those jobs builds on them. The dispatch drafts under the
-lock and writes without it (`launch`, `land`): `latest` shows its drafts while they are
-written, and a draft built on one that does not land is refused (ConflictError). A commit of
-a job waits for this replica's writes of it in flight (its compare-and-swap is against the
+does not change under them. Two writers let it go for the store's round trip, so that agents'
+reports and the scheduler do not wait on it. The group commit (`grouping.GroupCommit`) writes
+only drafts of `commit_soon`, which `latest` showed, so whatever a collaborator drafted of
+those jobs builds on them. The dispatch drafts under the lock and writes without it (`launch`,
+`land`: `launching.Launches`): `latest` shows its drafts while they are written, and a draft
+built on one that does not land is refused (ConflictError). A commit of a job waits for this
+replica's writes of it in flight (`writes.Writes`: its compare-and-swap is against the
 revision they make); a draft given to `commit_soon` meanwhile goes with the next flush;
-after a conflict the group commit reads the records again only once the lock is free. In a
-20,000-job soak the lock had been held by the group commit's store round trips for half the
-run, the event loop idle while agents' reports waited for it (920-940 -> 993-1,017 pods/s;
-submit -> Running p50 9.6 -> 6.2 s). The dispatch's round trip held it for a fifth of such a
-run. Written without it: in the 100,000-job soak 864-874 against 734 pods/s, submit ->
-Running p50 11-12 s against 49 s (the backlog stays shallow while submits come in); in the
-20,000-job soak p50 3.8-5.5 s against 6.6-8.6 s, but the run takes 7-12% longer end to end
-(26.0-26.5 s against 24.4-24.8 s in three later pairs): submits come in more slowly while
-reports and dispatches go on beside them, and the tail after the last submit is no shorter.
+after a conflict the group commit reads the records again only once the lock is free.
+
+The book owns the records and their indices and the commit that writes and applies them;
+its collaborators own the rest, each given what it needs of the book: `Creation` (new jobs,
+idempotency keys), `GroupCommit` (drafts waiting, callbacks after commit), `Launches` (drafts
+written without the lock), `Writes` (this replica's writes in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from datetime import datetime
 
-from broker.api import status
+from broker.api import jobs, status
 from broker.api.status import JobState
-from broker.jobs import aging, creating, grouping, launching
+from broker.jobs import aging, creating, grouping, launching, writes
 from broker.planning import planning
 from broker.state import electing, errors, records
 from broker.state.history import held
@@ -60,7 +58,6 @@ from broker.state.history import protocol as history_store
 from kits import tables
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # states in which a job holds GPUs on a cluster (what quotas count)
 HOLDING = frozenset({JobState.DISPATCHED, JobState.RUNNING})
@@ -104,7 +101,7 @@ def draft_of(record: status.JobRecord) -> status.JobRecord:
     return record.model_copy(update={"status": copied})
 
 
-class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
+class JobBook:
     """Records and revisions, indices, and the commits that change them."""
 
     def __init__(
@@ -115,11 +112,9 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
         leadership: electing.Leadership | None = None,
     ) -> None:
         self.store = job_store
-        self.idempotency_window = idempotency_window
         self.leadership = leadership  # None: no fence (one replica, tests)
         self.lock = asyncio.Lock()  # collaborators hold it to decide (the group commit: not)
         self.wakeup = asyncio.Event()  # a job became queued
-        self.flush_needed = asyncio.Event()
         self._entries: dict[str, records.Stored] = {}
         self._queued: set[str] = set()
         self._holding: set[str] = set()
@@ -128,19 +123,25 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
         self.held = held.Held(self.get)  # every job held, in the order lists show them
         self._by_cluster: dict[str, set[str]] = {}
         self._array_holding: dict[str, set[str]] = {}  # array id -> its jobs holding GPUs
-        self._soon: dict[str, status.JobRecord] = {}  # drafts waiting for the group commit
-        self._flying: dict[str, status.JobRecord] = {}  # drafts of a `launch` being written
-        # per job, the last event of a launched draft that did not land: what was drafted on
-        # it (what `latest` showed meanwhile) must not land either (`_built_on_lost`)
-        self._lost: dict[str, status.JobEvent] = {}
-        self._after: dict[str, list[Callable[[], None]]] = {}  # see `after_commit`
-        self._creating: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]] = []
-        self._committer: asyncio.Task[None] | None = None
         self._observers: list[Observer] = []
         self._waiting: dict[str, Waiting] = {}
-        # this replica's commits in flight, per job they write
-        self._writes: dict[str, set[asyncio.Future[None]]] = {}
         self.history: history_store.HistoryStore | None = None  # where retired jobs are
+        self._writes = writes.Writes()  # this replica's writes in flight, per job
+        self.grouped = grouping.GroupCommit(self._write_grouped)
+        self.launches = launching.Launches(self._writes, get=self.get, write=self._write_launch)
+        self.creation = creating.Creation(
+            job_store,
+            self._writes,
+            get=self.get,
+            find=self.find,
+            apply=self._apply,
+            idempotency_window=idempotency_window,
+        )
+
+    @property
+    def idempotency_window(self) -> float:
+        """How long an Idempotency-Key replays its job (seconds from the job's creation)."""
+        return self.creation.idempotency_window
 
     def observe(self, observer: Observer) -> None:
         """Call `observer` with every change applied from now on (and with every job loaded)."""
@@ -186,33 +187,11 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
             record = await self.history.get(job_id)
         return record
 
-    async def _writing(self, job_ids: Iterable[str], write: Awaitable[T]) -> T:
-        """Run one store write of the book (of the jobs `job_ids`), known as in flight until
-        it returns (and the caller, without awaiting again, has applied it)."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        ids = list(job_ids)
-        for job_id in ids:
-            self._writes.setdefault(job_id, set()).add(done)
-        try:
-            return await write
-        finally:
-            for job_id in ids:
-                self._write_over(job_id, done)
-            done.set_result(None)
-
-    def _write_over(self, job_id: str, done: asyncio.Future[None]) -> None:
-        """A write of the job (known by `done`) is no longer in flight."""
-        waiting = self._writes.get(job_id)
-        if waiting is not None:
-            waiting.discard(done)
-            if not waiting:
-                del self._writes[job_id]
-
     def writes_in_flight(self, job_id: str) -> list[asyncio.Future[None]]:
         """Futures done when this replica's writes of `job_id` in flight now have returned:
         the watch waits for them before it takes an event of that job for another replica's
         (and only for them: a busy leader's other writes never hold the watch up)."""
-        return list(self._writes.get(job_id, ()))
+        return self._writes.of(job_id)
 
     def revision_of(self, job_id: str) -> int:
         """The store revision of the job as the book has it (0: unknown)."""
@@ -221,7 +200,7 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
     def latest(self, job_id: str) -> status.JobRecord | None:
         """The job with the changes being written (`launch`) or waiting for the group commit
         (what it will be)."""
-        return self._soon.get(job_id) or self._flying.get(job_id) or self.get(job_id)
+        return self.grouped.pending.get(job_id) or self.launches.flying(job_id) or self.get(job_id)
 
     def __iter__(self) -> Iterator[status.JobRecord]:
         return (entry.record for entry in self._entries.values())
@@ -266,7 +245,7 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
 
     @property
     def pending_writes(self) -> int:
-        return len(self._soon)
+        return len(self.grouped.pending)
 
     # ---- annotations of the cycle (memory only) -------------------------------------------
 
@@ -281,6 +260,71 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
         record = self.latest(job_id)
         return draft_of(record) if record is not None else None
 
+    # new jobs (`creating.Creation`)
+
+    async def create(self, record: status.JobRecord) -> status.JobRecord:
+        """Store a new job (see `creating.Creation.create`)."""
+        return await self.creation.create(record)
+
+    async def create_many(
+        self, new: Sequence[status.JobRecord]
+    ) -> list[status.JobRecord | Exception]:
+        """Store new jobs together, each answered on its own (`creating.Creation`)."""
+        return await self.creation.create_many(new)
+
+    async def find_idempotent(
+        self, tenant: str, key: str, job: jobs.GPUJob
+    ) -> status.JobRecord | None:
+        """The job of an Idempotency-Key within its window (`creating.Creation`)."""
+        return await self.creation.find_idempotent(tenant, key, job)
+
+    def idempotency_expired(self, entry: records.IdempotencyEntry, *, now: datetime) -> bool:
+        """Whether an idempotency entry no longer counts (`creating.Creation`)."""
+        return self.creation.idempotency_expired(entry, now=now)
+
+    # the group commit (`grouping.GroupCommit`)
+
+    def commit_soon(self, draft: status.JobRecord) -> None:
+        """Write `draft` with the next group commit (`flush`): for what agents report, many
+        updates share one transaction. Until then `latest` shows it and `get` does not; a
+        broker that crashes first learns it again from the agent's hello."""
+        self.grouped.put(draft)
+
+    def after_commit(self, job_id: str, callback: Callable[[], None]) -> None:
+        """Call `callback` once the job as `latest` shows it is in the store (see
+        `grouping.GroupCommit.after_commit`): how agents' reports are acknowledged only once
+        committed."""
+        self.grouped.after_commit(job_id, callback)
+
+    async def flush(self, *, locked: bool = True) -> None:
+        """Commit every draft of `commit_soon` (see `grouping.GroupCommit.flush`)."""
+        await self.grouped.flush(locked=locked)
+
+    async def run_flusher(
+        self, *, gather_seconds: float = 0.002, on_error: Callable[[], None] | None = None
+    ) -> None:
+        """The group commit, until cancelled (`grouping.GroupCommit.run`)."""
+        await self.grouped.run(gather_seconds=gather_seconds, on_error=on_error)
+
+    # commits written without the lock (`launching.Launches`)
+
+    def settled(self, job_id: str) -> bool:
+        """Whether nothing of the job waits to be written or is being written: a draft of it
+        now is built on what the store has (what `launch` takes)."""
+        return job_id not in self.grouped.pending and not self._writes.busy(job_id)
+
+    def launch(self, drafts: Sequence[status.JobRecord]) -> launching.Launch:
+        """Start a fenced commit of `drafts`, written once the caller lets the lock go
+        (`land`; see `launching.Launches.launch`). How the scheduler's dispatch writes
+        without holding agents' reports and cancels up for the store's round trip."""
+        return self.launches.launch(drafts)
+
+    async def land(self, launch: launching.Launch) -> None:
+        """Write what `launch` started, without the lock; as `commit` (fenced)."""
+        await self.launches.land(launch)
+
+    # writing
+
     async def commit(self, drafts: Sequence[status.JobRecord], *, fenced: bool = True) -> None:
         """Write `drafts` now (compare-and-swap), then apply them; all or nothing per
         transaction (`JobStore.batches`: bounded in records and bytes).
@@ -293,6 +337,13 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
         replica takes, is `fenced=False`.
         """
         await self._commit(drafts, fenced=fenced, grouped=False, locked=True)
+
+    async def _write_grouped(self, drafts: Sequence[status.JobRecord], *, locked: bool) -> None:
+        await self._commit(drafts, fenced=True, grouped=True, locked=locked)
+
+    async def _write_launch(self, launch: launching.Launch) -> None:
+        drafts = list(launch.drafts.values())
+        await self._commit(drafts, fenced=True, grouped=False, locked=False, own=launch)
 
     async def _commit(
         self,
@@ -322,12 +373,16 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
         failure: errors.StoreError | None = None
         encoded = [records.Encoded(d, records.encode(d)) for d in drafts]
         for planned in self.store.batches(encoded):
-            await self._after_writes_of((item.record.id for item in planned), own=own)
+            mine = frozenset(own.done.values()) if own is not None else frozenset()
+            await self._writes.wait_for((item.record.id for item in planned), but=mine)
             batch = planned
             if grouped:  # what a collaborator's commit superseded meanwhile is not written
-                batch = [item for item in planned if self._soon.get(item.record.id) is item.record]
-            if self._lost:
-                lost = [item.record.id for item in batch if self._built_on_lost(item.record)]
+                pending = self.grouped.pending
+                batch = [item for item in planned if pending.get(item.record.id) is item.record]
+            if self.launches.any_lost():
+                lost = [
+                    item.record.id for item in batch if self.launches.built_on_lost(item.record)
+                ]
                 if lost:
                     self._drop(job_id for job_id in lost if grouped)
                     batch = [item for item in batch if item.record.id not in lost]
@@ -340,11 +395,11 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
             ids = [item.record.id for item in batch]
             try:
                 if fence is None:
-                    revision = await self._writing(ids, self.store.update(changes))
+                    revision = await self._writes.run(ids, self.store.update(changes))
                 else:
-                    revision = await self._writing(ids, self.store.update(changes, fence=fence))
+                    revision = await self._writes.run(ids, self.store.update(changes, fence=fence))
             except errors.ConflictError as exc:
-                self._settle(own, ids)  # before any wait: a collaborator may wait for them
+                self.launches.settle(own, ids)  # before any wait: a collaborator may wait for them
                 leadership = self.leadership if fence is not None else None
                 if leadership is not None and leadership.lost_fence(exc):  # deposed
                     self._drop(d.id for d in drafts)
@@ -357,7 +412,7 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
                 failure = failure or exc
                 continue
             except errors.StoreError as exc:
-                self._settle(own, ids)
+                self.launches.settle(own, ids)
                 failure = failure or exc
                 continue
             for item in batch:
@@ -365,34 +420,21 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
                 # a draft given to `commit_soon` while a grouped write of the job was in
                 # flight builds on it and waits for the next group commit, with the
                 # callbacks given since (`after_commit`): they wait for that one
-                pending = self._soon.get(job_id)
-                newer = grouped and pending is not None and pending is not item.record
+                waiting = self.grouped.pending.get(job_id)
+                newer = grouped and waiting is not None and waiting is not item.record
                 if not newer:
-                    self._soon.pop(job_id, None)
+                    self.grouped.pending.pop(job_id, None)
                 self._apply(item.record, revision)
                 if not newer:
-                    self._committed(job_id)
-            self._settle(own, ids)
+                    self.grouped.committed(job_id)
+            self.launches.settle(own, ids)
         if failure is not None:
             raise failure
-
-    async def _after_writes_of(
-        self, job_ids: Iterable[str], *, own: launching.Launch | None
-    ) -> None:
-        """Until no write of these jobs is in flight (and each has been applied), but `own`."""
-        ids = list(job_ids)
-        mine = set(own.done.values()) if own is not None else set()
-        while True:
-            pending = {done for job_id in ids for done in self._writes.get(job_id, ())} - mine
-            if not pending:
-                return
-            await asyncio.wait(pending)
 
     async def refresh(self, job_ids: Iterable[str]) -> None:
         """Read records again from the store (after a conflict: another writer won)."""
         for job_id in list(job_ids):
-            self._soon.pop(job_id, None)
-            self._after.pop(job_id, None)
+            self.grouped.drop([job_id])
             try:
                 entry = await self.store.get(job_id)
             except errors.StoreError as exc:
@@ -404,15 +446,13 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
     def _drop(self, job_ids: Iterable[str]) -> None:
         """Forget what waits for the group commit of these jobs (never acknowledged: agents
         send final reports again)."""
-        for job_id in job_ids:
-            self._soon.pop(job_id, None)
-            self._after.pop(job_id, None)
+        self.grouped.drop(job_ids)
 
     def abandon(self) -> int:
         """Forget every draft waiting for the group commit (the replica stopped leading: the
         next leader learns it again from the agents' hello); returns how many."""
-        dropped = len(self._soon)
-        self._drop(list(self._soon))
+        dropped = len(self.grouped.pending)
+        self._drop(list(self.grouped.pending))
         return dropped
 
     async def retire(self, finished: Sequence[status.JobRecord]) -> int:
@@ -425,10 +465,14 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
             stored = []
             for record in finished:
                 entry = self._entries.get(record.id)
-                if entry is not None and entry.record is record and record.id not in self._soon:
+                if (
+                    entry is not None
+                    and entry.record is record
+                    and record.id not in self.grouped.pending
+                ):
                     stored.append((record.id, entry.revision))
             try:
-                gone = await self._writing(
+                gone = await self._writes.run(
                     (job_id for job_id, _ in stored), self.store.retire(stored, fence=fence)
                 )
             except errors.ConflictError as exc:
@@ -447,7 +491,7 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
         a draft of it waiting for the group commit is dropped (as after a conflict)."""
         if revision <= self._revision(record.id):
             return False  # this replica's own write, or older
-        if record.id in self._soon:
+        if record.id in self.grouped.pending:
             logger.info("job %s changed on another replica: its pending report dropped", record.id)
             self._drop([record.id])
         self._apply(record, revision, remote=True)
@@ -460,7 +504,7 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
             return False
         self._drop([job_id])
         del self._entries[job_id]
-        self._lost.pop(job_id, None)
+        self.launches.forget(job_id)
         self.held.drop(job_id)
         self._queued.discard(job_id)
         self._holding.discard(job_id)
@@ -470,7 +514,7 @@ class JobBook(creating.Creating, grouping.Grouping, launching.Launching):
         if entry.record.status.cluster:
             self._by_cluster.get(entry.record.status.cluster, set()).discard(job_id)
         indices = (self._entries, self._queued, self._holding, self._finished, self._waiting)
-        for table in (*indices, self._lost):
+        for table in indices:
             tables.shrink(table)
         return True
 

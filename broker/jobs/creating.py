@@ -1,70 +1,50 @@
 """New jobs into the book: group commits of submits, and idempotency keys.
 
-`Creating` is the part of `book.JobBook` that stores new jobs: submits that arrive together
-share one transaction (group commit) in as few transactions as the store's bounds allow, a
-batch that fails as a whole is retried one job at a time, and an Idempotency-Key replays its
-job within the window (for the same body) or is refused (another body). Its methods use the
-book's store, its write tracking and `_apply` (`_Book`), so a job is in the book only once its
-commit succeeded.
+`Creation` stores new jobs: submits that arrive together share one transaction (group
+commit) in as few transactions as the store's bounds allow, a batch that fails as a whole is
+retried one job at a time, and an Idempotency-Key replays its job within the window (for the
+same body) or is refused (another body). It owns the submits waiting and the task that
+commits them; it is given the book's store, its writes in flight, and how the book reads a
+job (`get`, `find`) and takes one in (`apply`), so a job is in the book only once its commit
+succeeded.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
-from typing import Protocol, TypeVar
 
 from broker.api import jobs, status
 from broker.api.errors import IdempotencyKeyReused, TooLarge
+from broker.jobs import writes
 from broker.state import errors, records
 
-T = TypeVar("T")
 
+class Creation:
+    """Submits into the book, and the idempotency keys that replay them."""
 
-class _Book(Protocol):
-    """What `Creating` uses of the book it is part of."""
-
-    store: records.JobStore
-    idempotency_window: float
-    _creating: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]]
-    _committer: asyncio.Task[None] | None
-
-    def get(self, job_id: str) -> status.JobRecord | None: ...
-
-    async def find(self, job_id: str) -> status.JobRecord | None: ...
-
-    async def _writing(self, job_ids: Iterable[str], write: Awaitable[T]) -> T: ...
-
-    def _apply(self, record: status.JobRecord, revision: int, *, remote: bool = False) -> None: ...
-
-    def idempotency_expired(self, entry: records.IdempotencyEntry, *, now: datetime) -> bool: ...
+    def __init__(
+        self,
+        store: records.JobStore,
+        in_flight: writes.Writes,
+        *,
+        get: Callable[[str], status.JobRecord | None],
+        find: Callable[[str], Awaitable[status.JobRecord | None]],
+        apply: Callable[[status.JobRecord, int], None],
+        idempotency_window: float,
+    ) -> None:
+        self.store = store
+        self._writes = in_flight
+        self._get = get  # the job as the book has it
+        self._find = find  # the job from the store, else history
+        self._apply = apply  # the book takes in a committed record
+        self.idempotency_window = idempotency_window
+        self._creating: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]] = []
+        self._committer: asyncio.Task[None] | None = None
 
     async def find_idempotent(
         self, tenant: str, key: str, job: jobs.GPUJob
-    ) -> status.JobRecord | None: ...
-
-    async def create_many(
-        self, new: Sequence[status.JobRecord]
-    ) -> list[status.JobRecord | Exception]: ...
-
-    async def _drain_creates(self) -> None: ...
-
-    async def _create_batch(
-        self, batch: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]]
-    ) -> None: ...
-
-    async def _create_one(self, item: records.Encoded) -> status.JobRecord: ...
-
-
-class Creating:
-    """Submits into the book (mixed into `book.JobBook`, which sets these up)."""
-
-    _creating: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]]
-    _committer: asyncio.Task[None] | None
-
-    async def find_idempotent(
-        self: _Book, tenant: str, key: str, job: jobs.GPUJob
     ) -> status.JobRecord | None:
         """The job `tenant` submitted with Idempotency-Key `key` within the window, to replay;
         IdempotencyKeyReused if it was submitted with another body than `job`. A key past its
@@ -76,7 +56,7 @@ class Creating:
             await self.store.forget_idempotent([entry])
             return None
         # the job may come from another replica, not delivered by the watch yet: the store
-        record = await self.find(entry.job_id) if entry.job_id is not None else None
+        record = await self._find(entry.job_id) if entry.job_id is not None else None
         if record is None:
             return None  # a job the store does not have: creating conflicts, and says so
         if entry.digest is not None and entry.digest != records.body_digest(job):
@@ -87,20 +67,20 @@ class Creating:
             )
         return record
 
-    def idempotency_expired(self: _Book, entry: records.IdempotencyEntry, *, now: datetime) -> bool:
+    def idempotency_expired(self, entry: records.IdempotencyEntry, *, now: datetime) -> bool:
         """True if `entry` no longer counts: past its window, or naming no job. A key of the
         old format counts from its job's creation (and is kept while the job is unknown)."""
         if entry.job_id is None:
             return True
         created = entry.created
         if created is None:
-            record = self.get(entry.job_id)
+            record = self._get(entry.job_id)
             if record is None:
                 return False
             created = record.created
         return (now - created).total_seconds() >= self.idempotency_window
 
-    async def create(self: _Book, record: status.JobRecord) -> status.JobRecord:
+    async def create(self, record: status.JobRecord) -> status.JobRecord:
         """Store a new job; with an idempotency key already used, return that job instead
         (IdempotencyKeyReused if it was used for another body).
 
@@ -114,7 +94,7 @@ class Creating:
         return result
 
     async def create_many(
-        self: _Book, new: Sequence[status.JobRecord]
+        self, new: Sequence[status.JobRecord]
     ) -> list[status.JobRecord | Exception]:
         """`create` for many jobs at once (a batch submit), each answered on its own, in
         order: the job stored (or its key's job), or what refused it (TooLarge,
@@ -147,7 +127,7 @@ class Creating:
                 results.append(exc)
         return results
 
-    async def _drain_creates(self: _Book) -> None:
+    async def _drain_creates(self) -> None:
         await asyncio.sleep(0)  # let the submits of this loop turn join the batch
         while self._creating:
             waiting = list(self._creating)
@@ -157,11 +137,11 @@ class Creating:
                 await self._create_batch([(item, futures[id(item)]) for item in group])
 
     async def _create_batch(
-        self: _Book, batch: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]]
+        self, batch: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]]
     ) -> None:
         if len(batch) > 1:
             try:
-                revision = await self._writing(
+                revision = await self._writes.run(
                     (item.record.id for item, _ in batch),
                     self.store.create([item for item, _ in batch]),
                 )
@@ -188,10 +168,10 @@ class Creating:
                 if not done.done():
                     done.set_result(result)
 
-    async def _create_one(self: _Book, item: records.Encoded) -> status.JobRecord:
+    async def _create_one(self, item: records.Encoded) -> status.JobRecord:
         record = item.record
         try:
-            revision = await self._writing([record.id], self.store.create([item]))
+            revision = await self._writes.run([record.id], self.store.create([item]))
         except errors.ConflictError:
             if not record.idempotency_key:
                 raise
@@ -200,6 +180,6 @@ class Creating:
                 return existing
             # the key had expired and is forgotten now: once more (a key naming a job the
             # book cannot read conflicts again, and that is raised)
-            revision = await self._writing([record.id], self.store.create([item]))
+            revision = await self._writes.run([record.id], self.store.create([item]))
         self._apply(record, revision)
         return record

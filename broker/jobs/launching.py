@@ -1,98 +1,79 @@
 """The dispatch's commit: drafted under the book's lock, written without it.
 
-`Launching` is the part of `book.JobBook` that writes a set of drafts while the lock is free:
-`launch` (the caller holds the lock) shows the drafts through `latest` and registers them as
-writes in flight, `land` writes them. Whatever a collaborator drafts of those jobs meanwhile
-builds on them, and its commit waits for their write (`JobBook._after_writes_of`); a draft
-that does not land is marked lost, and what was drafted on it is refused (ConflictError):
-it never lands on a record that is not the one it was built on. Its methods use the book's
-write tracking, `_commit` and `get` (`_Book`).
+`Launches` writes a set of drafts while the lock is free: `launch` (the caller holds the
+lock) shows the drafts through the book's `latest` and registers them as writes in flight,
+`land` writes them. Whatever a collaborator drafts of those jobs meanwhile builds on them,
+and its commit waits for their write (`writes.Writes.wait_for`); a draft that does not land
+is marked lost, and what was drafted on it is refused (ConflictError): it never lands on a
+record that is not the one it was built on. It owns the drafts in flight and the lost ones;
+it is given the book's writes in flight, its `get` and its commit (`write`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from broker.api import status
+from broker.jobs import writes
 from kits import tables
 
 
 @dataclass(frozen=True)
 class Launch:
-    """A commit started under the lock and written without it (`JobBook.launch`): its
+    """A commit started under the lock and written without it (`Launches.launch`): its
     drafts, and per job a future set once its write has landed or failed."""
 
     drafts: dict[str, status.JobRecord]
     done: dict[str, asyncio.Future[None]]
 
 
-class Committing(Protocol):
-    """The book's `_commit`, as the parts of the book that write through it see it."""
+class Launches:
+    """Commits written without the lock: the drafts in flight, and those that did not land."""
 
-    _soon: dict[str, status.JobRecord]
-
-    async def _commit(
+    def __init__(
         self,
-        drafts: Sequence[status.JobRecord],
+        in_flight: writes.Writes,
         *,
-        fenced: bool,
-        grouped: bool,
-        locked: bool,
-        own: Launch | None = None,
-    ) -> None: ...
+        get: Callable[[str], status.JobRecord | None],
+        write: Callable[[Launch], Awaitable[None]],
+    ) -> None:
+        self._writes = in_flight
+        self._get = get  # the job as committed
+        self._write = write  # the book's fenced commit of a launch's drafts
+        self._flying: dict[str, status.JobRecord] = {}  # drafts of a `launch` being written
+        # per job, the last event of a launched draft that did not land: what was drafted on
+        # it (what `latest` showed meanwhile) must not land either (`built_on_lost`)
+        self._lost: dict[str, status.JobEvent] = {}
 
+    def flying(self, job_id: str) -> status.JobRecord | None:
+        """The job's draft being written, if any."""
+        return self._flying.get(job_id)
 
-class _Book(Committing, Protocol):
-    """What `Launching` uses of the book it is part of."""
-
-    _flying: dict[str, status.JobRecord]
-    _lost: dict[str, status.JobEvent]
-    _writes: dict[str, set[asyncio.Future[None]]]
-
-    def get(self, job_id: str) -> status.JobRecord | None: ...
-
-    def _settle(self, launch: Launch | None, job_ids: Iterable[str]) -> None: ...
-
-    def _write_over(self, job_id: str, done: asyncio.Future[None]) -> None: ...
-
-
-class Launching:
-    """Commits written without the lock (mixed into `book.JobBook`, which sets these up)."""
-
-    def settled(self: _Book, job_id: str) -> bool:
-        """Whether nothing of the job waits to be written or is being written: a draft of it
-        now is built on what the store has (what `launch` takes)."""
-        return job_id not in self._soon and job_id not in self._writes
-
-    def launch(self: _Book, drafts: Sequence[status.JobRecord]) -> Launch:
+    def launch(self, drafts: Sequence[status.JobRecord]) -> Launch:
         """Start a fenced commit of `drafts` that goes on once the caller lets the lock go
-        (`land`): the caller holds the lock, and every job drafted is `settled`. Until a
-        job's write has landed `latest` shows its draft, and any commit of it waits (its
-        compare-and-swap is then against the revision that write made); a draft that does
-        not land takes down what was drafted on it meanwhile (ConflictError). How the
-        scheduler's dispatch writes without holding agents' reports and cancels up for the
-        store's round trip."""
+        (`land`): the caller holds the lock, and every job drafted is settled (the book's
+        `settled`). Until a job's write has landed `latest` shows its draft, and any commit
+        of it waits; a draft that does not land takes down what was drafted on it meanwhile
+        (ConflictError)."""
         loop = asyncio.get_running_loop()
         launch = Launch({}, {})
         for draft in drafts:
             self._flying[draft.id] = launch.drafts[draft.id] = draft
             launch.done[draft.id] = future = loop.create_future()
-            self._writes.setdefault(draft.id, set()).add(future)
+            self._writes.add(draft.id, future)
         return launch
 
-    async def land(self: _Book, launch: Launch) -> None:
-        """Write what `launch` started, without the lock; as `commit` (fenced), errors and
-        all. A draft that did not land leaves its job as the store has it."""
+    async def land(self, launch: Launch) -> None:
+        """Write what `launch` started, without the lock; as the book's `commit` (fenced),
+        errors and all. A draft that did not land leaves its job as the store has it."""
         try:
-            drafts = list(launch.drafts.values())
-            await self._commit(drafts, fenced=True, grouped=False, locked=False, own=launch)
+            await self._write(launch)
         finally:
-            self._settle(launch, list(launch.done))
+            self.settle(launch, list(launch.done))
 
-    def _settle(self: _Book, launch: Launch | None, job_ids: Iterable[str]) -> None:
+    def settle(self, launch: Launch | None, job_ids: Iterable[str]) -> None:
         """The writes of these jobs of `launch` are over (landed, or not: then marked lost)."""
         if launch is None:
             return
@@ -104,12 +85,20 @@ class Launching:
             if self._flying.get(job_id) is draft:
                 del self._flying[job_id]
                 tables.shrink(self._flying)
-            self._write_over(job_id, future)
-            if self.get(job_id) is not draft and draft.status.events:
+            self._writes.over(job_id, future)
+            if self._get(job_id) is not draft and draft.status.events:
                 self._lost[job_id] = draft.status.events[-1]
             future.set_result(None)
 
-    def _built_on_lost(self: _Book, record: status.JobRecord) -> bool:
+    def any_lost(self) -> bool:
+        return bool(self._lost)
+
+    def built_on_lost(self, record: status.JobRecord) -> bool:
         """Whether `record` was drafted on a launched draft that did not land."""
         lost = self._lost.get(record.id)
         return lost is not None and any(event is lost for event in record.status.events)
+
+    def forget(self, job_id: str) -> None:
+        """The job left the book."""
+        self._lost.pop(job_id, None)
+        tables.shrink(self._lost)

@@ -80,8 +80,8 @@ def test_a_leader_steps_aside_when_most_of_its_agents_knock_elsewhere_for_a_whil
 @pytest.mark.parametrize(
     ("heartbeat", "rule"),
     [
-        pytest.param(1.0, knocking.Rule(6.0, 2.0, 6.0, 14.0), id="heartbeat 1 s"),
-        pytest.param(5.0, knocking.Rule(22.0, 10.0, 22.0, 54.0), id="default heartbeat 5 s"),
+        pytest.param(1.0, knocking.Rule(6.0, 1.0, 6.0, 13.0), id="heartbeat 1 s"),
+        pytest.param(5.0, knocking.Rule(22.0, 5.0, 22.0, 49.0), id="default heartbeat 5 s"),
         pytest.param(0.25, knocking.Rule(3.0, 1.0, 3.0, 7.0), id="short heartbeat: 1 s held"),
     ],
 )
