@@ -205,9 +205,9 @@ class Knocks:
                     revision = event.revision + 1
                     if event.type == store.EventType.PUT:
                         self.heard[event.key[len(PREFIX) :]] = time.monotonic()
-            except errors.CompactedError:
-                _, at = await self.backing.list(PREFIX)
-                revision = at + 1  # what was compacted is older than a knock that counts
+            except errors.CompactedError:  # older than a knock that counts: from now on
+                with contextlib.suppress(errors.StoreError):
+                    revision = (await self.backing.list(PREFIX))[1] + 1
             except errors.StoreError as exc:
                 if self.on_error is not None:
                     self.on_error()
