@@ -200,8 +200,9 @@ class PodTemplateSpec(_Open):
 # one template), forgotten wholesale past `MAX_TEMPLATES` kinds
 _TEMPLATES: dict[str, PodTemplate] = {}
 MAX_TEMPLATES = 4096
-# their dumps without defaults (the store's: each job's spec is written so once), by their JSON
-_LEAN: dict[str, str] = {}
+# serialization context: how a template is written instead of its model (a function of the
+# template to its JSON text); the store's encoding of a job gives it (`state.records`)
+TEMPLATE_JSON = "gpufed.template-json"
 
 
 class PodTemplate:
@@ -234,6 +235,11 @@ class PodTemplate:
         """The template of `model`: the one object of its JSON (`_TEMPLATES`)."""
         template = cls(model)
         return tables.remember(_TEMPLATES, template._json, template, limit=MAX_TEMPLATES)
+
+    @property
+    def json(self) -> str:
+        """The template as validated, JSON by alias with nothing left out."""
+        return self._json
 
     def model(self) -> PodTemplateSpec:
         """The template parsed (the same object until `compact`, a fresh one after)."""
@@ -306,23 +312,17 @@ class PodTemplate:
         )
 
     def _dump(self, info: core_schema.SerializationInfo) -> object:
-        # the API's usual dump (JSON, by alias, nothing left out) is the JSON held: a page of
-        # 500 jobs costs no 500 parses; the store's (without defaults) is kept per template
-        # (`_LEAN`): a sweep's jobs cost one parse; any other goes through the model
-        if info.mode_is_json() and info.by_alias and not info.round_trip:
-            if not (info.exclude_defaults or info.exclude_none or info.exclude_unset):
-                return json.loads(self._json)
-            lean = info.exclude_defaults and not (info.exclude_none or info.exclude_unset)
-            if lean and info.include is None and info.exclude is None:
-                return json.loads(self._lean())
+        # a caller that says how templates are written (`TEMPLATE_JSON`: the store's) gets
+        # that; a dump by alias in JSON with nothing left out is the JSON held, the same
+        # text (a page of 500 jobs costs no 500 parses); any other goes through the model
+        context = info.context
+        write = context.get(TEMPLATE_JSON) if isinstance(context, dict) else None
+        if write is not None:
+            return json.loads(write(self))
+        left_out = info.exclude_defaults or info.exclude_none or info.exclude_unset
+        if info.mode_is_json() and info.by_alias and not info.round_trip and not left_out:
+            return json.loads(self._json)
         return self.model()
-
-    def _lean(self) -> str:
-        lean = _LEAN.get(self._json)
-        if lean is None:
-            lean = self.model().model_dump_json(by_alias=True, exclude_defaults=True)
-            tables.remember(_LEAN, self._json, lean, limit=MAX_TEMPLATES)
-        return lean
 
     @classmethod
     def __get_pydantic_json_schema__(

@@ -25,7 +25,7 @@ from datetime import datetime
 from broker.api import errors as api_errors
 from broker.api import jobs, status
 from broker.state import errors, quarantine, store
-from kits import memo
+from kits import memo, tables
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def body_digest(job: jobs.GPUJob) -> str:
     again: the JSON's values are what `model_dump(mode="json")` gives, only their key order
     may differ, and sorting them is what makes the text canonical."""
     canonical = json.dumps(
-        json.loads(_SPECS.get(job, _spec_json)), sort_keys=True, separators=(",", ":")
+        json.loads(_SPECS.get(job, encode_job)), sort_keys=True, separators=(",", ":")
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -121,6 +121,10 @@ def decode_idempotency(key: str, value: bytes, revision: int) -> IdempotencyEntr
 # each live job spec's JSON, written once: a record is written at submit, at dispatch and at
 # every report, its spec (never changed after submit, shared by every draft) the same each time
 _SPECS: memo.PerObject[jobs.GPUJob, str] = memo.PerObject()
+# each pod template's JSON as the store writes it (`encode_job`), by its full JSON: the jobs
+# of one sweep share one template; forgotten wholesale past `MAX_TEMPLATES` kinds
+_TEMPLATES: dict[str, str] = {}
+MAX_TEMPLATES = 4096
 
 
 _TOP = {"job", "status"}  # the record's fields written apart (`encode`)
@@ -135,12 +139,24 @@ def encode(record: status.JobRecord) -> bytes:
     which reads back the same)."""
     top = record.model_dump_json(by_alias=True, exclude_defaults=True, exclude=_TOP)
     state = record.status.model_dump_json(by_alias=True, exclude_defaults=True)
-    spec = _SPECS.get(record.job, _spec_json)
+    spec = _SPECS.get(record.job, encode_job)
     return f'{top[:-1]},"status":{state},"job":{spec}}}'.encode()
 
 
-def _spec_json(job: jobs.GPUJob) -> str:
-    return job.model_dump_json(by_alias=True, exclude_defaults=True)
+def encode_job(job: jobs.GPUJob) -> str:
+    """A job's spec as the store writes it: JSON by alias, without the fields at their
+    defaults, its pod templates too (each written once per kind of template)."""
+    return job.model_dump_json(
+        by_alias=True, exclude_defaults=True, context={jobs.TEMPLATE_JSON: _template_json}
+    )
+
+
+def _template_json(template: jobs.PodTemplate) -> str:
+    written = _TEMPLATES.get(template.json)
+    if written is None:
+        written = template.model().model_dump_json(by_alias=True, exclude_defaults=True)
+        tables.remember(_TEMPLATES, template.json, written, limit=MAX_TEMPLATES)
+    return written
 
 
 @dataclass(frozen=True)
@@ -385,7 +401,7 @@ def decode_record(
 def _with_known_job(value: bytes, known: status.JobRecord) -> status.JobRecord | None:
     """`value` read with `known`'s GPUJob, if it ends with that job's spec as `encode` writes
     it (the same bytes: the same spec); None if not (another spec, another writer's format)."""
-    tail = f',"job":{_SPECS.get(known.job, _spec_json)}}}'.encode()
+    tail = f',"job":{_SPECS.get(known.job, encode_job)}}}'.encode()
     if not value.endswith(tail):
         return None
     head = value[: -len(tail)] + b',"job":null}'
