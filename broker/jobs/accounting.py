@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 from broker.api import gangs, status
 from broker.jobs import book, fleet
-from broker.planning import holdings, occupancy, quotas, snapshot
+from broker.planning import holdings, quotas, snapshot
 
 
 class Accounting:
@@ -58,7 +58,7 @@ class Accounting:
             return
         gpus = self._models_of.get(record.id)
         if gpus is None:
-            gpus = occupancy.infer_models(
+            gpus = holdings.infer_models(
                 gangs.gang_request(record.id, record.job), self._cluster_models(record)
             )
         spec = record.job.spec
@@ -90,7 +90,7 @@ class Accounting:
             )
             cached = self._views.get(job_id)
             if cached is None or cached[0] != key:
-                view = occupancy.running_view(
+                view = holdings.running_view(
                     record,
                     models=self._models_of.get(job_id),
                     cluster_models=self._cluster_models(record),

@@ -36,8 +36,8 @@ from typing import overload
 from broker.api import status
 from broker.api.status import JobState
 from broker.jobs import accounting, book, dispatching, fleet, positions, preempting
-from broker.planning import planning, reservation, snapshot, usage
-from broker.planning.backlog import backlog, budget, cyclestart, parking
+from broker.planning import planning, plans, snapshot, usage
+from broker.planning.backlog import backlog, budget, parking
 from broker.state import errors, registry
 from broker.telemetry import metrics
 from kits import tables
@@ -144,7 +144,7 @@ class Scheduler:
         self.max_interval = max_interval
         self.cycles = 0
         self.queues = queues or registry.QueueRegistry()
-        self.reservations: dict[str, reservation.Reservation] = {}
+        self.reservations: dict[str, plans.Reservation] = {}
         self.queue_gauges_every = queue_gauges_every
         self._queue_gauges_at = 0.0
         # the holdings counted again from the jobs (`Accounting.resync`) at most this often,
@@ -161,7 +161,7 @@ class Scheduler:
         # changed jobs read into the backlog per cycle (reading is cheaper than planning)
         self.look_limit = 4 * (plan_limit or budget.DEFAULT_LIMIT)
         self.backlog = backlog.Backlog()  # the pending jobs, live or parked
-        self.reference: cyclestart.Reference | None = None  # what parked jobs were checked on
+        self.reference: parking.Reference | None = None  # what parked jobs were checked on
         self.last_cycle: parking.BacklogPlan | None = None
         # the last cycle's plan found no offer slot left: the next waits for one (`_run`)
         self.busy = False

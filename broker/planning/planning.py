@@ -40,7 +40,6 @@ from broker.planning import (
     preemption,
     quotas,
     reservation,
-    reserving,
     snapshot,
 )
 
@@ -71,7 +70,7 @@ def plan_cycle(
     running: Sequence[snapshot.RunningJob] = (),
     usage: quotas.Usage | None = None,
     queues: queues_api.QueuesConfig | None = None,
-    reservations: Mapping[str, reservation.Reservation] | None = None,
+    reservations: Mapping[str, plans.Reservation] | None = None,
     releasing: Sequence[snapshot.Releasing] = (),
     now: datetime | None = None,
     max_assignments: int = 10_000,
@@ -172,12 +171,12 @@ class _Cycle:
             key=self._in_queue_order,
         )
         self.taken_by: dict[str, set[str]] = {}
-        self.reservations: dict[str, reservation.Reservation] = {}
+        self.reservations: dict[str, plans.Reservation] = {}
         self.array_holding: dict[str, int] = {}  # array id -> its jobs holding GPUs
 
     # ---- the phases -------------------------------------------------------------------
 
-    def run(self, previous: Mapping[str, reservation.Reservation]) -> None:
+    def run(self, previous: Mapping[str, plans.Reservation]) -> None:
         kept = sorted(
             (
                 r
@@ -496,7 +495,7 @@ class _Cycle:
                 )
             )
         if own is None:
-            out += reserving.reserve_for(
+            out += reservation.reserve_for(
                 job,
                 admission,
                 policy=self.policy,

@@ -1,6 +1,7 @@
 """What a planning cycle decides, as values: the placements (`Assignment`), the jobs that
 wait and why (`Unplaceable`, with a `Reason` per cluster), the victims to preempt
-(`Preemption`), the reservations and what was set aside (`CyclePlan`). Made by
+(`Preemption`), the clusters' models held for jobs (`Reservation`) and what was set aside
+(`CyclePlan`). Made by
 `planning.plan_cycle`; read by the scheduling shell, parking and the simulator.
 """
 
@@ -8,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from broker.api.queues import ReasonCode
-from broker.planning import containment, fitting, preemption, reservation
+from broker.planning import containment, fitting, preemption
 
 FLEET = "fleet"  # the "cluster" of a reason that holds on every cluster
 ROOM_CODES = frozenset(
@@ -57,12 +59,22 @@ class Preemption:
     message: str
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """A cluster's models held for a job that has waited too long (`reservation`)."""
+
+    job_id: str
+    cluster: str
+    models: frozenset[str]
+    since: datetime
+
+
 @dataclass
 class CyclePlan:
     assignments: list[Assignment] = field(default_factory=list)
     unplaceable: list[Unplaceable] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
-    reservations: dict[str, reservation.Reservation] = field(default_factory=dict)
+    reservations: dict[str, Reservation] = field(default_factory=dict)
     # jobs and clusters whose planning raised: left out of this cycle, with the reason
     set_aside: list[containment.SetAside] = field(default_factory=list)
     # every cluster's agent was out of offer slots when the cycle ended: nothing more goes

@@ -1,8 +1,11 @@
-"""Reservations against starvation: a job waiting too long gets a cluster held for it. Pure.
+"""Reservations against starvation: whether a job waiting too long gets a cluster held for
+it, and which. Pure.
 
-Called by `planning.plan_cycle`. A job that is admitted by its quota but has found no room for
-`policy.reserveAfterSeconds` since it (re)entered the queue gets a reservation: one cluster
-whose GPU models it may use are held for it. From then on, every cycle:
+Called by `planning.plan_cycle` (`reserve_for`, for a job that neither fits nor preempts; the
+reservation is a `plans.Reservation`) and by the backlog's parking, which asks the same
+questions (`is_due`, `empty_like`). A job that is admitted by its quota but has found no
+room for `policy.reserveAfterSeconds` since it (re)entered the queue gets a reservation: one
+cluster whose GPU models it may use are held for it. From then on, every cycle:
 
 1. the reserved job is tried first (on any cluster; its reservation ends when it is placed);
 2. while it waits, no other job is placed on the reserved models of that cluster, and no job
@@ -16,28 +19,21 @@ backfilled at all.)
 
 At most `policy.maxReservations` jobs (default 1) hold one at a time, the first due in the
 cycle's order first, so a reservation never drains the fleet. The cluster chosen is one the
-whole gang fits when empty, not reserved by an older
-reservation for the same models, with the most GPUs of those models free now (the least to
-wait for); then by name. A reservation lapses when its job is no longer pending or its
-cluster leaves the fleet; it is made again when due.
+whole gang fits when empty, not reserved by an older reservation for the same models, with
+the most GPUs of those models free now (the least to wait for); then by name. A reservation
+lapses when its job is no longer pending or its cluster leaves the fleet; it is made again
+when due.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from datetime import datetime
 
 from broker.api import clusterchoice, gangs
-from broker.planning import fitting, snapshot
-
-
-@dataclass(frozen=True)
-class Reservation:
-    job_id: str
-    cluster: str
-    models: frozenset[str]
-    since: datetime
+from broker.api import queues as queues_api
+from broker.api.queues import ReasonCode
+from broker.planning import fitting, plans, quotas, snapshot
 
 
 def is_due(job: snapshot.PendingJob, *, now: datetime | None, after: float | None) -> bool:
@@ -75,7 +71,7 @@ def empty_like(cluster: snapshot.ClusterCapacity) -> snapshot.ClusterCapacity:
 
 
 def held_models(
-    reservations: Iterable[Reservation], *, but: str | None = None
+    reservations: Iterable[plans.Reservation], *, but: str | None = None
 ) -> dict[str, set[str]]:
     """cluster -> models held by the reservations (other than job `but`'s)."""
     out: dict[str, set[str]] = {}
@@ -113,3 +109,63 @@ def choose_cluster(
     if best is None:
         return None
     return best[1], best[2]
+
+
+def reserve_for(
+    job: snapshot.PendingJob,
+    admission: quotas.Admission,
+    *,
+    policy: queues_api.Policy,
+    fleet: snapshot.FleetSnapshot,
+    reservations: dict[str, plans.Reservation],
+    now: datetime | None,
+) -> list[plans.Reason]:
+    """Reserve for the job if it is due one and the fleet holds fewer than
+    `maxReservations`: the cluster and models `choose_cluster` picks (none another job
+    holds) are added to `reservations` (the cycle's, which it owns). The answer is the
+    reasons to add to its wait."""
+    after = policy.reserve_after_seconds
+    if now is None or after is None or not is_due(job, now=now, after=after):
+        return []
+    if policy.max_reservations <= 0:
+        return []
+    if len(reservations) >= policy.max_reservations:
+        return [_all_held(reservations, after=after, limit=policy.max_reservations)]
+    chosen = choose_cluster(
+        fleet,
+        job.request,
+        models=admission.admissible,
+        held=held_models(reservations.values()),
+        choice=job.clusters,
+    )
+    if chosen is None:
+        return [
+            plans.Reason(
+                plans.FLEET,
+                ReasonCode.WAITING_FOR_RESERVATION,
+                f"waiting over {after:g}s, but every cluster it fits is reserved for an "
+                "older job; it gets one next",
+            )
+        ]
+    cluster, models = chosen
+    reservations[job.job_id] = plans.Reservation(job.job_id, cluster, models, now)
+    return [
+        plans.Reason(
+            cluster,
+            ReasonCode.WAITING_FOR_RESERVATION,
+            f"reserved for this job since {now:%H:%M:%S} (waiting over {after:g}s): "
+            f"its {'/'.join(sorted(models))} GPUs take no new work until it fits",
+        )
+    ]
+
+
+def _all_held(
+    reservations: Mapping[str, plans.Reservation], *, after: float, limit: int
+) -> plans.Reason:
+    holders = ", ".join(sorted(reservations)) or "none"
+    return plans.Reason(
+        plans.FLEET,
+        ReasonCode.WAITING_FOR_RESERVATION,
+        f"waiting over {after:g}s; the fleet's reservations ({limit}) are held by "
+        f"{holders}: it gets one after them",
+    )

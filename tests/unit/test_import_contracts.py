@@ -52,6 +52,12 @@ def test_the_tree_keeps_every_contract(tmp_path: Path) -> None:
             "broker/planning/fitting.py", "import logging", "Pure cores", id="planning logs"
         ),
         pytest.param(
+            "broker/planning/quotas.py",
+            "from broker.planning.backlog import budget",
+            "the backlog sits on the planner",
+            id="the planner imports the backlog",
+        ),
+        pytest.param(
             "member_agent/placement/gang.py",
             "import time",
             "Pure cores",
@@ -135,6 +141,16 @@ def test_a_wrong_import_breaks_its_contract(
     assert result.returncode != 0, result.stdout
     broken = result.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken, result.stdout
+
+
+def test_a_planning_module_on_neither_side_breaks_the_backlog_contract(tmp_path: Path) -> None:
+    where = copy_tree(tmp_path)
+    (where / "broker/planning/undeclared.py").write_text('"""Neither planner nor backlog."""\n')
+    result = run_contracts(where)
+    assert result.returncode != 0, result.stdout
+    broken = result.stdout.split("Broken contracts", 1)[-1]
+    assert "the backlog sits on the planner" in broken, result.stdout
+    assert "broker.planning.undeclared" in broken, result.stdout
 
 
 def test_no_import_circle_inside_gpufed_or_between_broker_rooms() -> None:

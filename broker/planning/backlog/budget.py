@@ -1,11 +1,12 @@
 """How many pending jobs one cycle plans: a budget, heads of every queue first.
 
-Planning costs half a millisecond to a few per job on a large fleet (`e2e.bench_scheduling`),
-so a cycle over 100,000 pending jobs — the first cycle after a start or a failover, or
-every job woken at once by a cluster that joined — would hold the event loop for most of a
-minute: the leader's lease, the agents' reports and the API would all wait on it. A cycle
-therefore plans at most `limit` of them (`select`); the rest stay live, planned by the
-next cycles, so a deep backlog is worked through in slices and nothing is left behind.
+Called by `parking.plan_backlog` (the slice: `lines`, `merged`, `choose`) and by the
+scheduling shell (`next_limit`, `DEFAULT_LIMIT`). A cycle over every job of a deep backlog
+— the first cycle after a start or a failover, or every job woken at once by a cluster that
+joined — would hold the event loop while the leader's lease, the agents' reports and the API
+wait on it. A cycle therefore plans at most `limit` of them (`select`); the rest stay live,
+planned by the next cycles, so a deep backlog is worked through in slices and nothing is
+left behind.
 
 Which ones: the jobs that must be planned (`always`: reservation holders, preemptors whose
 victims are releasing), then the heads of every queue in turn, one at a time, each queue

@@ -2,83 +2,51 @@
 what wakes them, and the cycle that plans only the others. Pure.
 
 Called by `jobs.scheduling.Scheduler` once per cycle (`plan_backlog`), with the queued jobs
-it keeps (`backlog.Backlog`) and what parked jobs were last checked against (`Reference`).
-A cycle costs O(live jobs + what changed), not O(backlog): a job that did not fit is parked,
-and only a change that could admit it brings it back into the plan.
+it keeps (`backlog.Backlog`) and the `Reference` the previous cycle left. A job that did not
+fit is parked, and only a change that could admit it brings it back into the plan, so a
+cycle costs O(live jobs + what changed), not O(backlog). The rules, stated here once
+(docs/design/backlog.md walks through them):
 
-**When a job parks.** After a cycle, a job it planned parks if it was left unplaced without
-acting — not assigned, no preemption for it, no reservation held or made, not set aside, no
-cluster excluding it after a rejection, not waiting for victims, no `MinRunTime` or
-`PreemptionBudget` reason — and, from the cycle's start usage (`quotas.Ledger`) and the
-fleet the cycle left (its assumed placements taken):
-1. every GPU model it may use is refused by its queue's quota, or it gets a witness on every
-   cluster (`bounds`: no room for the gang there on those models, by any placement);
-2. if some model is admitted and the policy preempts: it is within its queue's guarantee on
-   no model (no reclaim) and, if its class preempts lower priorities, no job of a lower
-   priority holds GPUs. This is the planner's own first test (`preemption.Search.may_act`):
-   when it fails no victim is searched for;
-3. what it was told is what the next cycles would tell it (`why` stays fresh): not that a
-   cluster's room went this cycle to jobs ahead of it (next cycle, with them placed, the
-   cluster is full), and its quota reasons those of the cycle's start (not of charges made
-   before its turn; none at all for the room a preemption makes for a job of its cohort,
-   gone next cycle). Else it is planned once more first.
+**A job parks** (`decide_parks`) when its cycle left it unplaced without acting (not
+assigned, no preemption or reservation for it, not set aside, no cluster excluding it, no
+reason in `ACTING`) and, judged on the usage at the cycle's start (`Start`) and the fleet
+the cycle left, it could not act next cycle either: every GPU model it may use is refused
+by its quota, or the models left have no room for the gang on any cluster it allows (a
+`bounds` witness per cluster); it could not preempt (within its guarantee on no model, no
+lower priority holding GPUs: `preemption.Search.may_act`'s test); and what it was told is
+what the next cycle would tell it. Released preemptors and reservation holders are never
+parked.
 
-**What wakes it** (`decide_wakes`, at the start of every cycle, against the `Reference`):
-- the queues configuration changed, or the fleet's shape (a cluster joined, left, changed
-  health, labels or models, GPU memory, node size, racks, GPUs): every parked job wakes (a
-  cluster's labels decide which clusters a job's spec.clusters allows: only the allowed
-  need a witness);
-- a cluster shows as many free GPUs (or slots) of a witness's models as it needs;
-- the GPUs its queue (or cohort) holds of a model fell to a `Threshold`: where its limit,
-  its cohort's capacity or its guarantee no longer refuses it (or, within the guarantee,
-  it could reclaim);
-- a job of a lower priority than its own now holds GPUs (if its class preempts);
-- it is named as a preemptor whose victims are releasing (never, but it would act);
-- what `why` says of it would change: its queue's (or cohort's) GPUs of a model rising past
-  a `Threshold` (`rising`: the model refused, or no longer within the guarantee); a
-  reservation made or ended on models it may use (blocked somewhere, or free again), and
-  then, if it is due, whoever holds reservations; it becoming due for one (time alone);
-- reservations (`decide_reservation_wakes`): once due (`reserveAfterSeconds` since it was
-  queued, which time alone brings), in a cycle where fewer than `maxReservations` are held
-  after the planner's phase 2 and a cluster it could fit empty has models it may use that
-  none of those holds; `plan_backlog` then plans the cycle again with it;
-- its record changing (requeued, cancelled, rejected somewhere): `Backlog.put`.
+**It wakes** (`decide_wakes`, `decide_reservation_wakes`) when what it was checked against
+changes so that it could act or would be told otherwise: the queues configuration or the
+fleet's shape (`shape_of`: every parked job wakes); room on a cluster past a witness; its
+queue's or cohort's GPUs crossing a `backlog.Threshold`; a lower priority holding GPUs;
+its victims releasing; a reservation made or ended on its models; becoming due for a
+reservation while a slot it could take is free. A change to its record wakes it too
+(`Backlog.put`).
 
-**Why no decision changes.** A parked job handled in the full plan would change nothing:
-within a cycle a job's admitted models, its within-guarantee models and each cluster's free
-nodes only shrink (charges and assumed placements), so the tests that held at the cycle's
-start hold at its turn; a witness proves no fit on any subset of the models; with no
-within-guarantee model and no lower priority holding GPUs `may_act` is false, so no victim
-is searched for, and the budget, the victims and the ledger are untouched; a reservation
-needs a free slot at its turn (slots are fixed once phase 2 is done, then only fill) and a
-cluster it could fit empty with models no reservation holds (reservations only hold more).
-So it assigns, charges, preempts and reserves nothing, and the other jobs see the same
-snapshot, ledger, budget and reservations. Its place in the fair-share order could still
-matter (head of line): the heap keys each queue by its head job, and a parked borrower
-(tier 1) at the head would keep a job behind it that is within its guarantee (tier 0) from
-going ahead of other queues' jobs. A chain of parked jobs ahead of a live job acts as one
-entry, the largest of their keys (its queue's usage does not change while they are handled):
-no larger than the live job's, it holds nothing back — always so unless the live job may be
-in tier 0. So for each live job that may be, `decide_stand_ins` passes `plan_cycle` the last
-parked job of each shape ahead of it in its queue (their keys differ only by the queue
-order within a shape, so these make the chain's largest); they take their turn, unplanned.
-Phases 1 and 2 (released preemptors, reservation holders) are never parked. What `why`
-says of a parked job is its last cycle's reasons. One difference is allowed: a parked job
-is not tried on a cluster, so it cannot count towards setting that cluster aside when
-planning raises (`containment`: a bug, not a decision).
+**No decision changes.** Within a cycle a job's admitted models, its guarantee and each
+cluster's free nodes only shrink, so a parked job, planned, would assign, charge, preempt and
+reserve nothing, and the other jobs see the same snapshot, ledger, budget and reservations.
+Only its place in the fair-share order could matter (head of line): `decide_stand_ins`
+passes `plan_cycle` the parked jobs that would hold a job back, to take their turn
+unplanned. What `why` says of a parked job is its last cycle's reasons. One difference is
+allowed: a parked job is not tried on a cluster, so it cannot count towards setting that
+cluster aside when planning raises (`containment`: a bug, not a decision).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from broker.api import clusterchoice
 from broker.api import queues as queues_api
-from broker.planning import planning, quotas, reservation, snapshot
+from broker.api.queues import ReasonCode
+from broker.planning import containment, planning, plans, quotas, reservation, snapshot
 from broker.planning.backlog import backlog, bounds, budget
-from broker.planning.backlog.cyclestart import Reference, Start
-from broker.planning.backlog.parks import decide_parks
 
 
 @dataclass
@@ -91,6 +59,337 @@ class BacklogPlan:
     reference: Reference
     rounds: int  # plan_cycle runs: 2 when a reservation slot opened for woken jobs
     deferred: int = 0  # pending jobs over the cycle's limit, left live for the next cycles
+
+
+# ---- the cycle's start ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What the parked jobs were last checked against: the next cycle's changes are taken
+    from here (the fleet as the cycle left it, the usage as it began)."""
+
+    config: queues_api.QueuesConfig | None
+    shape: tuple[object, ...]
+    fleet: snapshot.FleetSnapshot
+    usage: Mapping[backlog.UsageKey, int]
+    lowest: int | None  # the lowest priority holding GPUs (None: nothing may preempt)
+    # reservations the cycle made or ended: (cluster, models held there)
+    reserved: tuple[tuple[str, frozenset[str]], ...] = ()
+
+
+class Start:
+    """The cycle's start as the planner's phases see it: the clusters it keeps, the models
+    and GPUs of the fleet, the ledger of what each queue holds."""
+
+    def __init__(
+        self,
+        fleet: snapshot.FleetSnapshot,
+        *,
+        tenancy: quotas.Tenancy,
+        running: Sequence[snapshot.RunningJob],
+        usage: quotas.Usage | None,
+        now: datetime | None,
+    ) -> None:
+        self.tenancy = tenancy
+        policy = tenancy.policy
+        self.checked = {
+            name: cluster
+            for name, cluster in fleet.clusters.items()
+            if containment.check_cluster(cluster) is None
+        }
+        self.fleet_models = frozenset(m for c in self.checked.values() for m in c.models)
+        gpus: dict[str, int] = {}
+        for cluster in self.checked.values():
+            for name, capacity in cluster.models.items():
+                gpus[name] = gpus.get(name, 0) + capacity.total_gpus
+        self.ledger = quotas.Ledger.build(tenancy, running, gpus, usage=usage)
+        self.preempts = policy.max_preemptions_per_cycle > 0
+        self.reserves = (
+            now is not None
+            and policy.reserve_after_seconds is not None
+            and policy.max_reservations > 0
+        )
+        self.lowest = _lowest(self.ledger, running) if self.preempts else None
+        self.usage: dict[backlog.UsageKey, int] = {}
+        for queue, held in self.ledger.usage.items():
+            for model, count in held.items():
+                if count:
+                    self.usage[(backlog.QUEUE, queue, model)] = count
+        for cohort, held in self.ledger.cohort_usage.items():
+            for model, count in held.items():
+                if count:
+                    self.usage[(backlog.COHORT, cohort, model)] = count
+        self.shape = shape_of(fleet, self.checked)
+
+    def order_of(self, job: snapshot.PendingJob) -> backlog.Order:
+        priority = self.tenancy.priority_of(job.queue, job.priority, job.priority_class)
+        return (-priority, job.created, job.job_id)
+
+    def may_be_within(self, job: snapshot.PendingJob) -> bool:
+        """Could the job be in tier 0 (within its guarantee) in this cycle's order?"""
+        try:
+            models = quotas.allowed_models(job.request, self.fleet_models)
+            gpus = quotas.gpus_of(job.request)
+            return any(self.ledger.check(job.queue, m, gpus) is True for m in models)
+        except Exception:  # the planner orders it last (`_queue_key`): never ahead
+            return False
+
+
+def _lowest(ledger: quotas.Ledger, running: Sequence[snapshot.RunningJob]) -> int | None:
+    """`preemption.Search.lowest_priority`: the lowest priority of the jobs holding GPUs."""
+    held = ledger.held
+    if held is not None and held.priorities is not None:
+        return held.lowest_priority(ledger.tenancy)
+    tenancy = ledger.tenancy
+    return min(
+        (tenancy.priority_of(j.queue, j.priority, j.priority_class) for j in running),
+        default=None,
+    )
+
+
+def shape_of(
+    fleet: snapshot.FleetSnapshot, checked: Mapping[str, snapshot.ClusterCapacity]
+) -> tuple[object, ...]:
+    """What of the fleet is not free capacity (and its clusters' labels): a change here wakes
+    every parked job."""
+    out: list[object] = []
+    for name in sorted(fleet.clusters):
+        cluster = fleet.clusters[name]
+        models = []
+        for model_name in sorted(cluster.models):
+            model = cluster.models[model_name]
+            size = model.gpus_per_node or len(model.nodes_by_free) - 1
+            racks = tuple(sorted((r, len(h), sum(h)) for r, h in model.racks.items()))
+            models.append(
+                (
+                    model_name,
+                    model.gpu_memory_mib,
+                    model.gpus_per_node,
+                    model.total_gpus,
+                    len(model.nodes_by_free),
+                    max(model.largest_free_nvlink_block, size),
+                    racks,
+                )
+            )
+        labels = tuple(sorted(cluster.labels.items()))  # what spec.clusters selects on
+        out.append((name, cluster.healthy, name in checked, labels, tuple(models)))
+    return tuple(out)
+
+
+# ---- what parks -------------------------------------------------------------------------
+
+# a job with one of these reasons acts or may act next cycle: it stays in the plan
+ACTING = frozenset(
+    {
+        ReasonCode.REJECTED,
+        ReasonCode.PLANNING_FAILED,
+        ReasonCode.WAITING_FOR_PREEMPTION,
+        ReasonCode.PREEMPTION_BUDGET,
+        ReasonCode.MIN_RUN_TIME,
+        ReasonCode.ARRAY_PARALLELISM,  # its array's jobs end without a summary's change
+        ReasonCode.CLUSTER_BUSY,  # offers are answered without a summary's change
+    }
+)
+
+
+def decide_parks(
+    plan: planning.CyclePlan,
+    planned: Sequence[snapshot.PendingJob],
+    *,
+    fleet: snapshot.FleetSnapshot,
+    start: Start,
+    releasing: Sequence[snapshot.Releasing] = (),
+    now: datetime | None = None,
+) -> list[backlog.Park]:
+    """The planned jobs that may sit out the next cycles, each with what wakes it; `fleet`
+    is the fleet the cycle left (every cluster of its start, placements assumed)."""
+    by_id = {job.job_id: job for job in planned}
+    acting = {p.preemptor for p in plan.preemptions} | set(plan.reservations)
+    acting |= {r.preemptor for r in releasing}
+    acting |= {s.name for s in plan.set_aside if s.kind == containment.JOB}
+    # cohorts charged for room a preemption makes: usage its turn saw, the next cycle not
+    waiting = {r.preemptor for r in releasing if not r.released}
+    charged = {
+        start.ledger.cohort_of(by_id[job_id].queue)
+        for job_id in waiting | {p.preemptor for p in plan.preemptions}
+        if job_id in by_id
+    }
+    verdicts: dict[tuple[object, ...], _Verdicts | None] = {}
+    after = start.tenancy.policy.reserve_after_seconds
+    out = []
+    for miss in plan.unplaceable:
+        job = by_id.get(miss.job_id)
+        if job is None or job.excluded or job.job_id in acting:
+            continue
+        if any(reason.code in ACTING or _taken(reason) for reason in miss.details):
+            continue
+        if charged and start.ledger.cohort_of(job.queue) in charged:
+            continue
+        try:
+            priority = start.tenancy.priority_of(job.queue, job.priority, job.priority_class)
+        except Exception:
+            continue
+        shape = _request_shape(job)
+        key = (job.queue, job.priority_class, priority, shape)
+        if key not in verdicts:
+            try:
+                verdicts[key] = _wake_of(job, priority, shape, fleet=fleet, start=start)
+            except Exception:  # what the planner raises for, it sets aside: not parked
+                verdicts[key] = None
+        found = verdicts[key]
+        if found is None or found.wake is None or not _told_as_at_start(miss, found):
+            continue
+        due = not found.wake.timed or reservation.is_due(job, now=now, after=after)
+        out.append(backlog.Park(job, found.wake, (-priority, job.created, job.job_id), due))
+    return out
+
+
+def _taken(reason: planning.Reason) -> bool:
+    """Told that a cluster's room went to jobs ahead of it this cycle: next cycle, with
+    those placed, it would be told the cluster is full: plan it once more first."""
+    return reason.cluster != planning.FLEET and reason.code in (
+        ReasonCode.FAIR_SHARE,
+        ReasonCode.PRIORITY,
+    )
+
+
+def _told_as_at_start(miss: planning.Unplaceable, verdicts: _Verdicts) -> bool:
+    """Were its quota reasons those of the cycle's start (not of charges made before its
+    turn, which next cycle need not hold)? Else it is planned once more first."""
+    quota = (ReasonCode.QUOTA, ReasonCode.BORROWING_LIMIT, ReasonCode.NO_IDLE_QUOTA)
+    fleet = [r.code for r in miss.details if r.cluster == planning.FLEET]
+    if Counter(code for code in fleet if code in quota) != verdicts.misses:
+        return False
+    return not (verdicts.within and ReasonCode.FAIR_SHARE in fleet)
+
+
+def _request_shape(job: snapshot.PendingJob) -> tuple[object, ...]:
+    request = job.request
+    pods = tuple((replicas, shape) for _, replicas, shape in request.tasks)
+    return (pods, request.topology.nvlink, request.topology.rack, job.clusters)
+
+
+@dataclass(frozen=True)
+class _Verdicts:
+    """A job's quota verdicts at the cycle's start, and what `why` is told of them."""
+
+    wake: backlog.Wake | None
+    misses: Counter[ReasonCode]  # the fleet's quota reasons it is told, one per model
+    within: bool  # within its guarantee on some model: no fair-share reason for it
+
+
+def _wake_of(
+    job: snapshot.PendingJob,
+    priority: int,
+    shape: tuple[object, ...],
+    *,
+    fleet: snapshot.FleetSnapshot,
+    start: Start,
+) -> _Verdicts:
+    """What must change for the job to act (or for what `why` says of it to change); no
+    wake if it may act as things are."""
+    tenancy, ledger = start.tenancy, start.ledger
+    request = job.request
+    gpus = quotas.gpus_of(request)
+    thresholds: set[backlog.Threshold] = set()
+    models: set[str] = set()
+    misses: Counter[ReasonCode] = Counter()
+    within = False
+    # the clusters its spec.clusters allows: the others excluded until their labels change
+    # (`shape_of`); allowed nowhere, it never gets as far as preempting or reserving
+    allowed = [
+        name
+        for name in sorted(fleet.clusters)
+        if clusterchoice.allows(job.clusters, fleet.clusters[name].labels)
+    ]
+    for model in sorted(quotas.allowed_models(request, start.fleet_models)):
+        verdict = ledger.check(job.queue, model, gpus)
+        thresholds |= _thresholds(job.queue, model, gpus, verdict, ledger)
+        if isinstance(verdict, quotas.Miss):
+            misses[verdict.code] += 1
+            continue
+        if verdict is True and start.preempts and allowed:
+            return _Verdicts(None, misses, True)  # within its guarantee: it may reclaim
+        within = within or verdict is True
+        models.add(model)
+    usable = frozenset(models)
+    watched: int | None = None  # with no model admitted it never gets as far as preempting
+    usable_anywhere = bool(usable) and bool(allowed)
+    if usable_anywhere and start.preempts and tenancy.preempts(job.queue, job.priority_class):
+        if start.lowest is not None and start.lowest < priority:
+            return _Verdicts(None, misses, within)  # a lower priority holds GPUs: it may preempt
+        watched = priority
+    witnesses: list[bounds.Witness] = []
+    if usable:
+        for name in allowed:
+            found = bounds.witness(fleet.clusters[name], request, usable)
+            if found is None:
+                return _Verdicts(None, misses, within)  # it may fit there
+            witnesses.extend(found)
+    reserve = None
+    if start.reserves and usable_anywhere:
+        clusters = frozenset(
+            name
+            for name in allowed
+            if fleet.clusters[name].healthy
+            and bounds.could_fit_empty(fleet.clusters[name], request, usable)
+        )
+        if clusters:
+            reserve = backlog.Reservable(usable, clusters)
+    if usable:
+        misses = Counter()  # the planner names refusals only when it admits no model
+    wake = backlog.Wake(
+        shape,
+        tuple(witnesses),
+        tuple(sorted(thresholds)),
+        watched,
+        reserve,
+        timed=start.reserves and usable_anywhere,
+        admitted=usable,
+    )
+    return _Verdicts(wake, misses, within)
+
+
+def _thresholds(
+    queue: str, model: str, gpus: int, verdict: quotas.Miss | bool, ledger: quotas.Ledger
+) -> set[backlog.Threshold]:
+    """The usage at which the verdict of `quotas.Ledger.check` for the model changes:
+    falling, to a better one (admitted, within the guarantee: it could act, or `why`
+    loses a reason); rising, to a worse one (`why` gains one). Its queue's usage first."""
+    spec = ledger.tenancy.queue(queue).quota(model)
+    if spec is None or spec.limit == 0:
+        return set()  # no quota for the model: only the configuration changes it
+    cohort = ledger.cohort_of(queue)
+    capped = model in ledger.declared.get(cohort, ())
+    capacity = ledger.cohort_capacity(cohort).get(model, 0)
+    limit = spec.limit
+    out: set[backlog.Threshold] = set()
+
+    def queue_at(at_most: int, *, rising: bool = False) -> None:
+        out.add(backlog.Threshold(backlog.QUEUE, queue, model, at_most, rising))
+
+    def cohort_at(at_most: int, *, rising: bool = False) -> None:
+        out.add(backlog.Threshold(backlog.COHORT, cohort, model, at_most, rising))
+
+    code = verdict.code if isinstance(verdict, quotas.Miss) else None
+    if code == ReasonCode.BORROWING_LIMIT:
+        assert limit is not None
+        queue_at(limit - gpus)  # under the limit again
+    elif code == ReasonCode.NO_IDLE_QUOTA:
+        queue_at(spec.guaranteed - gpus)  # within the guarantee
+        cohort_at(capacity - gpus)  # the cohort lends again
+        if limit is not None:
+            queue_at(limit - gpus, rising=True)  # refused by the limit instead
+    elif verdict is False:  # borrowing
+        queue_at(spec.guaranteed - gpus)  # within the guarantee
+        if limit is not None:
+            queue_at(limit - gpus, rising=True)
+        if capped:
+            cohort_at(capacity - gpus, rising=True)
+    elif verdict is True:  # within the guarantee (only parked when nothing preempts)
+        queue_at(spec.guaranteed - gpus, rising=True)
+    return out
 
 
 # ---- what wakes -------------------------------------------------------------------------
@@ -170,7 +469,7 @@ def decide_reservation_wakes(
     parked: backlog.Backlog,
     plan: planning.CyclePlan,
     planned: Sequence[snapshot.PendingJob],
-    previous: Mapping[str, reservation.Reservation],
+    previous: Mapping[str, plans.Reservation],
     *,
     start: Start,
     now: datetime | None,
@@ -230,7 +529,7 @@ def plan_backlog(
     running: Sequence[snapshot.RunningJob] = (),
     usage: quotas.Usage | None = None,
     queues: queues_api.QueuesConfig | None = None,
-    reservations: Mapping[str, reservation.Reservation] | None = None,
+    reservations: Mapping[str, plans.Reservation] | None = None,
     releasing: Sequence[snapshot.Releasing] = (),
     now: datetime | None = None,
     max_assignments: int = 10_000,

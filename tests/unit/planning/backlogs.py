@@ -13,8 +13,8 @@ from typing import Any
 
 from broker.api import clusterchoice
 from broker.api import queues as api
-from broker.planning import planning, quotas, reservation, snapshot
-from broker.planning.backlog import backlog, cyclestart, parking
+from broker.planning import planning, plans, quotas, snapshot
+from broker.planning.backlog import backlog, parking
 from tests.builders import make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"
@@ -425,9 +425,9 @@ class Twins:
         self.world = world
         self.max_assignments = max_assignments
         self.backlog = backlog.Backlog()
-        self.reference: cyclestart.Reference | None = None
-        self.kept_full: dict[str, reservation.Reservation] = {}
-        self.kept_parked: dict[str, reservation.Reservation] = {}
+        self.reference: parking.Reference | None = None
+        self.kept_full: dict[str, plans.Reservation] = {}
+        self.kept_parked: dict[str, plans.Reservation] = {}
         self.most_parked = 0
         self.cycles_parked = 0
         self.why: dict[str, planning.Unplaceable] = {}  # what `why` shows: the last reasons
@@ -481,7 +481,7 @@ class Twins:
         return Outcome(full, parked)
 
 
-def settled(outcome: Outcome, before: dict[str, reservation.Reservation]) -> bool:
+def settled(outcome: Outcome, before: dict[str, plans.Reservation]) -> bool:
     """Did the cycle change nothing: no dispatch, no preemption, the same reservations?"""
     full = outcome.full
     return not full.assignments and not full.preemptions and full.reservations == before

@@ -10,7 +10,7 @@ import pytest
 
 from broker.api import inventory, jobs, queues
 from broker.api.queues import ReasonCode
-from broker.planning import fitting, occupancy, planning, quotas, snapshot, usage
+from broker.planning import fitting, holdings, planning, quotas, snapshot, usage
 from tests.builders import JobBuilder, expr, make_job, make_model_summary, make_summary
 
 GPU = jobs.GPU_PRODUCT_LABEL
@@ -119,7 +119,7 @@ def test_a_cpu_only_task_asking_for_a_node_without_gpus_is_left_to_the_agent() -
 
 def test_a_running_job_is_counted_on_a_model_its_affinity_allows() -> None:
     request = make_job(gpus=8).node_affinity([expr(GPU, "NotIn", H100)]).request()
-    assert occupancy.infer_models(request, [H100, A100]) == {A100: 8}
+    assert holdings.infer_models(request, [H100, A100]) == {A100: 8}
 
 
 def _stored_with_bad_queue(job_id: str) -> snapshot.PendingJob:

@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from broker.planning import quotas, snapshot
-from broker.planning.backlog import backlog, budget, cyclestart, parking
+from broker.planning.backlog import backlog, budget, parking
 from gpufed import cli, daemons
 from tests.unit.planning.backlogs import T0, JobSpec, World, request_of
 
@@ -84,7 +84,7 @@ def test_a_deep_backlog_is_planned_in_slices_until_every_job_is_placed_or_parked
     fit = [world.submit(JobSpec(gpus=1, queue=q)) for q in ("a", "b", "open") for _ in range(20)]
     big = [world.submit(JobSpec(gpus=8, pods=6, queue="open")) for _ in range(40)]
     parked = backlog.Backlog()
-    reference: cyclestart.Reference | None = None
+    reference: parking.Reference | None = None
     placed: set[str] = set()
     cycles = 0
     while True:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import pytest
 
 from broker.api import gangs, inventory, mig
-from broker.planning import fitting, occupancy, planning, quotas, snapshot
+from broker.planning import fitting, holdings, planning, quotas, snapshot
 from tests.builders import JobBuilder, make_job, make_model_summary, make_summary
 from tests.unit.planning.sim import H100, codes, config, pending, queue, reasons
 
@@ -178,11 +178,11 @@ def test_a_mig_fit_holds_the_gpus_the_quota_counts() -> None:
 
 def test_a_mig_job_held_after_a_restart_is_inferred_on_its_model() -> None:
     request = mig_builder("m", 3, pods=2).request()
-    assert occupancy.infer_models(request, ["Tesla-T4", H100]) == {"Tesla-T4": 2}
+    assert holdings.infer_models(request, ["Tesla-T4", H100]) == {"Tesla-T4": 2}
     selected = (
         make_job("m", gpus=1).annotate(mig.MIG_PROFILE_ANNOTATION, PROFILE).model(H100).request()
     )
-    assert occupancy.infer_models(selected, ["Tesla-T4", H100]) == {H100: 1}
+    assert holdings.infer_models(selected, ["Tesla-T4", H100]) == {H100: 1}
 
 
 # ---- preemption with MIG jobs about ----------------------------------------------------------
