@@ -358,14 +358,15 @@ async def test_the_queue_label_is_bounded(start: Start) -> None:
     submitted = await _metric_queues(broker, "gpufed_jobs_submitted_total")
     assert submitted["a-q"] == 1  # declared: its own series
     assert submitted["other"] == 5  # past the 20 undeclared names given one
-    assert len(submitted) == 1 + 20 + 1
+    assert submitted["b-q"] == 0  # declared, no job yet: at 0 from the start
+    assert len(submitted) == 2 + 20 + 1  # the declared, 20 undeclared, other
     pending: dict[str, float] = {}
     for _ in range(50):  # the scheduler exports the pending gauges each cycle
         pending = await _metric_queues(broker, "gpufed_pending_jobs")
         if sum(pending.values()) == 26:
             break
         await asyncio.sleep(0.05)
-    assert pending.get("other") == 5 and len(pending) == 22, pending
+    assert pending.get("other") == 5 and len(pending) == 23, pending  # b-q at 0 too
 
 
 async def test_malformed_requests_are_logged_in_one_line(
