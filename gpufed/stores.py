@@ -34,7 +34,7 @@ def backup_command(store_url: str, out: str) -> int:
     if store_url.startswith(opening.ETCD_SCHEME):
         return _fail(
             "backup",
-            "an etcd store is backed up with `etcdctl snapshot save FILE` (see the README)",
+            "an etcd store is backed up with `etcdctl snapshot save FILE` (docs/operations.md)",
         )
     try:
         path = opening.parse_sqlite_path(store_url)

@@ -2,7 +2,7 @@
 
 The hot store (etcd or SQLite, `broker.state.store`) holds live jobs and recently finished
 ones; older finished jobs move here and are pruned after a retention window
-(docs/architecture.md, "Live state and history").
+(docs/design/history.md).
 
 - `query.py` — what a list asks for (`JobQuery`: tenant, queue, state, cluster, a label
   selector, a finished-time window, a text in the name or id), the order (newest first, or

@@ -13,7 +13,7 @@ The text search (`JobQuery.text`) is `LIKE` (SQLite: ASCII case ignored) or `ILI
 `%`, `_` and `\\` escaped; no extension (pg_trgm, FTS5) is required. No index serves a
 substring, so a page with a text walks the page's index in order and tests each row until it
 has `limit + 1`: quick when matches are common, a scan of every row the other filters leave
-when they are rare (docs/architecture.md gives the figures).
+when they are rare (e2e/README.md gives the figures).
 
 Times are microseconds since the epoch in SQLite (INTEGER) and `timestamptz` in PostgreSQL
 (the same microseconds). Text columns compare bytewise in both (SQLite's BINARY, PostgreSQL's
