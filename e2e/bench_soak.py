@@ -153,9 +153,11 @@ async def run(args: argparse.Namespace, work: Path) -> None:
     fleet = processes.LocalFleet(workdir=work, heartbeat=1.0, lost_after=30.0)
     fleet.store = server.url
     history = work / "history.db"
+    # one token stands for a fleet's many users: not held to one principal's requests in progress
     fleet.broker_args = ["--history", f"sqlite:///{history}", "--retain-finished",
                                args.retain, "--max-offers-in-flight",
-                               str(args.max_offers_in_flight), *args.broker_arg]  # fmt: skip
+                               str(args.max_offers_in_flight), "--max-requests-per-principal",
+                               "0", *args.broker_arg]  # fmt: skip
     try:
         fleet.write_tokens(tenants=["team-a"], clusters=CLUSTERS)
         broker = await fleet.start_broker()

@@ -338,7 +338,8 @@ async def main(args: argparse.Namespace, workdir: Path) -> None:
     global ETCD
     server = ETCD = etcdserver.EtcdServer.start() if args.store == "etcd" else None
     fleet = processes.LocalFleet(workdir=workdir, store=server.url if server else "")
-    fleet.broker_args = list(args.broker_arg)
+    # one token stands for a fleet's many users: not held to one principal's requests in progress
+    fleet.broker_args = ["--max-requests-per-principal", "0", *args.broker_arg]
     try:
         fleet.write_tokens(tenants=["bench"], clusters=CLUSTERS)
         if args.replicas > 1:
