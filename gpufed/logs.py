@@ -19,33 +19,24 @@ written at once, after those before it.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 from opentelemetry import trace
 
-CONTEXT: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("gpufed_log_context")
+from kits import logcontext
+
+# the fields bound for a block: kept in `kits.logcontext`, which the broker and agent import
+CONTEXT = logcontext.CONTEXT
+bind = logcontext.bind
 
 # attributes every LogRecord has: anything else on a record came from `extra=`
 _BLANK = logging.LogRecord("", logging.INFO, "", 0, "", None, None)
 _RECORD_ATTRIBUTES = frozenset({*vars(_BLANK), "message", "asctime", "taskName"})
-
-
-@contextmanager
-def bind(**fields: object) -> Iterator[None]:
-    """Add `fields` to every line logged inside the block, in this task and those it starts."""
-    token = CONTEXT.set({**CONTEXT.get({}), **{key: str(value) for key, value in fields.items()}})
-    try:
-        yield
-    finally:
-        CONTEXT.reset(token)
 
 
 def read_context(record: logging.LogRecord) -> dict[str, object]:
@@ -55,7 +46,7 @@ def read_context(record: logging.LogRecord) -> dict[str, object]:
     if span.is_valid:
         fields["trace_id"] = format(span.trace_id, "032x")
         fields["span_id"] = format(span.span_id, "016x")
-    fields.update(CONTEXT.get({}))
+    fields.update(logcontext.bound())
     for key, value in vars(record).items():
         if key not in _RECORD_ATTRIBUTES and not key.startswith("_"):
             fields[key] = value

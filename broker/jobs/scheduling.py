@@ -1,12 +1,20 @@
-"""The scheduling cycle: the async shell around the pure planner.
+"""The scheduling cycle: the async shell around the pure planner, in numbered phases
+(`Scheduler.run_cycle`, as Kueue's `schedule`), each line it logs carrying its number
+(`cycle`, bound through `kits.logcontext`):
 
-1. pending jobs (the backlog, brought up to date with the jobs that changed), jobs holding
-GPUs, victims still releasing theirs  2. fleet snapshot (summaries less in-flight offers)
-3. `parking.plan_backlog` with the queues configuration: plan_cycle over the live jobs and
-the parked ones a change woke; park the jobs that could not act  4. preempt the victims
-chosen (Cancel, reason Preempted)  5. commit Dispatched (compare-and-swap) and send offers
-(`dispatching`)  6. record reasons for the rest (a parked job keeps its last ones); keep
-the reservations for the next cycle; export the per-queue gauges.
+1. pending jobs: the backlog brought up to date with the jobs that changed; the holdings
+   counted again now and then
+2. snapshot: the fleet (summaries less in-flight offers), the jobs holding GPUs, the victims
+   still releasing theirs
+3. plan: `parking.plan_backlog` with the queues configuration, plan_cycle over the live jobs
+   and the parked ones a change woke
+4. assume: park the jobs that could not act; keep the reservations for the next cycle and
+   the clusters set aside
+5. preempt the victims chosen (Cancel, reason Preempted)
+6. commit Dispatched (compare-and-swap) and send the offers (`dispatching`); reasons
+   recorded for the rest (a parked job keeps its last ones)
+7. export the gauges.
+
 The backlog is kept between cycles (`planning.backlog`): a book observer notes the jobs that
 changed, and a cycle with nothing new costs O(clusters + live jobs), not O(queued jobs). A
 cycle plans at most `plan_limit` jobs (`planning.backlog.budget`) and reads at most `look_limit`
@@ -40,7 +48,7 @@ from broker.planning import planning, plans, snapshot, usage
 from broker.planning.backlog import backlog, budget, parking
 from broker.state import errors, registry
 from broker.telemetry import metrics
-from kits import tables
+from kits import logcontext, tables
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +125,22 @@ class Waits:
         return heap[0][0] if heap else None
 
 
+class Lap:
+    """The seconds a block took (`time.perf_counter`): `with Lap() as lap: ...`, then
+    `lap.seconds`, also when the block raised."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __enter__(self) -> Lap:
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._started
+
+
 class Scheduler:
     def __init__(
         self,
@@ -142,7 +166,8 @@ class Scheduler:
         self.meters = meters
         self.min_interval = min_interval
         self.max_interval = max_interval
-        self.cycles = 0
+        self.cycles = 0  # cycles run to their end
+        self.cycle_number = 0  # the cycle running or last begun, logged as `cycle`
         self.queues = queues or registry.QueueRegistry()
         self.reservations: dict[str, plans.Reservation] = {}
         self.queue_gauges_every = queue_gauges_every
@@ -237,23 +262,36 @@ class Scheduler:
                 self.backlog.put(view)
 
     async def run_cycle(self) -> int:
-        """One cycle; returns the number of offers sent."""
-        started = time.perf_counter()
-        self._refresh()
-        offers = 0
-        if time.monotonic() - self._resynced_at > self._resync_due:
-            recount = time.perf_counter()
-            self.accounts.resync()
-            took = time.perf_counter() - recount
-            self._resynced_at = time.monotonic()
-            self._resync_due = max(self.resync_every, took / RESYNC_SHARE)
-        if len(self.backlog):
-            running = LazyRunning(self.accounts.running_jobs)
-            releasing = self.victims.releasing()
-            now = time.monotonic()
-            fleet = self.fleet.snapshot(now=now)
-            limit = self._slice_limit(now=now)
-            plan_started = time.perf_counter()
+        """One cycle, its lines logged with its number (`cycle`); returns the offers sent."""
+        self.cycle_number += 1
+        with logcontext.bind(cycle=self.cycle_number), Lap() as took:
+            # 1. pending jobs: the backlog brought up to date; the holdings recounted now and then
+            self._refresh()
+            self._recount_holdings()
+            if not len(self.backlog):
+                self.reservations, self.reference, self.busy = {}, None, False
+                offers = 0
+            else:
+                offers = await self._place()
+            # 7. gauges
+            self._export_gauges()
+            self._export_queue_gauges()
+            self.cycles += 1
+            self.meters.scheduling_cycles.inc()
+        self.meters.cycle_duration.observe(took.seconds)
+        return offers
+
+    async def _place(self) -> int:
+        """Phases 2 to 6 of a cycle with jobs pending; returns the offers sent."""
+        # 2. snapshot: the fleet less in-flight offers, the jobs holding GPUs (read if a
+        # preemption search looks), the victims still releasing theirs
+        running = LazyRunning(self.accounts.running_jobs)
+        releasing = self.victims.releasing()
+        now = time.monotonic()
+        fleet = self.fleet.snapshot(now=now)
+        limit = self._slice_limit(now=now)
+        # 3. plan the backlog's slice; park the jobs that could not act
+        with Lap() as planning_took:
             cycle = parking.plan_backlog(
                 self.backlog,
                 fleet,
@@ -268,39 +306,46 @@ class Scheduler:
                 limit=limit,
                 array_holding=self.book.array_holding(),
             )
-            self.backlog.settle(cycle.woken, cycle.parks)
-            self.reference = cycle.reference
-            self.last_cycle = cycle
-            plan = cycle.plan
-            self.busy = plan.busy
-            decided = time.perf_counter() - plan_started
-            self.last_plan_seconds = decided
-            if cycle.planned:
-                self.meters.decision_duration.observe(decided / len(cycle.planned))
-            if self.plan_limit is not None and self.limit is not None:
-                self.limit = budget.next_limit(
-                    self.limit, self.plan_limit, took=decided, planned=len(cycle.planned)
-                )
-            self.reservations = plan.reservations
-            self._note_set_aside(plan, fleet)
-            await self.victims.preempt(plan.preemptions)
-            outcome = await self.dispatcher.dispatch(plan, images=self.queues.allowed_images)
-            offers = outcome.sent
-            if cycle.deferred and not plan.busy:  # a slice of a deep backlog: plan on
-                self.book.wakeup.set()  # (every agent busy: its answers wake the next cycle)
-            self.commit_failures = self.commit_failures + 1 if outcome.failed else 0
-            if outcome.failed:
-                self.book.wakeup.set()  # plan them again once the pause is over
-        else:
-            self.reservations = {}
-            self.reference = None
-            self.busy = False
-        self._export_gauges()
-        self._export_queue_gauges()
-        self.cycles += 1
-        self.meters.scheduling_cycles.inc()
-        self.meters.cycle_duration.observe(time.perf_counter() - started)
-        return offers
+        plan = cycle.plan
+        # 4. assume: the backlog settles, the plan's reservations and set-asides are kept
+        self.backlog.settle(cycle.woken, cycle.parks)
+        self.reference = cycle.reference
+        self.last_cycle = cycle
+        self.busy = plan.busy
+        self._note_planning(cycle, seconds=planning_took.seconds)
+        self.reservations = plan.reservations
+        self._note_set_aside(plan, fleet)
+        # 5. preempt the victims chosen
+        await self.victims.preempt(plan.preemptions)
+        # 6. commit Dispatched (compare-and-swap) and send the offers; a refused commit
+        # leaves the jobs queued and the next cycles back off
+        outcome = await self.dispatcher.dispatch(plan, images=self.queues.allowed_images)
+        if cycle.deferred and not plan.busy:  # a slice of a deep backlog: plan on
+            self.book.wakeup.set()  # (every agent busy: its answers wake the next cycle)
+        self.commit_failures = self.commit_failures + 1 if outcome.failed else 0
+        if outcome.failed:
+            self.book.wakeup.set()  # plan them again once the pause is over
+        return outcome.sent
+
+    def _recount_holdings(self) -> None:
+        """Count the holdings again from the jobs (`Accounting.resync`) when due: every
+        `resync_every` seconds, or less often while a recount takes over `RESYNC_SHARE`."""
+        if time.monotonic() - self._resynced_at <= self._resync_due:
+            return
+        with Lap() as took:
+            self.accounts.resync()
+        self._resynced_at = time.monotonic()
+        self._resync_due = max(self.resync_every, took.seconds / RESYNC_SHARE)
+
+    def _note_planning(self, cycle: parking.BacklogPlan, *, seconds: float) -> None:
+        """What planning took: the decision meter, and the next cycle's budget from it."""
+        self.last_plan_seconds = seconds
+        if cycle.planned:
+            self.meters.decision_duration.observe(seconds / len(cycle.planned))
+        if self.plan_limit is not None and self.limit is not None:
+            self.limit = budget.next_limit(
+                self.limit, self.plan_limit, took=seconds, planned=len(cycle.planned)
+            )
 
     def _slice_limit(self, *, now: float) -> int | None:
         """The jobs this cycle plans at most: the budget (`self.limit`), and no more than
@@ -421,7 +466,7 @@ class Scheduler:
             except Exception:
                 self.commit_failures += 1  # whatever broke, the next cycles wait longer
                 self.meters.background_errors.labels(task="scheduler").inc()
-                logger.exception("scheduling cycle failed")
+                logger.exception("scheduling cycle failed", extra={"cycle": self.cycle_number})
             # long planning (a deep backlog) is followed by a pause as long (at most 2 s):
             # planning never takes more than half of the broker's time, and the rest of the
             # broker (the leader's lease, agents' reports, the API) is never starved of it

@@ -9,7 +9,10 @@ cycles of a 20,000-job soak's burst planned 500 jobs to send a few offers, or no
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
+import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,6 +23,7 @@ from broker.api.status import JobState
 from broker.jobs import fleet, scheduling, service
 from broker.state import records, sqlite
 from broker.telemetry import metrics
+from gpufed import logs
 from tests import fakes
 from tests.builders import make_job, make_model_summary, make_summary
 
@@ -121,6 +125,32 @@ def pending_gauge(b: Broker) -> float:
 def parked_gauge(b: Broker) -> float:
     value = b.jobs.meters.registry.get_sample_value("gpufed_parked_jobs")
     return -1.0 if value is None else value
+
+
+async def test_each_line_a_cycle_logs_carries_the_cycle_s_number(broker: Broker) -> None:
+    """A job's Dispatched line names the cycle that dispatched it (`cycle`, through the JSON
+    formatter), and the next cycle's lines the next number."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logs.JsonFormatter(service="gpufed-test"))
+    logger = logging.getLogger("broker")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        await broker.submit("first", pods=1)
+        await broker.scheduler.run_cycle()
+        await broker.submit("second", pods=1)
+        await broker.scheduler.run_cycle()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    moves = {
+        (line["job_id"], line["state"]): line.get("cycle") for line in lines if "state" in line
+    }
+    assert moves == {("first", "Dispatched"): "1", ("second", "Dispatched"): "2"}
+    assert broker.scheduler.cycle_number == 2
 
 
 async def test_a_parked_job_is_pending_and_why_keeps_its_reasons(broker: Broker) -> None:
