@@ -1,6 +1,6 @@
 """`spec.array`: one submit that makes `count` indexed jobs, at most `parallelism` at a time.
 
-A submit with `spec.array: {count, parallelism}` stores `count` jobs (`http.submitting.
+A submit with `spec.array: {count, parallelism}` stores `count` jobs (`jobs.submitting.
 new_records`): job `i` (0 to count - 1) is named `<name>-<i>`, has the id `<array id>-<i>`
 (the array's id is made like a job's, from its name), carries the labels `gpufed.io/array`
 (the array's name) and `gpufed.io/array-index`, and its record says its array

@@ -5,7 +5,7 @@
 `MAX_BATCH_BYTES`), each item with its own key, and answers one `BatchItemAnswer` per item in
 request order. The same rule holds a key wherever it comes from (`check_idempotency_key`).
 The batch's models describe it in the OpenAPI document and write the answer; the broker reads
-a batch item by item (`broker.http.submitting`), so that one bad item is that item's problem.
+a batch item by item (`broker.http.admitting`), so that one bad item is that item's problem.
 
 A request is bounded by what it expands to, not only by what it sends (`Bounds`, counted by
 `Expansion` over its items in order): the jobs it stores (an array's `count` each), the bytes

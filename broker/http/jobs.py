@@ -1,4 +1,4 @@
-"""Job routes: submit (idempotent; a batch: `submitting`), get, list, cancel, why."""
+"""Job routes: submit (idempotent; a batch and the checks: `admitting`), get, list, cancel, why."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pydantic
 from aiohttp import web
 
 from broker.api import errors, queues, status, submits
-from broker.http import auth, documents, forwarding, keys, listing, submitting
-from broker.jobs import positions, service, starting, transitions
+from broker.http import admitting, auth, documents, forwarding, keys, listing
+from broker.jobs import positions, service, starting, submitting, transitions
 from broker.planning import dependencies as planning_deps
 from broker.planning import planning, quotas
 from broker.state import registry
@@ -44,16 +44,17 @@ def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
 async def submit(request: web.Request) -> web.Response:
     principal = auth.caller(request)  # a tenant's (broker.http.roles)
     document = await _read_document(request)
-    job = submitting.admit(
+    job = admitting.admit(
         principal,
         document,
         queues=request.app.get(keys.QUEUES),
-        bounds=submitting.bounds_of(request.app),
+        bounds=admitting.bounds_of(request.app),
     )
     key = submits.check_idempotency_key(
-        request.headers.get(submitting.KEY_HEADER), field=submitting.KEY_HEADER
+        request.headers.get(admitting.KEY_HEADER), field=admitting.KEY_HEADER
     )
-    stored, replayed = await submitting.submit_one(request.app[keys.JOBS], principal, job, key=key)
+    book = request.app[keys.JOBS]
+    stored, replayed = await submitting.submit_one(book, principal.name, job, key=key)
     return _submitted(stored, replayed=replayed)
 
 
@@ -267,10 +268,10 @@ def add_routes(
 ) -> None:
     """The job routes; `bounds`: what one submit may expand to, `page_bytes`: a list page's
     body at most (`http.listing`)."""
-    app[submitting.BOUNDS] = bounds or submits.Bounds()
+    app[admitting.BOUNDS] = bounds or submits.Bounds()
     app[listing.PAGE_BYTES] = page_bytes
     app.router.add_post("/v1/jobs", submit)
-    app.router.add_post("/v1/jobs:batch", submitting.submit_batch)
+    app.router.add_post("/v1/jobs:batch", admitting.submit_batch)
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{job_id}", get_job)
     app.router.add_delete("/v1/jobs/{job_id}", cancel_job)

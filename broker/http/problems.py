@@ -6,7 +6,7 @@ an unexpected error is a 500 that says so and logs the traceback, never a half-w
 Store faults say which: unreachable (503, `Retry-After`), full (507, `store-full`), read-only
 (503, `store-read-only`); nothing of the request was written in any of them. A batch submit
 answers each item on its own: `problem_of` and `body_of` give the same status and problem
-an item's refusal would have had alone (`http/submitting`), `relocated` names its field
+an item's refusal would have had alone (`http/admitting`), `relocated` names its field
 from the batch's root.
 """
 
