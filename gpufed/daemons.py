@@ -458,8 +458,8 @@ def run_broker(args: argparse.Namespace) -> int:
     tracing.setup("gpufed-broker")
     if tracing.records_spans():
         # before any Application is created: the instrumentor patches the class. Not when no
-        # span is recorded: its middleware then costs each request (7% of the broker's CPU in
-        # a burst of single submits) and tells nothing
+        # span is recorded: its middleware then costs each request a share of the broker's CPU
+        # and tells nothing
         AioHttpServerInstrumentor().instrument()
     from broker.http import listening, oidc, tls, tokens
     from broker.state import registry

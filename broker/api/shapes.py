@@ -239,7 +239,7 @@ def model_selector(models: Sequence[str]) -> dict[str, Any]:
 
 
 # the pod shapes validated jobs hold, one object per kind (100,000 jobs of one template: one
-# shape, not 100,000 of about 1 KB each); forgotten wholesale past `MAX_SHAPES` kinds
+# shape, not 100,000 copies); forgotten wholesale past `MAX_SHAPES` kinds
 _SHAPES: dict[PodShape, PodShape] = {}
 MAX_SHAPES = 4096
 

@@ -56,7 +56,7 @@ class _Model(BaseModel):
 
 
 # one transition of a job; a slotted dataclass, not a model: a job keeps every one of them,
-# and a model's own dictionary and set made each 1.1 KB, against about 0.2 KB (no docstring:
+# and a model's own dictionary and set would make each several times larger (no docstring:
 # it would become the API schema's description)
 @pydantic_dataclass(frozen=True, slots=True, config=_Model.model_config)
 class JobEvent:

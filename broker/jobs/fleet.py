@@ -8,7 +8,7 @@ from the sessions' watchdog). At most `max_offers_in_flight` offers are out unan
 agent (`snapshot`: the cluster's `offer_slots`): a burst of thousands of jobs that all fit on
 one cluster is not sent at once to an agent that answers a few hundred a second (Kubernetes
 pod creation, tens): the rest go to other clusters, or wait there as ClusterBusy, instead of
-timing out by the thousand and going round again (127,877 timeouts in a 50,000-job soak).
+timing out by the thousand and going round again.
 
 That limit adapts to each agent (additive increase, multiplicative decrease, as TCP's
 congestion window): a watchdog pass that withdraws offers of a cluster halves its window

@@ -1,26 +1,25 @@
 """Keeping the leader's lease alive: a task of its own, over an etcd connection of its own.
 
 `state.electing` holds its term on an etcd lease of `ttl` seconds, renewed every ttl/3, and
-steps down when no renewal got through for ttl less a safety margin. The single leader of
-the soak benchmark lost its own lease 8 times in a 100,000-job run: the renewal went over
-the same gRPC connection as transactions of hundreds of jobs and waited behind them (the
-first loss: a keep-alive that timed out with the loop not stalled), or the loop was held
-(a 6.6 s pass of the garbage collector, stalls of a second after one another).
+steps down when no renewal got through for ttl less a safety margin. A busy leader can lose
+its own lease two ways: a renewal over the same gRPC connection as transactions of hundreds
+of jobs waits behind them (a keep-alive times out with the loop not stalled), and a held
+loop (a long pass of the garbage collector, stalls one after another) renews nothing.
 
 `Keeper` renews from a task of its own on the main loop, over a store connection of its own
 (`connect`: for etcd a client on the same members, credentials and TLS, opened on this
 loop; the election opens it once and hands it to each term's keeper, so a campaign does not
-pay for it), so a renewal no longer queues behind the book's transactions. Each renewal may
+pay for it), so a renewal never queues behind the book's transactions. Each renewal may
 take two of the renewals' measured round trips when the lease leaves room
 (`Renewal.round_trip`). It cannot renew while the loop is held; `telemetry.garbage` times
 its full pass to fit in the lease's slack (`Election.pause_budget`), and the planner's budget
 keeps a cycle short.
 
-Not a thread: a keeper on a thread and event loop of its own renewed through a held loop
-(tested), but gRPC's asyncio stack shares one completion queue and one wake-up socket among
-every loop of the process (grpc/grpc#25364), and under the 10,000-job failover test the
-leader's own job watch stopped delivering (its cache never synced again) with such a keeper
-running. A thread would need the synchronous gRPC API, with etcd's auth done by hand.
+Not a thread: a keeper on a thread and event loop of its own would renew through a held
+loop, but gRPC's asyncio stack shares one completion queue and one wake-up socket among
+every loop of the process (grpc/grpc#25364), and with such a keeper running the leader's own
+job watch can stop delivering (its cache never syncs again). A thread would need the
+synchronous gRPC API, with etcd's auth done by hand.
 
 The keeper never steps down itself: it records the latest renewal that got an answer
 (`Renewal.renewed_at`, the monotonic time it was sent) and whether the store said the

@@ -45,7 +45,7 @@ LATENCY_BUCKETS = (
 )
 # what a job waits (submit to dispatch, to running): from the 50 ms dispatch target to a day,
 # each bucket at most 1.5 times the one below from 10 s on, so a quantile read from them is
-# within 1.5 times the true one (a jump from 60 s to 300 s read a 70 s p99 as up to 4 times that)
+# within 1.5 times the true one (a jump from 60 s to 300 s reads a 70 s p99 as up to 4 times that)
 WAIT_BUCKETS = (
     0.005,
     0.01,

@@ -5,8 +5,8 @@ default, grpc when `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL=grpc`) only when an end
 the sampler, headers and timeouts are the SDK's own `OTEL_*` settings. With no endpoint (and
 no `OTEL_TRACES_SAMPLER`) nothing is recorded: spans still carry ids, so traceparents, trace
 ids in the API and in log lines are as they would be, but a span costs no attributes or events
-(`records_spans()` false: the job spans are not even started; about a tenth of a broker's CPU
-under load went to spans nobody received).
+(`records_spans()` false: the job spans are not even started, since under load spans nobody
+receives take a noticeable share of a broker's CPU).
 
 A job's trace: the HTTP request span → `job` (submit to final state) → `job.submit`,
 `job.queue` (with the reasons it waited as events), `job.schedule`, `job.dispatch` → (agent)

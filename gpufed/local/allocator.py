@@ -3,17 +3,15 @@
 The broker frees most of what a burst of jobs allocated once they retire to history, but
 the C library's allocator gives little of it back: glibc's heap keeps every 4 KiB page that
 still holds one live object, and the few thousand objects that outlive a burst (caches,
-index tables, a page of history being served) are spread across all of it. After a
-20,000-job soak (`python -m e2e.bench_soak --jobs 20000 --retain 10s`) the broker held
-58 MiB of live allocations in a 337 MiB heap, 279 MiB of it free, and its resident memory
-stayed 103-128 MiB above its start (three runs) despite `malloc_trim`
-(`kits.garbage`). jemalloc keeps objects of one size class together and returns
-dirty pages on a timer: the same soak ended 55 MiB above its start, at the same pods/s.
+index tables, a page of history being served) are spread across all of it. After a soak
+(`python -m e2e.bench_soak`) the broker's heap is mostly free pages that `malloc_trim`
+(`kits.garbage`) cannot return, and its resident memory stays well above its start.
+jemalloc keeps objects of one size class together and returns dirty pages on a timer, so
+far more of that memory goes back, at the same pods/s.
 
-The agent too: after the same 20,000-job soak, with its finished pods deleted
-(`--finished-pods-ttl`), tracemalloc saw its live allocations fall from 60 to 33 MiB but its
-resident memory stay at its peak, 43-52 MiB above its start, on Python's own allocator; on
-jemalloc it ended 19-23 MiB above (one run, three agents), at the same CPU per job.
+The agent too: with its finished pods deleted (`--finished-pods-ttl`) its live allocations
+fall after a soak, but on Python's own allocator its resident memory stays at its peak; on
+jemalloc it gives much of it back, at the same CPU per job. e2e/README.md gives the figures.
 
 `service_env` is the environment the local supervisor (`processes.LocalFleet`, so `gpufed
 local`, the demo and the benchmarks) gives the broker and each agent: Python's allocations

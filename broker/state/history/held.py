@@ -1,6 +1,6 @@
 """The jobs a book holds in the order lists show them (`query.Cursor`), kept as they change:
 a page of `GET /v1/jobs` reads from its place in that order and stops once it is full,
-instead of filtering and sorting every job held (100,000 queued jobs: about 0.2 s a page).
+instead of filtering and sorting every job held, a cost that grows with the book.
 
 Sorted lists of keys (every job, and each state's jobs apart) in chunks of at most
 `2 * LOAD` (a plain list of 100,000 would move 800 KB on each insert): an insert or a

@@ -6,8 +6,7 @@ transaction of a few array-bound statements (`unnest`), thousands of rows each; 
 deletes in batches of its own transactions, and two replicas pruning at once only skip rows
 the other took. Records are `json`, the text exactly as put (an operator may still query it
 with `->`): `jsonb` would cost its conversion on every read, and hands back its keys
-reordered, which pydantic reads about three times slower (measured: 17 ms against 5 ms for a
-page of 100).
+reordered, which pydantic reads several times slower than keys in its fields' order.
 
 Errors (`errors_of`): the server away, a connection lost, a timeout, a serialization failure
 or deadlock, too many connections are `TemporaryStoreError`; a full disk `StoreFullError`;

@@ -99,7 +99,7 @@ UPDATE {HISTORY} SET name = coalesce(record->'job'->'metadata'->>'name', '');
 """
 
 # Each index ends in `name`: a text search tests it in the index, reading a row only when it
-# matches (SQLite defers the row's read), not every row it walks (1.7 KB of JSON each).
+# matches (SQLite defers the row's read), not every row it walks (a job's whole JSON each).
 INDEXES = [
     f"CREATE INDEX IF NOT EXISTS {HISTORY}_finished ON {HISTORY} (finished, id, name)",
     *(

@@ -17,7 +17,7 @@ connection gives its cache back (`PRAGMA shrink_memory`, and the broker's collec
 freed pages back to the system): up to 96 MiB that a broker holding only its live jobs
 would otherwise keep for good once the history has grown past them.
 
-The planner's statistics are refreshed (`ANALYZE`, sampled: a few milliseconds) at open and
+The planner's statistics are refreshed (`ANALYZE`, sampled, so cheap) at open and
 whenever the history has doubled since, so it picks the index of the most selective filter.
 """
 
@@ -48,7 +48,7 @@ READERS = 2
 BUSY_TIMEOUT = 5.0  # seconds a connection waits for another process's lock
 ANALYSIS_LIMIT = 1000  # rows sampled per index by ANALYZE
 ANALYZE_FLOOR = 1000  # rows put before the first refresh of the statistics
-WRITER_CACHE_KIB = 65536  # the writer's page cache: its indexes' hot pages (+40% rows/s here)
+WRITER_CACHE_KIB = 65536  # the writer's page cache: its indexes' hot pages, for the insert rate
 READER_CACHE_KIB = 16384
 IDLE_SECONDS = 10.0  # no put or read for this long: the connections' caches are given back
 SHRINK_WAIT_SECONDS = 5.0  # how long a reader thread waits for the others to shrink theirs

@@ -79,8 +79,8 @@ class _Totals:
             totals[free + 2] += 1
 
     def add(self, node: model.Node) -> None:
-        # a summary every 50 ms over every node (1,000 of them: 7.9 -> 3.2 ms): counts of the
-        # list's C methods, not a Python loop per GPU
+        # a summary every 50 ms over every node: counts of the list's C methods, not a Python
+        # loop per GPU
         if node.mig:
             self._add_mig(node)
         count = node.gpu_count

@@ -1,7 +1,7 @@
 """The agent's summary kept between reports: only the nodes changed since are counted again.
 
 `summary.summarise` counts every node; an agent reports every 50 ms while pods come and go,
-and on 1,000 nodes that count was a third of the agent's CPU in a soak. `KeptSummary` keeps
+and on a large cluster that count is a large share of the agent's CPU. `KeptSummary` keeps
 each node's share (`_Share`: what the node adds to its model's counts) and per model the
 running tallies (sums, and multisets for the largest values), and after a change counts
 again only the nodes the inventory names (`Inventory.take_touched`): a node placed on,

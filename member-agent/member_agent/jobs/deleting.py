@@ -14,8 +14,9 @@ The pods of a finished job stay for their logs, as a Kubernetes Job's do, until
 them when its table forgets the job, and `sweep` (once a second, from the session's heartbeat
 too) deletes those due, one job after another in a single background task, so that a burst of
 thousands finished at once does not become thousands of concurrent API calls. Without it,
-every pod the agent ever created stayed in the cluster (Kubernetes' terminated-pod collection
-starts only past 12,500 of them, cluster-wide) and, in the simulated backend, in memory.
+every pod the agent ever created would stay in the cluster (Kubernetes' terminated-pod
+collection starts only past 12,500 of them, cluster-wide) and, in the simulated backend, in
+memory.
 A pod already gone counts as deleted; the schedule is the agent's memory only: after a
 restart, finished jobs are adopted from their pods, reported, and scheduled again.
 """

@@ -4,7 +4,7 @@ trace the offer carries; none is started when the process records none.
 `gpufed agent` installs a provider that samples nothing when it has nowhere to send spans (no
 OTLP endpoint and no OTEL_TRACES_SAMPLER: `broker.telemetry.tracing.provider_for`). Its spans
 would be dropped, and starting them (the traceparent parsed, a context attached and detached)
-was 6% of an agent's CPU in a soak; `span` is then a no-op and `recording` false.
+is a share of an agent's CPU worth saving; `span` is then a no-op and `recording` false.
 """
 
 from __future__ import annotations

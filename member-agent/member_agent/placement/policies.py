@@ -26,10 +26,10 @@ def make_default(workload: fragmentation.Workload, seed: int = 0) -> scoring.Sco
     """gpufed's default: FGD's integer score; among equal scores a node already running GPU
     work before an untouched one; then the rank (a stable pseudo-random order of the nodes).
 
-    Measured on the Alibaba 2023 trace (protocol A; `gpufed simulate`): it ties FGD within
-    seed noise (median unallocated GPUs at 100% arrival, seeds 42-51: 4.68% against FGD's
-    4.70%; seeds 52-71: 4.73% against 4.70%), and keeps untouched nodes whole for gangs.
-    Finer scores are worse: the exact fragmentation change (`fgd-float`) leaves 7.1%.
+    On the Alibaba 2023 trace (protocol A; `gpufed simulate`) it ties FGD within seed noise
+    (median unallocated GPUs at 100% arrival), and keeps untouched nodes whole for gangs.
+    Finer scores are worse: the exact fragmentation change (`fgd-float`) leaves more GPUs
+    unallocated. e2e/README.md gives the figures.
     """
     del seed
     return scoring.FGD(workload, name=DEFAULT, prefer_used=True)
