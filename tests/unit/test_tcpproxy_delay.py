@@ -7,12 +7,20 @@ import time
 
 from tests import tcpproxy
 
+ECHOED: list[asyncio.Task[None]] = []
+
 
 async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    while data := await reader.read(1024):
-        writer.write(data)
-        await writer.drain()
-    writer.close()
+    task = asyncio.current_task()
+    assert task is not None
+    ECHOED.append(task)  # awaited by the test: no stream left for the GC after its loop
+    try:
+        while data := await reader.read(1024):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()
+        await writer.wait_closed()
 
 
 async def test_a_delayed_proxy_holds_each_chunk_each_way_in_order() -> None:
@@ -30,6 +38,10 @@ async def test_a_delayed_proxy_holds_each_chunk_each_way_in_order() -> None:
         assert await reader.readexactly(3) == b"123"
         assert 0.4 <= time.monotonic() - started < 1.0  # a round trip of twice the delay
         writer.close()
+        await writer.wait_closed()
     finally:
         await proxy.close()
         server.close()
+        await server.wait_closed()
+        await asyncio.gather(*ECHOED, return_exceptions=True)
+        ECHOED.clear()
