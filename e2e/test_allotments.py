@@ -55,9 +55,13 @@ async def guarantees(api: client.BrokerClient) -> dict[str, int]:
     }
 
 
+HOLD = 5.0
+
+
 async def settled(api: client.BrokerClient, *, timeout: float = 30.0) -> tuple[int, int]:
-    """The tenant's (running, queued) jobs once none is Dispatched and the counts held for a
-    second; the last counts seen after `timeout`."""
+    """The tenant's (running, queued) jobs once none is Dispatched and the counts held for
+    `HOLD` seconds (a rejected offer waits for the cluster's next summary: on a loaded machine
+    one second of no change is not yet the end); the last counts seen after `timeout`."""
     deadline = time.monotonic() + timeout
     last, since = (-1, -1), time.monotonic()
     while time.monotonic() < deadline:
@@ -65,7 +69,7 @@ async def settled(api: client.BrokerClient, *, timeout: float = 30.0) -> tuple[i
         counts = (states.count("Running"), states.count("Queued"))
         if counts != last or "Dispatched" in states:
             last, since = counts, time.monotonic()
-        elif time.monotonic() - since >= 1.0:
+        elif time.monotonic() - since >= HOLD:
             return counts
         await asyncio.sleep(0.1)
     return last
