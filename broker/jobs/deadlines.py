@@ -27,14 +27,12 @@ sweep of idempotency keys.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from broker.api import status
-from broker.jobs import book, fleet, transitions
-from broker.state import errors
+from broker.jobs import book, fleet, passes, transitions
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -42,7 +40,6 @@ logger = logging.getLogger(__name__)
 TASK = "deadlines"
 MAX_PAUSE_SECONDS = 1.0
 MIN_PAUSE_SECONDS = 0.05
-MAX_BACKOFF_SECONDS = 30.0
 BATCH = 500  # jobs failed per commit, at most
 
 
@@ -157,22 +154,14 @@ class Deadlines:
 
     async def run(self) -> None:
         """Enforce deadlines until cancelled (the leader's task)."""
-        failures = 0
-        while True:
-            pause = MAX_PAUSE_SECONDS
-            try:
-                await self.expire_once()
-                pause = self.pause(now=self.clock())
-                failures = 0
-            except errors.NotLeaderError:
-                raise  # the term ended: the leader's work stops this task
-            except errors.StoreError as exc:
-                failures += 1
-                logger.warning("failing jobs past their deadline (%d in a row): %s", failures, exc)
-            except Exception:  # a bug here must not end the deadlines for the term
-                failures += 1
-                logger.exception("failing jobs past their deadline (%d in a row)", failures)
-            if failures:
-                pause = min(MAX_BACKOFF_SECONDS, 2.0**failures / 4)
-                self.meters.background_errors.labels(task=TASK).inc()
-            await asyncio.sleep(pause)
+
+        async def step() -> float:
+            await self.expire_once()
+            return self.pause(now=self.clock())
+
+        await passes.run_passes(
+            step,
+            what="failing jobs past their deadline",
+            on_error=self.meters.background_errors.labels(task=TASK).inc,
+            pause_after_error=MAX_PAUSE_SECONDS,
+        )

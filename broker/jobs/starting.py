@@ -32,7 +32,6 @@ job asked to cancel is left to its cancel. A store error is logged and counted
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -40,8 +39,7 @@ from datetime import datetime
 
 from broker.api import status
 from broker.api.status import JobState
-from broker.jobs import book, fleet, transitions
-from broker.state import errors
+from broker.jobs import book, fleet, passes, transitions
 from broker.telemetry import metrics
 
 logger = logging.getLogger(__name__)
@@ -51,7 +49,6 @@ START_TIMEOUT = "StartTimeout"
 DISPATCHED = "Dispatched"  # the reason of a dispatch's event (`transitions.dispatch`)
 MAX_PAUSE_SECONDS = 1.0
 MIN_PAUSE_SECONDS = 0.05
-MAX_BACKOFF_SECONDS = 30.0
 BATCH = 500  # jobs withdrawn per commit, at most
 
 
@@ -199,22 +196,14 @@ class Starts:
 
     async def run(self) -> None:
         """Withdraw the jobs past their start timeout until cancelled (the leader's task)."""
-        failures = 0
-        while True:
-            pause = MAX_PAUSE_SECONDS
-            try:
-                await self.withdraw_once()
-                pause = self.pause(now=self.clock())
-                failures = 0
-            except errors.NotLeaderError:
-                raise  # the term ended: the leader's work stops this task
-            except errors.StoreError as exc:
-                failures += 1
-                logger.warning("withdrawing late starts (%d in a row): %s", failures, exc)
-            except Exception:  # a bug here must not end the start timeouts for the term
-                failures += 1
-                logger.exception("withdrawing late starts (%d in a row)", failures)
-            if failures:
-                pause = min(MAX_BACKOFF_SECONDS, 2.0**failures / 4)
-                self.meters.background_errors.labels(task=TASK).inc()
-            await asyncio.sleep(pause)
+
+        async def step() -> float:
+            await self.withdraw_once()
+            return self.pause(now=self.clock())
+
+        await passes.run_passes(
+            step,
+            what="withdrawing late starts",
+            on_error=self.meters.background_errors.labels(task=TASK).inc,
+            pause_after_error=MAX_PAUSE_SECONDS,
+        )
