@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from broker import app as broker_app
+from tests import brokerapps
 from tests.builders import make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"
-TOKENS = [
+TOKENS: list[dict[str, Any]] = [
     {"token": "admin", "admin": True},
     {"token": "a-admin", "tenant": "team-a", "role": "tenant-admin"},
     {"token": "b-admin", "tenant": "team-b", "role": "tenant-admin"},
@@ -52,19 +51,8 @@ def h100(guaranteed: int, limit: int | None = 16, **fields: Any) -> dict[str, An
 
 @pytest.fixture
 async def api(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
-    (tmp_path / "tokens.yaml").write_text(yaml.safe_dump({"tokens": TOKENS}))
-    (tmp_path / "queues.yaml").write_text(yaml.safe_dump(QUEUES))
-    settings = broker_app.BrokerSettings(
-        store=f"sqlite:///{tmp_path / 'broker.db'}",
-        tokens_file=tmp_path / "tokens.yaml",
-        queues_file=tmp_path / "queues.yaml",
-    )
-    client = TestClient(TestServer(broker_app.create_app(settings)))
-    await client.start_server()
-    try:
+    async with brokerapps.served(tmp_path, tokens=TOKENS, queues=QUEUES) as client:
         yield client
-    finally:
-        await client.close()
 
 
 async def put(
@@ -242,19 +230,8 @@ async def submit_api(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
     tokens = [{"token": "admin", "admin": True}] + [
         {"token": tenant, "tenant": tenant} for tenant in ("team-a", "team-b", "team-c")
     ]
-    (tmp_path / "tokens.yaml").write_text(yaml.safe_dump({"tokens": tokens}))
-    (tmp_path / "queues.yaml").write_text(yaml.safe_dump(PRIORITY_QUEUES))
-    settings = broker_app.BrokerSettings(
-        store=f"sqlite:///{tmp_path / 'broker.db'}",
-        tokens_file=tmp_path / "tokens.yaml",
-        queues_file=tmp_path / "queues.yaml",
-    )
-    client = TestClient(TestServer(broker_app.create_app(settings)))
-    await client.start_server()
-    try:
+    async with brokerapps.served(tmp_path, tokens=tokens, queues=PRIORITY_QUEUES) as client:
         yield client
-    finally:
-        await client.close()
 
 
 @pytest.mark.parametrize(

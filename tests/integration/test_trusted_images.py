@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from broker import app as broker_app
 from broker.api import jobs, messages
+from tests import brokerapps
 from tests.builders import make_job, make_model_summary, make_summary
 from tests.unit.agent import builders, harnesses
 
-TOKENS = [
+TOKENS: list[dict[str, Any]] = [
     {"token": "admin", "admin": True},
     {"token": "a-admin", "tenant": "team-a", "role": "tenant-admin"},
     {"token": "team-a", "tenant": "team-a"},
@@ -48,19 +47,8 @@ def bearer(token: str) -> dict[str, str]:
 
 @pytest.fixture
 async def api(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
-    (tmp_path / "tokens.yaml").write_text(yaml.safe_dump({"tokens": TOKENS}))
-    (tmp_path / "queues.yaml").write_text(yaml.safe_dump(QUEUES))
-    settings = broker_app.BrokerSettings(
-        store=f"sqlite:///{tmp_path / 'broker.db'}",
-        tokens_file=tmp_path / "tokens.yaml",
-        queues_file=tmp_path / "queues.yaml",
-    )
-    client = TestClient(TestServer(broker_app.create_app(settings)))
-    await client.start_server()
-    try:
+    async with brokerapps.served(tmp_path, tokens=TOKENS, queues=QUEUES) as client:
         yield client
-    finally:
-        await client.close()
 
 
 def job_with(queue: str, image: str, **pod: Any) -> dict[str, Any]:
