@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from tests import helmrender, kubeauthz, kubeemulator
 FAST = watching.Backoff(initial=0.01, maximum=0.05)
 Kube = tuple[kubeemulator.Emulator, ApiClient]
 Start = Callable[..., Awaitable[k8s.KubernetesBackend]]
+SCALE = 0.02  # the retries' waits, scaled down: a Retry-After of 1 s waits 20 ms
 
 
 @pytest.fixture
@@ -75,6 +77,17 @@ def dra(kube: Kube) -> Kube:
     """The emulated API server serving resource.k8s.io/v1 (Kubernetes 1.34) for DRA mode."""
     kube[0].declare_dra(("v1",))
     return kube
+
+
+class Waits:
+    """A RetryPolicy's sleep: records the waits asked for, sleeps them scaled down (`SCALE`)."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        await asyncio.sleep(seconds * SCALE)
 
 
 class KubeAgent:

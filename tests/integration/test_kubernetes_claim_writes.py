@@ -6,29 +6,14 @@ retry policy, as the pod writes are (tests/integration/test_kubernetes_writes.py
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from broker.api import messages
 from member_agent.binding import binding
 from member_agent.cluster.kubernetes import backend as k8s
 from member_agent.cluster.kubernetes import retrying
-from tests.conftest_kube import Kube, KubeAgent, Start, gpu_job
+from tests.conftest_kube import Kube, KubeAgent, Start, Waits, gpu_job
 from tests.kubeemulator import Emulator, Fault, until
-
-SCALE = 0.02  # the retries' waits, scaled down: a Retry-After of 1 s waits 20 ms
-
-
-class Waits:
-    """A RetryPolicy's sleep: records the waits asked for, sleeps them scaled down."""
-
-    def __init__(self) -> None:
-        self.asked: list[float] = []
-
-    async def __call__(self, seconds: float) -> None:
-        self.asked.append(seconds)
-        await asyncio.sleep(seconds * SCALE)
 
 
 async def started(emulator: Emulator, start: Start, waits: Waits) -> k8s.KubernetesBackend:

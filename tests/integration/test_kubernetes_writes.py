@@ -20,22 +20,9 @@ from member_agent.cluster.kubernetes import backend as k8s
 from member_agent.cluster.kubernetes import errors as k8s_errors
 from member_agent.cluster.kubernetes import retrying
 from member_agent.jobs import handling
-from tests.conftest_kube import Kube, Start
+from tests.conftest_kube import Kube, Start, Waits
 from tests.kubeemulator import Emulator, Fault, pod_request, until
 from tests.unit.agent import builders
-
-SCALE = 0.02  # the retries' waits, scaled down: a Retry-After of 1 s waits 20 ms
-
-
-class Waits:
-    """A RetryPolicy's sleep: records the waits asked for, sleeps them scaled down."""
-
-    def __init__(self) -> None:
-        self.asked: list[float] = []
-
-    async def __call__(self, seconds: float) -> None:
-        self.asked.append(seconds)
-        await asyncio.sleep(seconds * SCALE)
 
 
 class Agent:
