@@ -35,7 +35,7 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -96,7 +96,6 @@ class Connection:
     reserved: bool = False  # admitted past the cap: EXEMPT_PATHS only
     busy: int = 0  # requests in progress on it
     exempt: bool = False  # its request in progress is on EXEMPT_PATHS: it takes no slot
-    closed: bool = field(default=False, repr=False)
 
 
 class ConnectionCap:
@@ -175,10 +174,8 @@ class ConnectionCap:
         connection.transport.close()
 
     def release(self, connection: Connection) -> None:
-        if connection.closed:
-            return
-        connection.closed = True
-        self.by_transport.pop(connection.transport, None)
+        if self.by_transport.pop(connection.transport, None) is None:
+            return  # released already (evicted, then lost)
         held = self.open.get(connection.address)
         if held is not None:
             held.pop(connection, None)
@@ -220,8 +217,7 @@ class _Capped(asyncio.Protocol):
     def __init__(self, inner: asyncio.Protocol, cap: ConnectionCap) -> None:
         self._inner = inner
         self._cap = cap
-        self._connection: Connection | None = None
-        self._admitted = False
+        self._connection: Connection | None = None  # None: refused, or lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -240,31 +236,28 @@ class _Capped(asyncio.Protocol):
                 transport.write(REFUSED)
             transport.close()
             return
-        self._admitted = True
         self._inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self._admitted:
+        if self._connection is None:
             return
-        self._admitted = False
-        if self._connection is not None:
-            self._cap.release(self._connection)
-            self._connection = None
+        self._cap.release(self._connection)
+        self._connection = None
         self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._admitted:
+        if self._connection is not None:
             self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._admitted else None
+        return self._inner.eof_received() if self._connection is not None else None
 
     def pause_writing(self) -> None:
-        if self._admitted:
+        if self._connection is not None:
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self._admitted:
+        if self._connection is not None:
             self._inner.resume_writing()
 
 
