@@ -6,37 +6,23 @@ still starting) are no knocks."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import pytest
 
 from broker.dispatch import knocking
 from broker.jobs import fleet
-from broker.state import electing, etcd, opening
+from tests.elections import replica, stop
 
 pytestmark = pytest.mark.etcd
 
 HEARTBEAT = 0.25  # the rule: window 3 s, hold 1 s, settle 3 s
 
 
-async def replica(url: str, name: str) -> tuple[electing.Election, asyncio.Task[None]]:
-    backing = await etcd.EtcdStore.connect(opening.parse_etcd_endpoints(url))
-    election = electing.Election(backing, replica=name, url=f"http://{name}", ttl=2)
-    return election, asyncio.create_task(election.run())
-
-
-async def stop(election: electing.Election, task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    await election.backing.close()
-
-
 async def test_agents_knocking_at_a_follower_make_the_leader_step_aside(etcd_url: str) -> None:
-    a, a_task = await replica(etcd_url, "a")
+    a, a_task = await replica(etcd_url, "a", ttl=2)
     await asyncio.wait_for(a.leading.wait(), 5)
-    b, b_task = await replica(etcd_url, "b")
+    b, b_task = await replica(etcd_url, "b", ttl=2)
     leader_knocks = knocking.Knocks(a.backing, a, heartbeat=HEARTBEAT)
     follower_knocks = knocking.Knocks(b.backing, b, heartbeat=HEARTBEAT)
     rule = leader_knocks.rule

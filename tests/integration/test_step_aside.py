@@ -6,12 +6,11 @@ aside again soon."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import pytest
 
-from broker.state import electing, etcd, opening
+from tests.elections import replica, stop
 
 pytestmark = pytest.mark.etcd
 
@@ -19,23 +18,10 @@ TTL = 2
 HOLD_OFF = 3.0
 
 
-async def replica(url: str, name: str) -> tuple[electing.Election, asyncio.Task[None]]:
-    backing = await etcd.EtcdStore.connect(opening.parse_etcd_endpoints(url))
-    election = electing.Election(backing, replica=name, url=f"http://{name}", ttl=TTL)
-    return election, asyncio.create_task(election.run())
-
-
-async def stop(election: electing.Election, task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    await election.backing.close()
-
-
 async def test_a_replica_that_stepped_aside_holds_off_and_another_leads(etcd_url: str) -> None:
-    a, a_task = await replica(etcd_url, "a")
+    a, a_task = await replica(etcd_url, "a", ttl=TTL)
     await asyncio.wait_for(a.leading.wait(), 5)
-    b, b_task = await replica(etcd_url, "b")
+    b, b_task = await replica(etcd_url, "b", ttl=TTL)
     try:
         await asyncio.sleep(0.3)  # b follows a
         a.step_aside("its agents knock at followers", hold_off=HOLD_OFF)
