@@ -71,21 +71,7 @@ class Requests:
         who asked (the event that records the cancel says it).
         Another replica's write of the job in between: decided again on the record as the
         store has it now (the conflict read it again); Unavailable if that keeps happening."""
-        for _ in range(CANCEL_ATTEMPTS):
-            try:
-                return await self._cancel_once(job_id, reason=reason, by=by)
-            except errors.ConflictError as exc:
-                logger.info("cancel of %s raced another write, deciding again: %s", job_id, exc)
-        raise api_errors.Unavailable(
-            f"job {job_id} kept changing while being cancelled; retry",
-            title="Conflict",
-            headers={"Retry-After": "1"},
-        )
-
-    async def _cancel_once(
-        self, job_id: str, *, reason: str, by: str | None
-    ) -> status.JobRecord | None:
-        found = await self._cancel_all([job_id], reason=reason, by=by)
+        found = await self._cancel_retrying([job_id], f"job {job_id}", reason=reason, by=by)
         return found[0] if found else None
 
     async def cancel_many(
@@ -93,15 +79,20 @@ class Requests:
     ) -> list[status.JobRecord]:
         """Cancel these jobs in one commit (the book's transactions), each as `cancel`
         would; returns them as committed (those the book does not have left out)."""
+        return await self._cancel_retrying(job_ids, f"{len(job_ids)} jobs", reason=reason, by=by)
+
+    async def _cancel_retrying(
+        self, job_ids: Sequence[str], what: str, *, reason: str, by: str | None
+    ) -> list[status.JobRecord]:
+        """`_cancel_all`, decided again after a conflict (the ones committed are skipped
+        next time); Unavailable, naming `what`, if that keeps happening."""
         for _ in range(CANCEL_ATTEMPTS):
             try:
                 return await self._cancel_all(job_ids, reason=reason, by=by)
-            except errors.ConflictError as exc:  # the ones committed are skipped next time
-                logger.info(
-                    "cancel of %d jobs raced another write, deciding again: %s", len(job_ids), exc
-                )
+            except errors.ConflictError as exc:
+                logger.info("cancel of %s raced another write, deciding again: %s", what, exc)
         raise api_errors.Unavailable(
-            f"{len(job_ids)} jobs kept changing while being cancelled; retry",
+            f"{what} kept changing while being cancelled; retry",
             title="Conflict",
             headers={"Retry-After": "1"},
         )
