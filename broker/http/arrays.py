@@ -17,8 +17,8 @@ import asyncio
 
 from aiohttp import web
 
-from broker.api import errors, status
-from broker.http import auth, keys
+from broker.api import errors
+from broker.http import auth, keys, listing
 
 JOBS_PER_TURN = 200  # jobs of the answer written between two turns of the event loop
 
@@ -56,10 +56,9 @@ async def cancel_array(request: web.Request) -> web.Response:
     for at, member in enumerate(chosen):
         if at and at % JOBS_PER_TURN == 0:
             await asyncio.sleep(0)
-        record = cancelled.get(member.id, member)
-        parts.append(record.model_dump_json(by_alias=True, exclude=set(status.STORED_ONLY)))
-    body = f'{{"items":[{",".join(parts)}],"metadata":{{"continue":null}}}}'
-    return web.Response(body=body.encode(), status=202, content_type="application/json")
+        parts.append(listing.job_json(cancelled.get(member.id, member)))
+    body = listing.list_body(parts, token=None)
+    return web.Response(body=body, status=202, content_type="application/json")
 
 
 def add_routes(app: web.Application) -> None:

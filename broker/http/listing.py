@@ -33,7 +33,6 @@ from datetime import UTC, datetime
 from aiohttp import web
 
 from broker.api import errors, selectors, status
-from broker.api.status import STORED_ONLY
 from broker.state.history import held as held_jobs
 from broker.state.history import listing, protocol
 from broker.state.history import query as queries
@@ -41,6 +40,7 @@ from broker.state.history import query as queries
 DEFAULT_LIMIT = 500
 DEFAULT_PAGE_BYTES = 8 * 1024 * 1024  # --max-page-bytes
 PAGE_BYTES = web.AppKey("page_bytes", int)  # a page's body stops before this
+_HIDDEN = set(status.STORED_ONLY)  # what `JobRecord.api_json` leaves out
 
 
 def _bad(field: str, problem: str) -> errors.Malformed:
@@ -115,11 +115,22 @@ async def page_body(
     size = 64  # the envelope and a token
     token = found.next
     for index, record in enumerate(found.items):
-        text = record.model_dump_json(by_alias=True, exclude=set(STORED_ONLY))
+        text = job_json(record)
         size += len(text) + 1
         if parts and size > max_bytes:
             token = queries.encode(queries.Cursor.of(found.items[index - 1]), job_query)
             break
         parts.append(text)
+    return list_body(parts, token=token)
+
+
+def job_json(record: status.JobRecord) -> str:
+    """One job as the API shows it (`JobRecord.api_json`), as JSON text."""
+    return record.model_dump_json(by_alias=True, exclude=_HIDDEN)
+
+
+def list_body(items: list[str], *, token: str | None) -> bytes:
+    """A `status.JobList` of jobs already written (`job_json`), `token` its
+    `metadata.continue`."""
     meta = status.ListMeta(continue_=token).model_dump_json(by_alias=True)
-    return f'{{"items":[{",".join(parts)}],"metadata":{meta}}}'.encode()
+    return f'{{"items":[{",".join(items)}],"metadata":{meta}}}'.encode()
