@@ -50,12 +50,12 @@ def admit(
     document: Any,
     *,
     queues: registry.QueueRegistry | None,
+    bounds: submits.Bounds,
     where: str = "",
-    bounds: submits.Bounds | None = None,
 ) -> jobs.GPUJob:
     """The job `document` asks for, held to every rule of a submit and to the queue's, and
-    to what one request may expand to (`bounds`, default `api.submits.Bounds`); the refusal
-    names its field from `where` on (a batch item's `items[3].job`; "": the body)."""
+    to what one request may expand to (`bounds`); the refusal names its field from `where`
+    on (a batch item's `items[3].job`; "": the body)."""
     if not isinstance(document, dict):
         raise errors.Invalid(
             f"{where or 'the body'} must be a GPUJob object",
@@ -71,13 +71,8 @@ def admit(
             queues.check_job(principal.name, job)
         except errors.GpufedError as exc:
             raise problems.relocated(exc, where) from None
-    submits.Expansion().check(job, bounds or submits.Bounds(), where=where)
+    submits.Expansion().check(job, bounds, where=where)
     return job
-
-
-def bounds_of(app: web.Application) -> submits.Bounds:
-    """What one request may expand to on this broker (`BOUNDS`, else the defaults)."""
-    return app.get(BOUNDS) or submits.Bounds()
 
 
 # ---- the batch route ------------------------------------------------------------------------
@@ -95,7 +90,7 @@ async def submit_batch(request: web.Request) -> web.Response:
     queue_registry = request.app.get(keys.QUEUES)
     answers: list[submits.BatchItemAnswer | None] = [None] * len(items)
     admitted: list[submitting.Item] = []
-    bounds = bounds_of(request.app)
+    bounds = request.app[BOUNDS]
     expanded = submits.Expansion()  # what the items read so far make
     for index, item in enumerate(items):
         if index and index % submitting.ITEMS_PER_TURN == 0:

@@ -48,7 +48,7 @@ async def submit(request: web.Request) -> web.Response:
         principal,
         document,
         queues=request.app.get(keys.QUEUES),
-        bounds=admitting.bounds_of(request.app),
+        bounds=request.app[admitting.BOUNDS],
     )
     key = submits.check_idempotency_key(
         request.headers.get(admitting.KEY_HEADER), field=admitting.KEY_HEADER
@@ -89,7 +89,7 @@ async def list_jobs(request: web.Request) -> web.Response:
         job_query,
         limit=limit,
         cont=cont,
-        max_bytes=request.app.get(listing.PAGE_BYTES, listing.DEFAULT_PAGE_BYTES),
+        max_bytes=request.app[listing.PAGE_BYTES],
     )
     return web.Response(body=body, content_type="application/json")
 
