@@ -7,12 +7,12 @@ of jobs waits behind them (a keep-alive times out with the loop not stalled), an
 loop (a long pass of the garbage collector, stalls one after another) renews nothing.
 
 `Keeper` renews from a task of its own on the main loop, over a store connection of its own
-(`connect`: for etcd a client on the same members, credentials and TLS, opened on this
-loop; the election opens it once and hands it to each term's keeper, so a campaign does not
-pay for it), so a renewal never queues behind the book's transactions. Each renewal may
-take two of the renewals' measured round trips when the lease leaves room
-(`Renewal.round_trip`). It cannot renew while the loop is held; `telemetry.garbage` times
-its full pass to fit in the lease's slack (`Election.pause_budget`), and the planner's budget
+(the election's `connect`: for etcd a client on the same members, credentials and TLS,
+opened on this loop; the election opens it once and hands it to each term's keeper, so a
+campaign does not pay for it), so a renewal never queues behind the book's transactions.
+Each renewal may take two of the renewals' measured round trips when the lease leaves room
+(`Renewal.round_trip`). It cannot renew while the loop is held; `kits.garbage` times its
+full pass to fit in the lease's slack (`Election.pause_budget`), and the planner's budget
 keeps a cycle short.
 
 Not a thread: a keeper on a thread and event loop of its own would renew through a held
@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,6 @@ from broker.state import errors, store
 logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 0.1  # after a failed renewal, the next try this soon
-CLOSE_TIMEOUT = 1.0
 
 
 @dataclass
@@ -139,47 +138,24 @@ class Keeping:
 
 
 class Keeper:
-    """`keep_renewing` as a task of the running event loop, over a connection of its own
-    (`connect`) or, without one, the election's store."""
+    """`keep_renewing` as a task of the running event loop, over `backing`: the lease
+    keeper's own connection, which the election opens once and keeps across terms
+    (`Election._keeper_store`), or the election's store."""
 
-    def __init__(
-        self,
-        backing: store.DurableStore,
-        keeping: Keeping,
-        *,
-        connect: Callable[[], Awaitable[store.DurableStore]] | None = None,
-    ) -> None:
+    def __init__(self, backing: store.DurableStore, keeping: Keeping) -> None:
         self.backing = backing
         self.keeping = keeping
-        self.connect = connect
         self.renewal = keeping.renewal
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="lease-keeper")
+        self._task = asyncio.create_task(self.keeping.renewing(self.backing), name="lease-keeper")
 
     async def stop(self) -> None:
-        """Stop renewing and close the keeper's own connection; the lease itself is left to
-        the caller (revoked, or let expire)."""
+        """Stop renewing; the lease itself is left to the caller (revoked, or let expire),
+        the connection to the election."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-
-    async def _run(self) -> None:
-        own: store.DurableStore | None = None
-        try:
-            while self.connect is not None and own is None:
-                try:
-                    own = await self.connect()
-                except errors.StoreError as exc:  # the election steps down at its deadline
-                    if self.keeping.on_error is not None:
-                        self.keeping.on_error()
-                    logger.warning("the lease keeper cannot reach the store: %s", exc)
-                    await asyncio.sleep(RETRY_SECONDS)
-            await self.keeping.renewing(own if own is not None else self.backing)
-        finally:
-            if own is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(own.close(), CLOSE_TIMEOUT)
