@@ -2,7 +2,7 @@
 
 A line carries `trace_id` and `span_id` of the current OpenTelemetry span when there is one
 (so a log line leads to its trace in Tempo), the fields bound with `bind(job_id=..., cluster=...)`
-(kept in the `CONTEXT` contextvar: they follow the asyncio task and the tasks it starts), and
+(kept in `kits.logcontext`'s contextvar: they follow the asyncio task and the tasks it starts), and
 the fields given to one call with `extra=`:
 
     with logs.bind(cluster=name):
@@ -31,7 +31,6 @@ from opentelemetry import trace
 from kits import logcontext
 
 # the fields bound for a block: kept in `kits.logcontext`, which the broker and agent import
-CONTEXT = logcontext.CONTEXT
 bind = logcontext.bind
 
 # attributes every LogRecord has: anything else on a record came from `extra=`
