@@ -1,10 +1,11 @@
-"""What e2e scenarios share: waiting for a job's state, the broker's /metrics, and running the
-real `gpufed` CLI."""
+"""What e2e scenarios share: waiting for a job's state, long jobs running, the broker's /metrics,
+and running the real `gpufed` CLI."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -18,6 +19,7 @@ import aiohttp
 
 from gpufed import client
 from gpufed.local import processes
+from tests.builders import make_job
 
 FINAL = frozenset({"Succeeded", "Failed", "Cancelled"})
 
@@ -94,6 +96,17 @@ async def wait_for(
             return job
         await asyncio.sleep(0.05)
     raise AssertionError(f"{job_id} not in {sorted(wanted)} after {timeout}s: {job.get('status')}")
+
+
+async def long_jobs(api: client.BrokerClient, count: int) -> dict[str, str]:
+    """`count` running jobs of one GPU for 600 s (long-0, long-1, ...), each Running before the
+    next is submitted, that may be requeued if their cluster is lost: id -> cluster."""
+    placed = {}
+    for i in range(count):
+        job = json.dumps(make_job(f"long-{i}", gpus=1).duration(600).document())
+        job_id = (await api.submit(job))["id"]
+        placed[job_id] = (await wait_for(api, job_id, {"Running"}))["status"]["cluster"]
+    return placed
 
 
 async def run_cli(

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 import pytest
 
 from e2e import helpers
-from gpufed import client
 from gpufed.local import processes
 from tests import tcpproxy
 from tests.builders import make_job
@@ -78,15 +77,6 @@ async def leading(fleet: processes.LocalFleet, *, timeout: float = 30.0) -> tupl
     raise TimeoutError(f"no broker leads: {await fleet.statuses()}")
 
 
-async def long_jobs(api: client.BrokerClient, count: int) -> dict[str, str]:
-    placed = {}
-    for i in range(count):
-        job = json.dumps(make_job(f"long-{i}", gpus=1).duration(600).document())
-        job_id = (await api.submit(job))["id"]
-        placed[job_id] = (await helpers.wait_for(api, job_id, {"Running"}))["status"]["cluster"]
-    return placed
-
-
 async def test_a_leader_cut_off_from_its_agents_steps_aside_and_none_fences(
     fleet: processes.LocalFleet, etcd_url: str, proxies: list[tcpproxy.TcpProxy]
 ) -> None:
@@ -94,7 +84,7 @@ async def test_a_leader_cut_off_from_its_agents_steps_aside_and_none_fences(
     old, term = await leading(fleet)
     follower = fleet.brokers[(old + 1) % 3].url
     async with fleet.client("team-a", url=follower) as api:
-        running = await long_jobs(api, 6)
+        running = await helpers.long_jobs(api, 6)
 
         cut_at = time.monotonic()
         proxies[old].cut()  # agents cannot reach the leader; it still reaches etcd

@@ -47,16 +47,6 @@ async def first_pod_after(api: client.BrokerClient, name: str, since: float) -> 
     return time.monotonic() - since
 
 
-async def long_jobs(api: client.BrokerClient, count: int) -> dict[str, str]:
-    """`count` running jobs that may be requeued if their cluster is lost: id -> cluster."""
-    placed = {}
-    for i in range(count):
-        job = json.dumps(make_job(f"long-{i}", gpus=1).duration(600).document())
-        job_id = (await api.submit(job))["id"]
-        placed[job_id] = (await helpers.wait_for(api, job_id, {"Running"}))["status"]["cluster"]
-    return placed
-
-
 async def follower_client(fleet: processes.LocalFleet, leader: processes.Service) -> str:
     return next(b.url for b in fleet.brokers if b is not leader and b.alive)
 
@@ -67,7 +57,7 @@ async def test_a_frozen_leader_fails_over_like_a_dead_one_and_no_agent_fences(
     await start(fleet, etcd_url)
     leader = await fleet.leader()
     async with fleet.client("team-a", url=await follower_client(fleet, leader)) as api:
-        running = await long_jobs(api, 6)
+        running = await helpers.long_jobs(api, 6)
 
     # the reference: a leader killed with -9
     killed_at = time.monotonic()
