@@ -34,23 +34,26 @@ devices in the inventory; gpufed's own are held through its pods).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kubernetes_asyncio import client
 
 from broker.api import status
 from member_agent.cluster import errors
-from member_agent.cluster.kubernetes import claims, devices, objects, retrying, state, watching
+from member_agent.cluster.kubernetes import (
+    claims,
+    devices,
+    objects,
+    retrying,
+    state,
+    watching,
+    writing,
+)
 from member_agent.cluster.kubernetes import errors as k8s_errors
 from member_agent.inventory import model
 
 logger = logging.getLogger(__name__)
 
-RawCall = Callable[..., Awaitable[Any]]
-MERGE_PATCH = "application/merge-patch+json"
-CONFLICT = 409
-NOT_FOUND = 404
 ATTEMPTS = 5
 
 
@@ -58,17 +61,14 @@ async def detect_version(api: client.ApiClient, *, timeout: float) -> str:
     """`v1` when the server offers it (1.34+), else `v1beta2` (1.33); anything else is a
     PermanentBackendError saying what the server has."""
     what = f"discover {claims.GROUP}"
-    get: RawCall = client.ResourceApi(api).get_api_group
-    async with k8s_errors.translating(what):
-        response = await get(_preload_content=False, _request_timeout=timeout)
-        async with response:
-            if response.status == NOT_FOUND:
-                raise errors.PermanentBackendError(
-                    f"the API server offers no {claims.GROUP} API: DRA mode needs Kubernetes "
-                    "1.34+ (v1), or 1.33 with DRA turned on (the DynamicResourceAllocation "
-                    "feature gate, resource.k8s.io/v1beta2), and a DRA driver"
-                )
-            group = await k8s_errors.read_json(response, what=what)
+    get: writing.RawCall = client.ResourceApi(api).get_api_group
+    group = await writing.send(get, what=what, timeout=timeout, none_on=k8s_errors.NOT_FOUND)
+    if group is None:
+        raise errors.PermanentBackendError(
+            f"the API server offers no {claims.GROUP} API: DRA mode needs Kubernetes "
+            "1.34+ (v1), or 1.33 with DRA turned on (the DynamicResourceAllocation "
+            "feature gate, resource.k8s.io/v1beta2), and a DRA driver"
+        )
     try:
         return claims.choose_version(group)
     except claims.ClaimProblem as exc:
@@ -126,16 +126,13 @@ class Claims:
         already held by pods (see the module for a claim that exists)."""
         body = claims.build_claim(plan, version=self.version, keys=self.keys)
         what = f"create resourceclaim {plan.namespace}/{plan.name}"
-        create: RawCall = self._resource.create_namespaced_resource_claim
+        create: writing.RawCall = self._resource.create_namespaced_resource_claim
 
         async def attempt(timeout: float) -> dict[str, Any] | None:
             try:
-                async with k8s_errors.translating(what):
-                    response = await create(
-                        plan.namespace, body, _preload_content=False, _request_timeout=timeout
-                    )
-                    async with response:
-                        created: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+                created: dict[str, Any] = await writing.send(
+                    create, plan.namespace, body, what=what, timeout=timeout
+                )
                 return created
             except k8s_errors.Conflict as exc:
                 existing = await self._read(plan.namespace, plan.name, timeout=timeout)
@@ -183,30 +180,24 @@ class Claims:
         return await retrying.call(self.policy, what, attempt, timeout=self._timeout)
 
     async def _read(self, namespace: str, name: str, *, timeout: float) -> dict[str, Any] | None:
-        what = f"read resourceclaim {namespace}/{name}"
-        read: RawCall = self._resource.read_namespaced_resource_claim
-        async with k8s_errors.translating(what):
-            response = await read(name, namespace, _preload_content=False, _request_timeout=timeout)
-            async with response:
-                if response.status == NOT_FOUND:
-                    return None
-                found: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+        found: dict[str, Any] | None = await writing.send(
+            self._resource.read_namespaced_resource_claim,
+            name,
+            namespace,
+            what=f"read resourceclaim {namespace}/{name}",
+            timeout=timeout,
+            none_on=k8s_errors.NOT_FOUND,
+        )
         return found
 
     async def delete(self, namespace: str, name: str) -> None:
         """Delete a claim; a missing one is not an error (its finalizer keeps it while a
         pod still uses its devices)."""
         what = f"delete resourceclaim {namespace}/{name}"
-        delete: RawCall = self._resource.delete_namespaced_resource_claim
+        delete: writing.RawCall = self._resource.delete_namespaced_resource_claim
 
         async def attempt(timeout: float) -> None:
-            async with k8s_errors.translating(what):
-                response = await delete(
-                    name, namespace, _preload_content=False, _request_timeout=timeout
-                )
-                async with response:
-                    if response.status != NOT_FOUND:
-                        await k8s_errors.check_response(response, what=what)
+            await writing.send_unread(delete, name, namespace, what=what, timeout=timeout)
 
         await retrying.call(self.policy, what, attempt, timeout=self._timeout)
 
@@ -216,26 +207,23 @@ class Claims:
         """One merge patch, sent again on a temporary failure; None on a conflict (the
         resourceVersion moved on: the caller reads the claim again)."""
         resource = self._resource
-        call: RawCall = (
+        call: writing.RawCall = (
             resource.patch_namespaced_resource_claim_status
             if status
             else resource.patch_namespaced_resource_claim
         )
 
         async def attempt(timeout: float) -> dict[str, Any] | None:
-            async with k8s_errors.translating(what):
-                response = await call(
-                    plan.name,
-                    plan.namespace,
-                    body,
-                    _content_type=MERGE_PATCH,
-                    _preload_content=False,
-                    _request_timeout=timeout,
-                )
-                async with response:
-                    if response.status == CONFLICT:
-                        return None
-                    patched: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+            patched: dict[str, Any] | None = await writing.send(
+                call,
+                plan.name,
+                plan.namespace,
+                body,
+                _content_type=writing.MERGE_PATCH,
+                what=what,
+                timeout=timeout,
+                none_on=k8s_errors.CONFLICT,
+            )
             return patched
 
         return await retrying.call(self.policy, what, attempt, timeout=self._timeout)

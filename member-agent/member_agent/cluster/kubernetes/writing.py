@@ -11,6 +11,9 @@ Every write can be sent twice, because a try whose answer was lost may have been
   alone; one of ours being deleted (`deletionTimestamp`) is tried again until it is gone;
 - a delete answered 404 is done (`delete_pod` says whether the pod was there);
 - a merge patch of annotations or of a node's fields writes the same thing again.
+
+`send` and `send_unread` make one raw request (`_preload_content=False`, JSON read back), for
+these writes and for `claiming`'s.
 """
 
 from __future__ import annotations
@@ -48,6 +51,30 @@ def identity_problem(existing: dict[str, Any], sent: dict[str, Any]) -> str:
     return ""
 
 
+async def send(
+    call: RawCall, *args: Any, what: str, timeout: float, none_on: int | None = None, **kwargs: Any
+) -> Any:
+    """One raw request: the JSON the server answers with, None when it answers `none_on` (404
+    for a read, 409 for a patch of a stale resourceVersion); a failure as the boundary's error."""
+    async with k8s_errors.translating(what):
+        response = await call(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
+        async with response:
+            if response.status == none_on:
+                return None
+            return await k8s_errors.read_json(response, what=what)
+
+
+async def send_unread(call: RawCall, *args: Any, what: str, timeout: float, **kwargs: Any) -> bool:
+    """One raw request whose answer is not read; False when the object is missing (404)."""
+    async with k8s_errors.translating(what):
+        response = await call(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
+        async with response:
+            if response.status == k8s_errors.NOT_FOUND:
+                return False
+            await k8s_errors.check_response(response, what=what)
+    return True
+
+
 class Writer:
     """Pod and node writes through one CoreV1Api, retried by one policy."""
 
@@ -71,12 +98,9 @@ class Writer:
 
         async def attempt(timeout: float) -> dict[str, Any]:
             try:
-                async with k8s_errors.translating(what):
-                    response = await create(
-                        namespace, body, _preload_content=False, _request_timeout=timeout
-                    )
-                    async with response:
-                        created: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+                created: dict[str, Any] = await send(
+                    create, namespace, body, what=what, timeout=timeout
+                )
                 return created
             except k8s_errors.Conflict as exc:
                 existing = await self._read_pod(namespace, name, timeout=timeout)
@@ -96,14 +120,14 @@ class Writer:
     async def _read_pod(
         self, namespace: str, name: str, *, timeout: float
     ) -> dict[str, Any] | None:
-        what = f"read pod {namespace}/{name}"
-        read: RawCall = self._core().read_namespaced_pod
-        async with k8s_errors.translating(what):
-            response = await read(name, namespace, _preload_content=False, _request_timeout=timeout)
-            async with response:
-                if response.status == k8s_errors.NOT_FOUND:
-                    return None
-                found: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+        found: dict[str, Any] | None = await send(
+            self._core().read_namespaced_pod,
+            name,
+            namespace,
+            what=f"read pod {namespace}/{name}",
+            timeout=timeout,
+            none_on=k8s_errors.NOT_FOUND,
+        )
         return found
 
     async def delete_pod(self, namespace: str, name: str, *, grace: int) -> bool:
@@ -115,20 +139,15 @@ class Writer:
         delete: RawCall = self._core().delete_namespaced_pod
 
         async def attempt(timeout: float) -> bool:
-            async with k8s_errors.translating(what):
-                response = await delete(
-                    name,
-                    namespace,
-                    grace_period_seconds=grace,
-                    body=options,
-                    _preload_content=False,
-                    _request_timeout=timeout,
-                )
-                async with response:
-                    if response.status == k8s_errors.NOT_FOUND:
-                        return False
-                    await k8s_errors.check_response(response, what=what)
-            return True
+            return await send_unread(
+                delete,
+                name,
+                namespace,
+                grace_period_seconds=grace,
+                body=options,
+                what=what,
+                timeout=timeout,
+            )
 
         return await retrying.call(self.policy, what, attempt, timeout=self._timeout)
 
@@ -138,20 +157,9 @@ class Writer:
         call: RawCall = self._core().patch_namespaced_pod
 
         async def attempt(timeout: float) -> bool:
-            async with k8s_errors.translating(what):
-                response = await call(
-                    name,
-                    namespace,
-                    patch,
-                    _content_type=MERGE_PATCH,
-                    _preload_content=False,
-                    _request_timeout=timeout,
-                )
-                async with response:
-                    if response.status == k8s_errors.NOT_FOUND:
-                        return False
-                    await k8s_errors.check_response(response, what=what)
-            return True
+            return await send_unread(
+                call, name, namespace, patch, _content_type=MERGE_PATCH, what=what, timeout=timeout
+            )
 
         return await retrying.call(self.policy, what, attempt, timeout=self._timeout)
 
@@ -161,16 +169,9 @@ class Writer:
         call: RawCall = self._core().patch_node
 
         async def attempt(timeout: float) -> dict[str, Any]:
-            async with k8s_errors.translating(what):
-                response = await call(
-                    name,
-                    patch,
-                    _content_type=MERGE_PATCH,
-                    _preload_content=False,
-                    _request_timeout=timeout,
-                )
-                async with response:
-                    patched: dict[str, Any] = await k8s_errors.read_json(response, what=what)
+            patched: dict[str, Any] = await send(
+                call, name, patch, _content_type=MERGE_PATCH, what=what, timeout=timeout
+            )
             return patched
 
         return await retrying.call(self.policy, what, attempt, timeout=self._timeout)
