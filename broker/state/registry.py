@@ -286,10 +286,10 @@ class QueueRegistry:
         submitter may not pick more than the admin gave its tenant. A tenant without a declared
         allotment, or a fleet without priority classes, is not bounded here (as before
         allotments: its jobs may name any declared class)."""
-        values = {c.name: c.value for c in self.config.priority_classes}
-        allotment, declared = self.allotment(tenant)
-        if not values or not declared:
+        allotment = self.base.allotment(tenant)  # declared only: none derived per submit
+        if allotment is None or not self.config.priority_classes:
             return
+        values = {c.name: c.value for c in self.config.priority_classes}
         top = allotment.max_priority_class or self.config.policy.default_priority_class
         ceiling = values.get(top, 0) if top is not None else 0
         spec = job.spec
