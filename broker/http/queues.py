@@ -133,11 +133,10 @@ def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
 async def list_queues(request: web.Request) -> web.Response:
     queue_registry = _registry(request)
     views = _visible_to(request, build_views(request))
+    tenant = auth.caller(request).tenant  # None: the fleet's (the admin, a fleet viewer)
     # the configuration's warnings name other tenants' queues and cohorts: the fleet's only
-    fleet = auth.caller(request).tenant is None
-    warnings = queue_registry.config.warnings(_fleet_gpus(request)) if fleet else []
+    warnings = queue_registry.config.warnings(_fleet_gpus(request)) if tenant is None else []
     warnings += [undeclared_warning(v) for v in views if not v.declared and queue_registry.declared]
-    tenant = auth.caller(request).tenant
     tenants = queue_registry.tenants() if tenant is None else [tenant]
     shares = [allotment_view(queue_registry, name) for name in tenants]
     body = queues.QueueList(
