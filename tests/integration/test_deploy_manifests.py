@@ -8,7 +8,6 @@ agree (kinds, names, the values that reach the objects).
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from pathlib import Path
@@ -22,6 +21,7 @@ import yaml
 from gpufed import cli
 from member_agent.cluster.kubernetes import backend as k8s
 from member_agent.cluster.kubernetes import objects
+from tests.helmrender import merged
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "member-agent"
@@ -33,17 +33,6 @@ KUBERNETES_VERSIONS = ["1.29", kubernetes_validate.latest_version()]
 
 def load_objects(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
-def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Helm's values merge: maps merge recursively, anything else replaces."""
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merged(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
