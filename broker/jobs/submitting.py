@@ -114,7 +114,7 @@ async def new_records(
             tenant,
             member,
             key=key if index == 0 else None,
-            job_id=f"{array_id}-{index}",
+            job_id=arrays.member_id(array_id, index),
             own_trace=True,
         )
         record.array = arrays.ArrayMember(
