@@ -17,3 +17,17 @@ class RecordingLink:
 
     async def close(self, *, reason: str) -> None:
         del reason
+
+
+class SentLink:
+    """An agent session (`fleet.AgentLink`) that keeps every message the broker sends, in
+    order (`sent`)."""
+
+    def __init__(self) -> None:
+        self.sent: list[messages._Msg] = []
+
+    async def send(self, message: messages._Msg) -> None:
+        self.sent.append(message)
+
+    async def close(self, *, reason: str) -> None:
+        del reason

@@ -18,21 +18,11 @@ from broker.jobs import fleet, service, transitions
 from broker.planning import fitting, planning
 from broker.state import records, sqlite
 from broker.telemetry import metrics
+from tests import fakes
 from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 State = status.JobState
-
-
-class Link:
-    def __init__(self) -> None:
-        self.sent: list[messages._Msg] = []
-
-    async def send(self, message: messages._Msg) -> None:
-        self.sent.append(message)
-
-    async def close(self, *, reason: str) -> None:
-        del reason
 
 
 class Broker:
@@ -65,7 +55,7 @@ class Broker:
 async def broker() -> AsyncIterator[Broker]:
     backing = await sqlite.SqliteStore.open(":memory:")
     clusters = fleet.Fleet(offer_timeout_seconds=30.0)
-    east = await clusters.attach("east", Link(), epoch=1)
+    east = await clusters.attach("east", fakes.SentLink(), epoch=1)
     summary = make_summary("east", make_model_summary(H100, nodes_by_free=[0] * 8 + [2]))
     east.apply_summary(messages.Summary(summary=summary))
     book = service.Jobs(records.JobStore(backing), clusters, meters=metrics.BrokerMetrics())
@@ -112,7 +102,7 @@ async def test_a_lost_cluster_requeues_its_jobs_but_not_those_that_wait_for_it(
 
 async def test_a_waiting_job_goes_on_when_its_cluster_returns(broker: Broker) -> None:
     await broker.lose_east()
-    east = await broker.fleet.attach("east", Link(), epoch=2)
+    east = await broker.fleet.attach("east", fakes.SentLink(), epoch=2)
     running = messages.AgentJob(job_id="waits", epoch=1, state=State.RUNNING)
     await broker.jobs.reports.hello(east, messages.Hello(cluster="east", jobs=[running]))
     waits = broker.get("waits")
@@ -133,7 +123,7 @@ async def test_cancelling_a_job_that_waits_for_a_lost_cluster_ends_it_at_once(
     cancelled = await broker.jobs.cancel("waits")
     assert cancelled is not None and cancelled.status.state == State.CANCELLED
     # the agent that returns holding it is told to delete the stale copy
-    link = Link()
+    link = fakes.SentLink()
     east = await broker.fleet.attach("east", link, epoch=2)
     running = messages.AgentJob(job_id="waits", epoch=1, state=State.RUNNING)
     await broker.jobs.reports.hello(east, messages.Hello(cluster="east", jobs=[running]))
@@ -147,7 +137,7 @@ async def test_a_job_its_agent_fenced_before_the_grace_ended_is_requeued(
 ) -> None:
     """A partition longer than the agent's fence time but shorter than the broker's grace:
     the agent comes back having stopped the job (Cancelled, ClusterLost)."""
-    east = await broker.fleet.attach("east", Link(), epoch=2)
+    east = await broker.fleet.attach("east", fakes.SentLink(), epoch=2)
     fenced = messages.AgentJob(
         job_id="requeued", epoch=1, state=State.CANCELLED, reason="ClusterLost"
     )
@@ -215,7 +205,7 @@ async def test_a_hello_in_step_with_the_broker_writes_no_record(broker: Broker) 
     (thousands held: thousands of writes for nothing); a job the hello moves is written."""
     before = {job_id: broker.jobs.book.revision_of(job_id) for job_id in ("requeued", "waits")}
     pods = list(broker.get("requeued").status.pods)
-    east = await broker.fleet.attach("east", Link(), epoch=2)
+    east = await broker.fleet.attach("east", fakes.SentLink(), epoch=2)
     held = [
         messages.AgentJob(job_id="requeued", epoch=1, state=State.RUNNING, pods=pods),
         messages.AgentJob(job_id="waits", epoch=1, state=State.SUCCEEDED),

@@ -22,6 +22,7 @@ from broker.planning import fitting, planning
 from broker.state import errors, records, sqlite
 from broker.telemetry import metrics
 from member_agent import app as agent_app
+from tests import fakes
 from tests.builders import make_job, make_model_summary, make_summary
 from tests.unit.agent import builders as agent_builders
 
@@ -30,17 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 State = status.JobState
 
 
-class RecordingLink:
+class RecordingLink(fakes.SentLink):
     """An agent session that keeps what the broker sends."""
-
-    def __init__(self) -> None:
-        self.sent: list[messages._Msg] = []
-
-    async def send(self, message: messages._Msg) -> None:
-        self.sent.append(message)
-
-    async def close(self, *, reason: str) -> None:
-        del reason
 
     def acks(self) -> list[tuple[int, list[int]]]:
         return [(m.epoch, m.seqs) for m in self.sent if isinstance(m, messages.Ack)]

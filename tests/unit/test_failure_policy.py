@@ -19,22 +19,14 @@ from broker.jobs import fleet, retiring, service
 from broker.planning import fitting, planning
 from broker.state import records, sqlite
 from broker.telemetry import metrics
+from tests import fakes
 from tests.builders import JobBuilder, make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 State = status.JobState
 
 
-class RecordingLink:
-    def __init__(self) -> None:
-        self.sent: list[messages._Msg] = []
-
-    async def send(self, message: messages._Msg) -> None:
-        self.sent.append(message)
-
-    async def close(self, *, reason: str) -> None:
-        del reason
-
+class RecordingLink(fakes.SentLink):
     def cancels(self) -> list[messages.Cancel]:
         return [m for m in self.sent if isinstance(m, messages.Cancel)]
 

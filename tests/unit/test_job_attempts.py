@@ -13,23 +13,15 @@ from broker.jobs import fleet, service
 from broker.planning import fitting, planning
 from broker.state import records, sqlite
 from broker.telemetry import metrics
+from tests import fakes
 from tests.builders import make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 State = status.JobState
 
 
-class RecordingLink:
+class RecordingLink(fakes.SentLink):
     """An agent session that keeps what the broker sends."""
-
-    def __init__(self) -> None:
-        self.sent: list[messages._Msg] = []
-
-    async def send(self, message: messages._Msg) -> None:
-        self.sent.append(message)
-
-    async def close(self, *, reason: str) -> None:
-        del reason
 
     def cancels(self) -> list[tuple[str, int]]:
         return [(m.reason, m.attempt) for m in self.sent if isinstance(m, messages.Cancel)]

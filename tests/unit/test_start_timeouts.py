@@ -15,6 +15,7 @@ from broker.jobs import book, fleet, reports, service, starting
 from broker.planning import fitting, planning
 from broker.state import records, sqlite
 from broker.telemetry import metrics
+from tests import fakes
 from tests.builders import make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"
@@ -23,16 +24,7 @@ TIMEOUT = 60.0
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=status.utcnow().tzinfo)
 
 
-class RecordingLink:
-    def __init__(self) -> None:
-        self.sent: list[messages._Msg] = []
-
-    async def send(self, message: messages._Msg) -> None:
-        self.sent.append(message)
-
-    async def close(self, *, reason: str) -> None:
-        del reason
-
+class RecordingLink(fakes.SentLink):
     def cancels(self) -> list[tuple[str, str, int]]:
         return [
             (m.job_id, m.reason, m.attempt) for m in self.sent if isinstance(m, messages.Cancel)
