@@ -128,26 +128,17 @@ class Claims:
         what = f"create resourceclaim {plan.namespace}/{plan.name}"
         create: writing.RawCall = self._resource.create_namespaced_resource_claim
 
-        async def attempt(timeout: float) -> dict[str, Any] | None:
-            try:
-                created: dict[str, Any] = await writing.send(
-                    create, plan.namespace, body, what=what, timeout=timeout
-                )
-                return created
-            except k8s_errors.Conflict as exc:
-                existing = await self._read(plan.namespace, plan.name, timeout=timeout)
-                if existing is None:  # deleted meanwhile: the name is free again
-                    raise errors.TemporaryBackendError(f"{what}: {exc}") from exc
-                problem = claims.identity_problem(existing, body)
-                if problem:
-                    raise k8s_errors.Conflict(f"{what}: the claim exists: {problem}") from exc
-                if (existing.get("metadata") or {}).get("deletionTimestamp"):
-                    raise errors.TemporaryBackendError(
-                        f"{what}: an earlier claim of that name is being deleted"
-                    ) from exc
-                return None if claims.is_held(existing) else existing
+        async def attempt(timeout: float) -> dict[str, Any]:
+            return await writing.create_once(
+                lambda: writing.send(create, plan.namespace, body, what=what, timeout=timeout),
+                lambda: self._read(plan.namespace, plan.name, timeout=timeout),
+                lambda existing: claims.identity_problem(existing, body),
+                what=what,
+                noun="claim",
+            )
 
-        return await retrying.call(self.policy, what, attempt, timeout=self._timeout)
+        claim = await retrying.call(self.policy, what, attempt, timeout=self._timeout)
+        return None if claims.is_held(claim) else claim
 
     async def reserve(
         self, plan: claims.ClaimPlan, *, uid: str, claim: dict[str, Any] | None = None

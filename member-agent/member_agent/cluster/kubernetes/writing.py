@@ -8,7 +8,8 @@ Every write can be sent twice, because a try whose answer was lost may have been
   label, `gpufed.io/attempt` and `gpufed.io/epoch` annotations and node are the ones sent, it
   is the pod an earlier try created, and the create has succeeded (the pod read is returned);
   a pod of another job, attempt, epoch or node is `k8s_errors.Conflict`, and is left
-  alone; one of ours being deleted (`deletionTimestamp`) is tried again until it is gone;
+  alone; one of ours being deleted (`deletionTimestamp`) is tried again until it is gone
+  (`create_once`, which `claiming` uses for ResourceClaims too);
 - a delete answered 404 is done (`delete_pod` says whether the pod was there);
 - a merge patch of annotations or of a node's fields writes the same thing again.
 
@@ -75,6 +76,33 @@ async def send_unread(call: RawCall, *args: Any, what: str, timeout: float, **kw
     return True
 
 
+async def create_once(
+    create: Callable[[], Awaitable[dict[str, Any]]],
+    read: Callable[[], Awaitable[dict[str, Any] | None]],
+    problem: Callable[[dict[str, Any]], str],
+    *,
+    what: str,
+    noun: str,
+) -> dict[str, Any]:
+    """One try of a create an earlier try may have applied: the object created, or on 409 the
+    object of that name when it is ours (`problem` of it is ""); another's is `Conflict`, left
+    alone, and a name free again or ours being deleted a TemporaryBackendError (tried again)."""
+    try:
+        return await create()
+    except k8s_errors.Conflict as exc:
+        existing = await read()
+        if existing is None:  # deleted meanwhile: the name is free again
+            raise errors.TemporaryBackendError(f"{what}: {exc}") from exc
+        found = problem(existing)
+        if found:
+            raise k8s_errors.Conflict(f"{what}: the {noun} exists: {found}") from exc
+        if (existing.get("metadata") or {}).get("deletionTimestamp"):
+            raise errors.TemporaryBackendError(
+                f"{what}: an earlier {noun} of that name is being deleted"
+            ) from exc
+        return existing
+
+
 class Writer:
     """Pod and node writes through one CoreV1Api, retried by one policy."""
 
@@ -94,41 +122,27 @@ class Writer:
         pod that exists already)."""
         name = str((body.get("metadata") or {}).get("name", ""))
         what = f"create pod {namespace}/{name}"
-        create: RawCall = self._core().create_namespaced_pod
+        core = self._core()
 
         async def attempt(timeout: float) -> dict[str, Any]:
-            try:
-                created: dict[str, Any] = await send(
-                    create, namespace, body, what=what, timeout=timeout
-                )
-                return created
-            except k8s_errors.Conflict as exc:
-                existing = await self._read_pod(namespace, name, timeout=timeout)
-                if existing is None:  # deleted meanwhile: the name is free again
-                    raise errors.TemporaryBackendError(f"{what}: {exc}") from exc
-                problem = identity_problem(existing, body)
-                if problem:
-                    raise k8s_errors.Conflict(f"{what}: the pod exists: {problem}") from exc
-                if (existing.get("metadata") or {}).get("deletionTimestamp"):
-                    raise errors.TemporaryBackendError(
-                        f"{what}: an earlier pod of that name is being deleted"
-                    ) from exc
-                return existing
+            return await create_once(
+                lambda: send(
+                    core.create_namespaced_pod, namespace, body, what=what, timeout=timeout
+                ),
+                lambda: send(
+                    core.read_namespaced_pod,
+                    name,
+                    namespace,
+                    what=f"read pod {namespace}/{name}",
+                    timeout=timeout,
+                    none_on=k8s_errors.NOT_FOUND,
+                ),
+                lambda existing: identity_problem(existing, body),
+                what=what,
+                noun="pod",
+            )
 
         return await retrying.call(self.policy, what, attempt, timeout=self._timeout)
-
-    async def _read_pod(
-        self, namespace: str, name: str, *, timeout: float
-    ) -> dict[str, Any] | None:
-        found: dict[str, Any] | None = await send(
-            self._core().read_namespaced_pod,
-            name,
-            namespace,
-            what=f"read pod {namespace}/{name}",
-            timeout=timeout,
-            none_on=k8s_errors.NOT_FOUND,
-        )
-        return found
 
     async def delete_pod(self, namespace: str, name: str, *, grace: int) -> bool:
         """Delete a pod with a grace period; False when there was none (404: done)."""
