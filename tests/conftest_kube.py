@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -88,6 +89,25 @@ class Waits:
     async def __call__(self, seconds: float) -> None:
         self.asked.append(seconds)
         await asyncio.sleep(seconds * SCALE)
+
+
+@contextlib.asynccontextmanager
+async def following(
+    backend: k8s.KubernetesBackend, handler: handling.JobHandler
+) -> AsyncIterator[None]:
+    """Feed the backend's events to the agent's handler, as the agent process does."""
+
+    async def feed() -> None:
+        async for event in backend.events():
+            handler.handle_event(event)
+
+    task = asyncio.create_task(feed())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class KubeAgent:

@@ -6,9 +6,6 @@ and its retry goes elsewhere; with auto-cordon, the node is cordoned."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
@@ -19,27 +16,10 @@ from member_agent.cluster import errors, gpuhealth
 from member_agent.cluster.kubernetes import backend as k8s
 from member_agent.inventory import summary
 from tests import kubeemulator
-from tests.conftest_kube import Kube, KubeAgent, Start, gpu_job
+from tests.conftest_kube import Kube, KubeAgent, Start, following, gpu_job
 from tests.kubeemulator import GPU, H100, until
 
 XID = "nvidia.com/gpu-xid"
-
-
-@contextlib.asynccontextmanager
-async def following(backend: k8s.KubernetesBackend, agent: KubeAgent) -> AsyncIterator[None]:
-    """Feed the backend's events to the agent's handler, as the agent process does."""
-
-    async def feed() -> None:
-        async for event in backend.events():
-            agent.handler.handle_event(event)
-
-    task = asyncio.create_task(feed())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def updates(agent: KubeAgent, job_id: str) -> list[tuple[str, str]]:
@@ -72,7 +52,7 @@ async def test_a_gpu_dropped_from_allocatable_leaves_the_inventory(
     await emulator.add_node("n1", gpus=8)
     backend = await start()
     agent = KubeAgent(backend)
-    async with following(backend, agent):
+    async with following(backend, agent.handler):
         reply = await offer(agent, "j1", attempt=1, gpus=4)
         assert isinstance(reply, messages.Accepted)
         held = {slot.index for slot in reply.pods[0].gpus}
@@ -125,7 +105,7 @@ async def test_a_gpu_failing_under_a_running_gang_fails_it_and_the_retry_goes_el
     settings = gpuhealth.HealthSettings(auto_cordon=True, cordon_after=1)
     backend = await start(health_settings=settings)
     agent = KubeAgent(backend)
-    async with following(backend, agent):
+    async with following(backend, agent.handler):
         reply = await offer(agent, "j1", attempt=1, gpus=4, replicas=2)
         assert isinstance(reply, messages.Accepted)
         for pod in reply.pods:
@@ -166,7 +146,7 @@ async def test_the_kubelet_reporting_a_pods_gpu_unhealthy_fails_it(
     await emulator.add_node("n1", gpus=8)
     backend = await start()
     agent = KubeAgent(backend)
-    async with following(backend, agent):
+    async with following(backend, agent.handler):
         reply = await offer(agent, "j1", attempt=1, gpus=2)
         assert isinstance(reply, messages.Accepted)
         name = reply.pods[0].name
@@ -206,7 +186,7 @@ async def test_a_dra_device_tainted_under_a_gang_fails_it(dra_kube: Kube, start:
     await emulator.add_slice("n1")
     backend = await start(devices="dra")
     agent = KubeAgent(backend)
-    async with following(backend, agent):
+    async with following(backend, agent.handler):
         reply = await offer(agent, "j1", attempt=1, gpus=2)
         assert isinstance(reply, messages.Accepted)
         index = reply.pods[0].gpus[0].index
@@ -231,7 +211,7 @@ async def test_a_claim_saying_its_device_is_unhealthy_fails_the_pod_on_it(
     await emulator.add_slice("n1")
     backend = await start(devices="dra")
     agent = KubeAgent(backend)
-    async with following(backend, agent):
+    async with following(backend, agent.handler):
         reply = await offer(agent, "j1", attempt=1, gpus=2)
         assert isinstance(reply, messages.Accepted)
         pod = reply.pods[0]

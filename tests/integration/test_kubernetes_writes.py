@@ -5,10 +5,8 @@ as the agent reports it."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,14 +18,14 @@ from member_agent.cluster.kubernetes import backend as k8s
 from member_agent.cluster.kubernetes import errors as k8s_errors
 from member_agent.cluster.kubernetes import retrying
 from member_agent.jobs import handling
-from tests.conftest_kube import Kube, Start, Waits
+from tests.conftest_kube import Kube, Start, Waits, following
 from tests.kubeemulator import Emulator, Fault, pod_request, until
 from tests.unit.agent import builders
 
 
 class Agent:
-    """A job handler on a backend; replies and updates recorded, the backend's events fed to
-    it while `following`."""
+    """A job handler on a backend; replies and updates recorded (the backend's events fed to
+    it while `following(agent.backend, agent.handler)`)."""
 
     def __init__(self, backend: k8s.KubernetesBackend) -> None:
         self.backend = backend
@@ -46,20 +44,6 @@ class Agent:
         offer = builders.make_offer(job_id, builders.make_job(**job), attempt=attempt)
         await self.handler.handle_offer(offer, session_epoch=1, reply=replies.append)
         return replies[-1]
-
-    @contextlib.asynccontextmanager
-    async def following(self) -> AsyncIterator[None]:
-        async def feed() -> None:
-            async for event in self.backend.events():
-                self.handler.handle_event(event)
-
-        task = asyncio.create_task(feed())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     def updates(self, job_id: str) -> list[messages.JobUpdate]:
         return [m for m in self.sent if isinstance(m, messages.JobUpdate) and m.job_id == job_id]
@@ -378,7 +362,7 @@ async def test_a_pod_stuck_pending_gives_the_job_its_reason(
     await nodes(emulator, 1)
     backend = await start()
     agent = Agent(backend)
-    async with agent.following():
+    async with following(agent.backend, agent.handler):
         reply = await agent.offer("j1", gpus=2, replicas=2)
         assert isinstance(reply, messages.Accepted)
         path = "/api/v1/namespaces/default/pods/j1-worker-1"
