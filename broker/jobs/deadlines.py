@@ -55,11 +55,13 @@ def local_deadline(
     replica's commit (that replica's clock is not this one's), and from the stored time when
     the job was already started the first time this replica saw it (a load)."""
     record = change.after
+    policy = record.job.spec.failure_policy
+    if policy is None or policy.active_deadline_seconds is None:
+        return None  # most jobs: their events are not read
     if record.status.state.terminal or record.status.cancel_requested:
         return None
-    policy = record.job.spec.failure_policy
     started = transitions.first_started(record)
-    if policy is None or policy.active_deadline_seconds is None or started is None:
+    if started is None:
         return None
     if known is not None:
         return known
