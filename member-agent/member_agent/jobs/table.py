@@ -120,11 +120,17 @@ class TrackedJob:
 
     def waiting_reason(self) -> str:
         """Why the job's pods do not start, as the first Pending pod that says so says it
-        ("" when none does)."""
-        for pod in sorted(self.pods.values(), key=lambda p: p.name):
-            if pod.phase == status.PodPhase.PENDING and pod.reason:
-                return pod.reason
-        return ""
+        ("" when none does). Every pod event of a Dispatched job asks: one pass, no sort."""
+        pending = status.PodPhase.PENDING
+        first = min(
+            (
+                (pod.name, pod.reason)
+                for pod in self.pods.values()
+                if pod.phase == pending and pod.reason
+            ),
+            default=("", ""),
+        )
+        return first[1]
 
     def finish(self, state: status.JobState, reason: str, *, now: float) -> None:
         self._move(state, reason)
