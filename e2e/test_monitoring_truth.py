@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e import scraping
+from e2e import helpers, scraping
 from gpufed.local import processes
 from tests.builders import make_job
 
@@ -94,16 +94,6 @@ async def start_agent(fleet: processes.LocalFleet, name: str, work: Path, port: 
     await fleet.start_agent(name, write_cluster(work, name), "--metrics-port", str(port))
 
 
-async def wait_state(api: Any, job_id: str, states: set[str], *, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        job: dict[str, Any] = await api.get(job_id)
-        if job["status"]["state"] in states:
-            return
-        assert time.monotonic() < deadline, f"{job_id} not in {states}: {job['status']}"
-        await asyncio.sleep(0.1)
-
-
 async def wait_health(fleet: processes.LocalFleet, cluster: str, health: str) -> None:
     deadline = time.monotonic() + 30
     async with fleet.client("admin") as admin:
@@ -122,15 +112,15 @@ async def play_events(
     async with fleet.client("team-a") as api:
         bug = make_job("bug", gpus=1).model(L4).duration(0.2).outcome("Failed:Error")
         bug_id = (await api.submit(json.dumps(bug.document())))["id"]
-        await wait_state(api, bug_id, {"Failed"})
+        await helpers.wait_for(api, bug_id, {"Failed"})
 
         victim = make_job("victim", gpus=8).model(H100).duration(600).priority_class("low")
         victim_id = (await api.submit(json.dumps(victim.preemption(1).document())))["id"]
-        await wait_state(api, victim_id, {"Running"})
+        await helpers.wait_for(api, victim_id, {"Running"})
         urgent = make_job("urgent", gpus=8).model(H100).duration(0.5).priority_class("high")
         urgent_id = (await api.submit(json.dumps(urgent.document())))["id"]
-        await wait_state(api, urgent_id, {"Succeeded"}, timeout=60)
-        await wait_state(api, victim_id, {"Running"}, timeout=60)  # it ran again after
+        await helpers.wait_for(api, urgent_id, {"Succeeded"}, timeout=60)
+        await helpers.wait_for(api, victim_id, {"Running"}, timeout=60)  # it ran again after
 
     # the broker's session counter of steady was scraped at 1: the restart makes it 2
     await prometheus.wait("gpufed_cluster_sessions_total", cluster="steady")
