@@ -11,7 +11,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,20 @@ async def wait_for(
             return job
         await asyncio.sleep(0.05)
     raise AssertionError(f"{job_id} not in {sorted(wanted)} after {timeout}s: {job.get('status')}")
+
+
+async def eventually(
+    check: Callable[[], Awaitable[Any]], *, what: str, timeout: float = 10.0
+) -> Any:
+    """What `check()` answers once it is true (asked every 0.1 s); fails the test, saying
+    `what` was awaited, if it never is within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not {what} after {timeout}s")
 
 
 async def long_jobs(api: client.BrokerClient, count: int) -> dict[str, str]:

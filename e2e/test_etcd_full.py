@@ -16,7 +16,7 @@ import aetcd
 import aiohttp
 import pytest
 
-from e2e.helpers import scrape, wait_for
+from e2e.helpers import eventually, scrape, wait_for
 from gpufed import client
 from gpufed.local import processes
 from tests import etcdserver
@@ -71,15 +71,6 @@ async def gauge(fleet: processes.LocalFleet, name: str) -> float | None:
     return None
 
 
-async def until(check: object, what: str, *, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await check():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"not {what} after {timeout} s")
-
-
 async def status_of(url: str) -> int:
     async with aiohttp.ClientSession() as session, session.get(url) as answer:
         return answer.status
@@ -114,7 +105,7 @@ async def test_etcd_out_of_space_answers_507_keeps_reads_and_readiness_and_recov
         async def alarm_shown() -> bool:
             return await gauge(fleet, NOSPACE) == 1
 
-        await until(alarm_shown, "NOSPACE shown by gpufed_store_alarm")
+        await eventually(alarm_shown, what="NOSPACE shown by gpufed_store_alarm")
         # the sync barrier (a write) has been refused a few times by now: still ready
         await asyncio.sleep(3)
         assert await status_of(f"{fleet.url}/readyz") == 200
@@ -129,9 +120,9 @@ async def test_etcd_out_of_space_answers_507_keeps_reads_and_readiness_and_recov
                 return False
             return True
 
-        await until(accepted, "a submit accepted once the alarm is disarmed")
+        await eventually(accepted, what="a submit accepted once the alarm is disarmed")
 
         async def alarm_cleared() -> bool:
             return await gauge(fleet, NOSPACE) == 0
 
-        await until(alarm_cleared, "the gauge back at 0")
+        await eventually(alarm_cleared, what="the gauge back at 0")

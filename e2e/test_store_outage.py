@@ -11,12 +11,11 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 
-from e2e.helpers import FINAL, wait_for
+from e2e.helpers import FINAL, eventually, wait_for
 from gpufed import client
 from gpufed.local import processes
 from tests import etcdserver
@@ -42,16 +41,6 @@ def etcd(tmp_path: Path) -> Iterator[etcdserver.EtcdServer]:
 async def ready_status(fleet: processes.LocalFleet) -> int:
     async with aiohttp.ClientSession() as session, session.get(f"{fleet.url}/readyz") as answer:
         return answer.status
-
-
-async def eventually(check: Any, *, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"not {what} after {timeout}s")
 
 
 async def test_the_watchdog_outlives_a_store_outage_and_lost_clusters_are_requeued(
