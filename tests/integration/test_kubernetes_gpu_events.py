@@ -14,8 +14,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 from broker.api import messages
 from member_agent.cluster import gpuhealth
 from member_agent.cluster.kubernetes import events
-from tests.conftest_kube import Kube, KubeAgent, Start
-from tests.integration.test_kubernetes_gpu_health import XID, following, offer, updates
+from tests.conftest_kube import Kube, KubeAgent, Start, following
+from tests.integration.test_kubernetes_gpu_health import XID, offer, updates
 from tests.kubeemulator import until
 from tests.kubeevents import api_server_problems
 
@@ -38,7 +38,7 @@ async def test_a_cordon_and_the_gang_it_failed_are_events_on_the_node(
     await emulator.add_node("n1", gpus=8)
     backend = await start(health_settings=CORDON_ON_FIRST)
     agent = KubeAgent(backend)
-    async with following(backend, agent):
+    async with following(backend, agent.handler):
         reply = await offer(agent, "j1", attempt=1, gpus=2)
         assert isinstance(reply, messages.Accepted)
         pod = reply.pods[0]
@@ -89,7 +89,7 @@ async def test_without_auto_cordon_no_event_is_written(kube: Kube, start: Start)
     await emulator.add_node("n1", gpus=8)
     backend = await start()
     agent = KubeAgent(backend)
-    async with following(backend, agent):
+    async with following(backend, agent.handler):
         reply = await offer(agent, "j1", attempt=1, gpus=2)
         assert isinstance(reply, messages.Accepted)
         await emulator.patch_node("n1", taint(reply.pods[0].gpus[0].index))
@@ -108,7 +108,7 @@ async def test_an_event_that_cannot_be_written_stops_neither_the_cordon_nor_the_
     emulator.fail("create", "events", times=2, status=403)  # no RBAC for events
     backend = await start(health_settings=CORDON_ON_FIRST)
     agent = KubeAgent(backend)
-    async with following(backend, agent):
+    async with following(backend, agent.handler):
         reply = await offer(agent, "j1", attempt=1, gpus=8)
         assert isinstance(reply, messages.Accepted)
         victim = reply.pods[0].node
@@ -142,7 +142,7 @@ async def test_a_restarted_agent_fails_the_pods_on_gpus_already_unhealthy_but_co
     backend = await start(health_settings=CORDON_ON_FIRST)  # it would cordon on one failure
     after = KubeAgent(backend)
     assert after.handler.adopt(backend.held_jobs()) == 1
-    async with following(backend, after):
+    async with following(backend, after.handler):
         # the gang on the broken GPU fails as it would have with the agent up
         await until(lambda: ("Failed", gpuhealth.GPU_FAILED) in updates(after, "j1"))
         await until(lambda: all(emulator.pod("default", p.name) is None for p in reply.pods))
@@ -174,7 +174,7 @@ async def test_a_restarted_agent_in_dra_mode_fails_the_pod_on_a_device_tainted_m
     backend = await start(devices="dra", health_settings=CORDON_ON_FIRST)
     after = KubeAgent(backend)
     assert after.handler.adopt(backend.held_jobs()) == 1
-    async with following(backend, after):
+    async with following(backend, after.handler):
         await until(lambda: ("Failed", gpuhealth.GPU_FAILED) in updates(after, "j1"))
     book = backend.gpu_health()
     assert (book.failed_pods, book.gpu_failures, book.seeded_gpus, book.cordons) == (1, 0, 1, 0)
