@@ -131,9 +131,15 @@ def steps() -> list[Step]:
         stream.seek(0)
         stream.truncate()
 
+    interning = records.Interners()  # the book's: a sweep's jobs share their template
+    offered = records.Interners()  # the agent's session's, likewise
     return [
         Step("submit: parse the item's JSON", 1, lambda: json.loads(item)),
-        Step("submit: validate the job", 1, lambda: jobs.validate_submitted(body)),
+        Step(
+            "submit: validate the job",
+            1,
+            lambda: jobs.validate_submitted(body, interning=interning),  # as the broker does
+        ),
         Step("draft a record (copy)", 4, lambda: book.draft_of(final)),
         Step("encode a record (5 writes)", 5, lambda: records.encode(final)),
         Step("etcd txn request, per record", 5, lambda: etcd.build_txn_request(txn)),
@@ -142,7 +148,7 @@ def steps() -> list[Step]:
         Step("decode a JobUpdate (Running, Succeeded)", 2, lambda: messages.decode(succeeded)),
         Step("log a transition", 4, log_line),
         Step("history row (encodes the record)", 1, lambda: history.HistoryRow.of(final)),
-        Step("decode the offer", 1, lambda: messages.decode(offer), "agent"),
+        Step("decode the offer", 1, lambda: messages.decode(offer, interning=offered), "agent"),
         Step("encode Accepted", 1, lambda: messages.encode(accepted_message), "agent"),
         Step("encode a JobUpdate", 2, lambda: messages.encode(succeeded_message), "agent"),
     ]

@@ -10,8 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from broker.api.jobs import NO_TOPOLOGY, GPUJob, PodShape, Topology, shape_of
-from kits import memo, tables
+from broker.api.jobs import NO_TOPOLOGY, GPUJob, Interning, PodShape, Tasks, Topology, shape_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,7 +22,7 @@ class GangRequest:
     input."""
 
     job_id: str
-    tasks: tuple[tuple[str, int, PodShape], ...]  # (task name, replicas, shape)
+    tasks: Tasks  # (task name, replicas, shape)
     min_member: int
     topology: Topology = field(default_factory=lambda: NO_TOPOLOGY)  # one, shared
     priority: int = 0
@@ -47,31 +46,14 @@ class GangRequest:
         return out
 
 
-# the gang read off each live job object, for its latest job id and attempt: a job's spec
-# never changes after submit, and the planner, the accounting and the dispatcher each look at
-# its gang, cycle after cycle (reading a gang costs many times looking it up)
-_READ: memo.PerObject[GPUJob, GangRequest] = memo.PerObject()
-
-
-def gang_request(job_id: str, job: GPUJob, *, attempt: int = 1) -> GangRequest:
-    """The gang of `job` (ShapeError if a task's shape is invalid)."""
-    known = _READ.peek(job)
-    if known is not None and known.job_id == job_id and known.attempt == attempt:
-        return known
-    request = _read(job_id, job, attempt=attempt)
-    _READ.put(job, request)
-    return request
-
-
-# tasks read alike (20,000 jobs of one template: one tuple of shapes, not 20,000 copies), kept
-# as one object; forgotten wholesale past `MAX_SHAPES` kinds (a bound, never a leak)
-_ALIKE: dict[tuple[tuple[str, int, PodShape], ...], tuple[tuple[str, int, PodShape], ...]] = {}
-MAX_SHAPES = 4096
-
-
-def _read(job_id: str, job: GPUJob, *, attempt: int) -> GangRequest:
-    read = tuple((t.name, t.replicas, shape_of(t)) for t in job.spec.tasks)
-    tasks = tables.remember(_ALIKE, read, read, limit=MAX_SHAPES)
+def gang_request(
+    job_id: str, job: GPUJob, *, attempt: int = 1, interning: Interning | None = None
+) -> GangRequest:
+    """The gang of `job` (ShapeError if a task's shape is invalid); `interning`: where gangs
+    of alike tasks share one tuple of them."""
+    tasks: Tasks = tuple((t.name, t.replicas, shape_of(t)) for t in job.spec.tasks)
+    if interning is not None:
+        tasks = interning.tasks(tasks)
     total = sum(r for _, r, _ in tasks)
     return GangRequest(
         job_id=job_id,

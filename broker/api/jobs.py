@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import (
     BaseModel,
@@ -32,7 +32,6 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
 from broker.api import affinity, arrays, clusterchoice, dependencies, policies, shapes
-from kits import tables
 
 # the policies live in `policies`; their names here too, as `jobs.ClusterLostPolicy` is read
 ClusterLostPolicy = policies.ClusterLostPolicy
@@ -63,9 +62,42 @@ MAX_ANNOTATIONS_BYTES = 256 * 1024  # Kubernetes' limit on an object's annotatio
 SUBMIT_CONTEXT = policies.SUBMIT_CONTEXT
 
 
-def validate_submitted(document: object) -> GPUJob:
-    """A job as a user submits it, held to every rule of the API (raises ValidationError)."""
-    return GPUJob.model_validate(document, context={SUBMIT_CONTEXT: True})
+# validation context: where the jobs validated keep one object per kind of template, shape
+# and gang (an `Interning`); without one, every job holds its own
+INTERNING = "gpufed.interning"
+
+Tasks = tuple[tuple[str, int, PodShape], ...]  # a gang's (task name, replicas, shape)
+
+
+class Interning(Protocol):
+    """One object per kind of pod template, pod shape and gang's tasks, for the jobs of one
+    holder (the broker's job book: 100,000 jobs of one sweep hold one of each). Bounded by
+    the holder; a kind forgotten only costs a copy."""
+
+    def template(self, text: str) -> PodTemplate | None:
+        """The settled template kept for this JSON, if any."""
+
+    def keep(self, template: PodTemplate) -> PodTemplate:
+        """The settled template to hold for `template`'s JSON (a checked one is kept over
+        one that is not)."""
+
+    def shape(self, shape: PodShape) -> PodShape: ...
+
+    def tasks(self, tasks: Tasks) -> Tasks: ...
+
+
+def validate_submitted(document: object, *, interning: Interning | None = None) -> GPUJob:
+    """A job as a user submits it, held to every rule of the API (raises ValidationError).
+    `interning`: where its template and shapes are kept (see `Interning`)."""
+    context: dict[str, object] = {SUBMIT_CONTEXT: True}
+    if interning is not None:
+        context[INTERNING] = interning
+    return GPUJob.model_validate(document, context=context)
+
+
+def _interning(info: ValidationInfo) -> Interning | None:
+    context = info.context
+    return context.get(INTERNING) if isinstance(context, dict) else None
 
 
 def _at_submit(info: ValidationInfo) -> bool:
@@ -196,12 +228,8 @@ class PodTemplateSpec(_Open):
     spec: PodSpec
 
 
-# the templates validated, one object per JSON (`PodTemplate.of`; 10,000 jobs of one sweep:
-# one template), forgotten wholesale past `MAX_TEMPLATES` kinds
-_TEMPLATES: dict[str, PodTemplate] = {}
-MAX_TEMPLATES = 4096
 # serialization context: how a template is written instead of its model (a function of the
-# template to its JSON text); the store's encoding of a job gives it (`state.records`)
+# template to its JSON text); `AS_VALIDATED` writes the JSON held, the store its own
 TEMPLATE_JSON = "gpufed.template-json"
 
 
@@ -210,31 +238,41 @@ class PodTemplate:
 
     Why: the broker holds every live job, and a template's nested models (each with its own
     `__dict__`, fields set and extras) weigh several times its JSON, and would be a large part
-    of a queued job's memory. The template is read seldom (a job's
-    shape when it is validated, an agent's binding, a dump) and each read parses it again, so
-    a value read from `spec` or `metadata` is a copy: change a template by building a new job.
-    A dump goes through the parsed model, so every option (`exclude_defaults`, `by_alias`, ...)
-    gives what it gave when the template was a model. The model `GPUJob` validation made stays
-    until the job's shapes are checked (`compact`), so a submit parses the template once.
+    of a queued job's memory. The template is read seldom (a job's shape when it is validated,
+    an agent's binding, a dump) and each read parses it again, so a value read from `spec` or
+    `metadata` is a copy: change a template by building a new job.
 
-    Templates that validate to the same JSON are one object (`of`): its shape is found once,
-    and held to a submit's rules once (`checked`), for a sweep of jobs of one template: finding
-    the shape is a large part of a job's validation."""
+    Never changed once made. Validation makes a *parsed* one (its JSON and the model, so a
+    submit parses the template once); the job's validation then puts a *settled* one in its
+    place (`settled`: the JSON and the pod's shape, no model), which an `Interning` may share
+    among the jobs of one template. A dump goes through the parsed model, so every option
+    (`exclude_defaults`, `by_alias`, ...) gives what it gave when the template was a model,
+    unless the caller says how templates are written (`TEMPLATE_JSON`, `AS_VALIDATED`)."""
 
     __slots__ = ("_checked", "_json", "_model", "_shape")
 
-    def __init__(self, model: PodTemplateSpec) -> None:
-        self._json = model.model_dump_json(by_alias=True)
-        self._model: PodTemplateSpec | None = model
-        # the pod's shape as the job's validation found it (`shape_of` returns it, unparsed)
-        self._shape: PodShape | None = None
-        self._checked = False  # the shape passed a submit's rules (`compact`)
+    def __init__(
+        self,
+        text: str,
+        *,
+        model: PodTemplateSpec | None = None,
+        shape: PodShape | None = None,
+        checked: bool = False,
+    ) -> None:
+        self._json = text
+        self._model = model
+        self._shape = shape  # the pod's shape as the job's validation found it
+        self._checked = checked  # `shape` passed a submit's rules
 
     @classmethod
-    def of(cls, model: PodTemplateSpec) -> PodTemplate:
-        """The template of `model`: the one object of its JSON (`_TEMPLATES`)."""
-        template = cls(model)
-        return tables.remember(_TEMPLATES, template._json, template, limit=MAX_TEMPLATES)
+    def parsed(cls, model: PodTemplateSpec) -> PodTemplate:
+        """The template of a model just validated (held with it until the job settles it)."""
+        return cls(model.model_dump_json(by_alias=True), model=model)
+
+    def settled(self, shape: PodShape, *, checked: bool) -> PodTemplate:
+        """This template as a validated job holds it: the JSON and its pod's `shape` (found by
+        a submit's rules if `checked`), without the model."""
+        return PodTemplate(self._json, shape=shape, checked=checked)
 
     @property
     def json(self) -> str:
@@ -242,7 +280,8 @@ class PodTemplate:
         return self._json
 
     def model(self) -> PodTemplateSpec:
-        """The template parsed (the same object until `compact`, a fresh one after)."""
+        """The template parsed (the model validated, if this is the parsed one; a fresh one
+        from the JSON otherwise)."""
         if self._model is not None:
             return self._model
         return PodTemplateSpec.model_validate_json(self._json)
@@ -257,20 +296,13 @@ class PodTemplate:
 
     @property
     def shape(self) -> PodShape | None:
-        """The pod's shape, once the job's validation found it (`compact`)."""
+        """The pod's shape, once the job's validation settled the template."""
         return self._shape
 
     @property
     def checked(self) -> bool:
         """Whether `shape` was found by a submit's rules (`shape_of(strict=True)`)."""
         return self._checked
-
-    def compact(self, shape: PodShape, *, checked: bool = False) -> None:
-        """Let go of the parsed model: from now on, the JSON alone, and its pod's `shape`
-        (`checked`: found by a submit's rules)."""
-        self._model = None
-        self._shape = shape
-        self._checked = self._checked or checked
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PodTemplate):
@@ -286,12 +318,8 @@ class PodTemplate:
         return self
 
     def __deepcopy__(self, memo: dict[int, object]) -> PodTemplate:
-        copied = PodTemplate.__new__(PodTemplate)
-        copied._json = self._json
-        copied._model = None if self._model is None else self._model.model_copy(deep=True)
-        copied._shape = self._shape  # frozen
-        copied._checked = self._checked
-        return copied
+        model = None if self._model is None else self._model.model_copy(deep=True)
+        return PodTemplate(self._json, model=model, shape=self._shape, checked=self._checked)
 
     @classmethod
     def __get_pydantic_core_schema__(
@@ -301,7 +329,7 @@ class PodTemplate:
 
         def validate(value: object, inner: core_schema.ValidatorFunctionWrapHandler) -> object:
             # a wrap, not a union: a bad template's errors keep their locations
-            return value if isinstance(value, PodTemplate) else PodTemplate.of(inner(value))
+            return value if isinstance(value, PodTemplate) else PodTemplate.parsed(inner(value))
 
         return core_schema.no_info_wrap_validator_function(
             validate,
@@ -312,16 +340,12 @@ class PodTemplate:
         )
 
     def _dump(self, info: core_schema.SerializationInfo) -> object:
-        # a caller that says how templates are written (`TEMPLATE_JSON`: the store's) gets
-        # that; a dump by alias in JSON with nothing left out is the JSON held, the same
-        # text (a page of 500 jobs costs no 500 parses); any other goes through the model
+        # a caller that says how templates are written (`TEMPLATE_JSON`) gets that; any
+        # other dump goes through the model, with the caller's options
         context = info.context
         write = context.get(TEMPLATE_JSON) if isinstance(context, dict) else None
         if write is not None:
             return json.loads(write(self))
-        left_out = info.exclude_defaults or info.exclude_none or info.exclude_unset
-        if info.mode_is_json() and info.by_alias and not info.round_trip and not left_out:
-            return json.loads(self._json)
         return self.model()
 
     @classmethod
@@ -331,6 +355,16 @@ class PodTemplate:
         # the serializer returns a dict or a model: the schema is the model's, in both modes
         assert schema["type"] == "function-wrap"
         return handler(schema["schema"])
+
+
+def _as_validated(template: PodTemplate) -> str:
+    return template.json
+
+
+# serialization context: templates written as validated (JSON by alias with nothing left
+# out), the text held, not parsed again (a page of 500 jobs costs no 500 parses); for a dump
+# by alias, in JSON, with no field left out by default, none or unset
+AS_VALIDATED: dict[str, object] = {TEMPLATE_JSON: _as_validated}
 
 
 class Task(_Strict):
@@ -475,14 +509,15 @@ class GPUJob(_Strict):
         strict = _at_submit(info)
         if strict:
             _check_sequencing(self)
+        interning = _interning(info)
         gpus = 0
         for index, task in enumerate(self.spec.tasks):
-            template = task.template
-            if strict and template.checked and template.shape is not None:
-                shape = template.shape  # one object of this template held to the same rules
-            else:
-                shape = shape_of(task, where=f"spec.tasks[{index}]", strict=strict)
-            template.compact(shapes.interned(shape), checked=strict)  # (a job that fails: whole)
+            template = _settle(
+                task, where=f"spec.tasks[{index}]", strict=strict, interning=interning
+            )
+            task.template = template  # (a job that fails is dropped whole)
+            shape = template.shape
+            assert shape is not None  # settled
             gpus += shape.gpus + shape.mig_slices
         if gpus == 0:
             raise ValueError(
@@ -490,6 +525,21 @@ class GPUJob(_Strict):
                 "a GPUJob asks for at least one GPU"
             )
         return self
+
+
+def _settle(task: Task, *, where: str, strict: bool, interning: Interning | None) -> PodTemplate:
+    """The template `task` is to hold: settled with its pod's shape (`PodTemplate`), the one
+    `interning` keeps for its JSON when there is one (found by a submit's rules, if `strict`)."""
+    template = task.template
+    known = interning.template(template.json) if interning is not None else None
+    if known is not None and (known.checked or not strict):
+        return known  # one object of this template, held to the same rules
+    if template.shape is not None and (template.checked or not strict):
+        return template  # settled already (a job built from a validated one's parts)
+    shape = shape_of(task, where=where, strict=strict)
+    if interning is None:
+        return template.settled(shape, checked=strict)
+    return interning.keep(template.settled(interning.shape(shape), checked=strict))
 
 
 def _check_sequencing(job: GPUJob) -> None:

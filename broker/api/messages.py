@@ -243,10 +243,13 @@ def peek_type(text: str | bytes) -> str:
     return match.group(1) if match and match.group(1) in _TYPES else "unknown"
 
 
-def decode(text: str | bytes) -> Message:
+def decode(text: str | bytes, *, interning: jobs.Interning | None = None) -> Message:
     """Parse one frame; raises pydantic.ValidationError (or ValueError, RecursionError) on
-    anything malformed: the caller refuses the frame."""
-    return MESSAGE.validate_json(text)
+    anything malformed: the caller refuses the frame. `interning`: where the reader keeps one
+    object per kind of the offered jobs' templates and shapes."""
+    if interning is None:
+        return MESSAGE.validate_json(text)
+    return MESSAGE.validate_json(text, context={jobs.INTERNING: interning})
 
 
 def encode(message: _Msg, *, peer: int = PROTOCOL_VERSION) -> str:

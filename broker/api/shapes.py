@@ -18,7 +18,6 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from broker.api import affinity, mig
-from kits import tables
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = affinity.GPU_PRODUCT_LABEL
@@ -236,17 +235,6 @@ def model_selector(models: Sequence[str]) -> dict[str, Any]:
     return {
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
     }
-
-
-# the pod shapes validated jobs hold, one object per kind (100,000 jobs of one template: one
-# shape, not 100,000 copies); forgotten wholesale past `MAX_SHAPES` kinds
-_SHAPES: dict[PodShape, PodShape] = {}
-MAX_SHAPES = 4096
-
-
-def interned(shape: PodShape) -> PodShape:
-    """The one object of this kind of shape (see `_SHAPES`)."""
-    return tables.remember(_SHAPES, shape, shape, limit=MAX_SHAPES)
 
 
 def shape_of(task: TaskLike, *, where: str = "task", strict: bool = False) -> PodShape:

@@ -148,7 +148,9 @@ class JobRecord(_Model):
 
     def api_json(self) -> dict[str, Any]:
         """The job as the API shows it: as stored, less what only the store keeps."""
-        return self.model_dump(mode="json", by_alias=True, exclude=set(STORED_ONLY))
+        return self.model_dump(
+            mode="json", by_alias=True, exclude=set(STORED_ONLY), context=jobs.AS_VALIDATED
+        )
 
     def record(
         self,
@@ -191,7 +193,9 @@ class JobList(_Model):
     def api_json(self) -> dict[str, Any]:
         """The page as the API shows it (each job's `JobRecord.api_json`)."""
         hidden = {"items": {"__all__": set(STORED_ONLY)}}
-        return self.model_dump(mode="json", by_alias=True, exclude=hidden)
+        return self.model_dump(
+            mode="json", by_alias=True, exclude=hidden, context=jobs.AS_VALIDATED
+        )
 
 
 class SubmitResponse(_Model):

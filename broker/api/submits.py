@@ -54,7 +54,11 @@ class Expansion:
         spec = job.spec.array
         count = spec.count if spec is not None else 1
         entries = len(job.spec.depends_on or ())
-        job_bytes = len(job.model_dump_json(by_alias=True)) if spec is not None else 0
+        job_bytes = (
+            len(job.model_dump_json(by_alias=True, context=jobs.AS_VALIDATED))
+            if spec is not None
+            else 0
+        )
         after = Expansion(
             job_count=self.job_count + count,
             dependency_count=self.dependency_count + count * entries,

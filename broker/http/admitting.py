@@ -51,11 +51,13 @@ def admit(
     *,
     queues: registry.QueueRegistry | None,
     bounds: submits.Bounds,
+    interning: jobs.Interning | None = None,
     where: str = "",
 ) -> jobs.GPUJob:
     """The job `document` asks for, held to every rule of a submit and to the queue's, and
     to what one request may expand to (`bounds`); the refusal names its field from `where`
-    on (a batch item's `items[3].job`; "": the body)."""
+    on (a batch item's `items[3].job`; "": the body). `interning`: where the book keeps one
+    object per kind of template and shape."""
     if not isinstance(document, dict):
         raise errors.Invalid(
             f"{where or 'the body'} must be a GPUJob object",
@@ -63,7 +65,7 @@ def admit(
             title="Invalid job",
         )
     try:
-        job = jobs.validate_submitted(document)
+        job = jobs.validate_submitted(document, interning=interning)
     except pydantic.ValidationError as exc:
         raise problems.from_validation(exc, prefix=f"{where}." if where else "") from None
     if queues is not None:
@@ -91,18 +93,25 @@ async def submit_batch(request: web.Request) -> web.Response:
     answers: list[submits.BatchItemAnswer | None] = [None] * len(items)
     admitted: list[submitting.Item] = []
     bounds = request.app[BOUNDS]
+    book = request.app[keys.JOBS]
     expanded = submits.Expansion()  # what the items read so far make
     for index, item in enumerate(items):
         if index and index % submitting.ITEMS_PER_TURN == 0:
             await asyncio.sleep(0)
         try:
-            key, job = _read_item(principal, item, index, queues=queue_registry, bounds=bounds)
+            key, job = _read_item(
+                principal,
+                item,
+                index,
+                queues=queue_registry,
+                bounds=bounds,
+                interning=book.book.store.interning,
+            )
             expanded = expanded.check(job, bounds, where=f"items[{index}].job")
         except errors.GpufedError as exc:  # anything else: a 500, and nothing stored yet
             answers[index] = _refused(index, exc, status_code=problems.status_of(exc))
             continue
         admitted.append(submitting.Item(index, key, job))
-    book = request.app[keys.JOBS]
     for outcome in await submitting.submit_batch(book, principal.name, admitted, batch=len(items)):
         answers[outcome.index] = _answer(outcome, request=request)
     done = [a for a in answers if a is not None]
@@ -157,6 +166,7 @@ def _read_item(
     *,
     queues: registry.QueueRegistry | None,
     bounds: submits.Bounds,
+    interning: jobs.Interning,
 ) -> tuple[str | None, jobs.GPUJob]:
     """The key and the job of one item, held to the single route's checks, in its order:
     the job bounded (`documents.check_tree`, depth counted from the job), admitted, the key."""
@@ -172,7 +182,14 @@ def _read_item(
     if "job" not in item:
         raise errors.Invalid(f"{where}.job: required", field=f"{where}.job", title="Invalid job")
     documents.check_tree(item["job"], path=f"{where}.job")
-    job = admit(principal, item["job"], queues=queues, where=f"{where}.job", bounds=bounds)
+    job = admit(
+        principal,
+        item["job"],
+        queues=queues,
+        bounds=bounds,
+        interning=interning,
+        where=f"{where}.job",
+    )
     field = f"{where}.idempotencyKey"
     key = submits.check_idempotency_key(item.get("idempotencyKey"), field=field)
     documents.check_tree(key, path=field)  # no lone surrogate: the key is hashed as UTF-8

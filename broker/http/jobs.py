@@ -44,16 +44,17 @@ def _dump(model: pydantic.BaseModel) -> dict[str, Any]:
 async def submit(request: web.Request) -> web.Response:
     principal = auth.caller(request)  # a tenant's (broker.http.roles)
     document = await _read_document(request)
+    book = request.app[keys.JOBS]
     job = admitting.admit(
         principal,
         document,
         queues=request.app.get(keys.QUEUES),
         bounds=request.app[admitting.BOUNDS],
+        interning=book.book.store.interning,
     )
     key = submits.check_idempotency_key(
         request.headers.get(admitting.KEY_HEADER), field=admitting.KEY_HEADER
     )
-    book = request.app[keys.JOBS]
     stored, replayed = await submitting.submit_one(book, principal.name, job, key=key)
     return _submitted(stored, replayed=replayed)
 

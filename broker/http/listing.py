@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
-from broker.api import errors, selectors, status
+from broker.api import errors, jobs, selectors, status
 from broker.state.history import held as held_jobs
 from broker.state.history import listing, protocol
 from broker.state.history import query as queries
@@ -126,7 +126,7 @@ async def page_body(
 
 def job_json(record: status.JobRecord) -> str:
     """One job as the API shows it (`JobRecord.api_json`), as JSON text."""
-    return record.model_dump_json(by_alias=True, exclude=_HIDDEN)
+    return record.model_dump_json(by_alias=True, exclude=_HIDDEN, context=jobs.AS_VALIDATED)
 
 
 def list_body(items: list[str], *, token: str | None) -> bytes:

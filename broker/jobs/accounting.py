@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from broker.api import gangs, status
+from broker.api import status
 from broker.jobs import book, fleet
 from broker.planning import holdings, quotas, snapshot
 
@@ -58,9 +58,7 @@ class Accounting:
             return
         gpus = self._models_of.get(record.id)
         if gpus is None:
-            gpus = holdings.infer_models(
-                gangs.gang_request(record.id, record.job), self._cluster_models(record)
-            )
+            gpus = holdings.infer_models(self.book.gang(record), self._cluster_models(record))
         spec = record.job.spec
         key = (spec.queue, spec.priority, spec.priority_class)
         self.holdings.hold(record.id, spec.queue, gpus, key)
@@ -92,6 +90,7 @@ class Accounting:
             if cached is None or cached[0] != key:
                 view = holdings.running_view(
                     record,
+                    self.book.gang(record),
                     models=self._models_of.get(job_id),
                     cluster_models=self._cluster_models(record),
                     preempting=preempting,

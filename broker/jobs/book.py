@@ -48,14 +48,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from broker.api import jobs, status
+from broker.api import gangs, jobs, status
 from broker.api.status import JobState
 from broker.jobs import aging, creating, grouping, launching, writes
 from broker.planning import planning
 from broker.state import electing, errors, records
 from broker.state.history import held
 from broker.state.history import protocol as history_store
-from kits import tables
+from kits import memo, tables
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,19 @@ class JobBook:
             apply=self._apply,
             idempotency_window=idempotency_window,
         )
+        # the gang read off each live job object: a job's spec never changes after submit,
+        # and the planner, the accounting and the dispatcher read its gang cycle after cycle
+        self._gangs: memo.PerObject[jobs.GPUJob, gangs.GangRequest] = memo.PerObject()
+
+    def gang(self, record: status.JobRecord) -> gangs.GangRequest:
+        """The gang of `record`'s job (its first attempt's names: the broker's view), read
+        once per job object; ShapeError if a task's shape is invalid."""
+        known = self._gangs.peek(record.job)
+        if known is not None and known.job_id == record.id:
+            return known
+        request = gangs.gang_request(record.id, record.job, interning=self.store.interning)
+        self._gangs.put(record.job, request)
+        return request
 
     @property
     def idempotency_window(self) -> float:

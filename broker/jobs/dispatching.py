@@ -92,7 +92,7 @@ class Dispatcher:
             queue=record.job.spec.queue,
             priority=record.job.spec.priority,
             created=record.created,
-            request=request or gangs.gang_request(job_id, record.job),
+            request=request or self.book.gang(record),
             excluded=excluded,
             priority_class=record.job.spec.priority_class,
             queued_since=record.status.events[-1].time if record.status.events else None,

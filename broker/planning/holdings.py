@@ -38,12 +38,12 @@ def infer_models(request: gangs.GangRequest, cluster_models: Sequence[str]) -> d
 
 def running_view(
     record: status.JobRecord,
+    request: gangs.GangRequest,
     *,
     models: Mapping[str, int] | None,
     cluster_models: Sequence[str],
     preempting: bool,
 ) -> snapshot.RunningJob:
-    request = gangs.gang_request(record.id, record.job)
     pods = tuple(
         snapshot.PodSlot(
             node=pod.node, gpus=sum(1 for slot in pod.gpus if slot.milli >= WHOLE_GPU_MILLI)

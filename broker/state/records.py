@@ -25,7 +25,7 @@ from datetime import datetime
 from broker.api import errors as api_errors
 from broker.api import jobs, status
 from broker.state import errors, quarantine, store
-from kits import memo, tables
+from kits import interning, memo, tables
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +204,17 @@ class JobStore:
     ) -> None:
         self.backing = backing
         self._observe = observe
+        # the templates, shapes and gangs of the jobs read and submitted, one of each kind
+        self.interning = Interners()
         # what one transaction may carry: the store's request limit less its framing
         self.budget = max(64 * 1024, max_request_bytes - REQUEST_HEADROOM)
+
+    def decode(
+        self, key: str, value: bytes, *, known: status.JobRecord | None = None
+    ) -> status.JobRecord:
+        """The record stored under `key` (`decode_record`), its job's parts kept in
+        `interning`."""
+        return decode_record(key, value, known=known, interning=self.interning)
 
     def encode(self, record: status.JobRecord) -> Encoded:
         """The record's bytes; TooLarge if it could never be committed."""
@@ -238,7 +247,7 @@ class JobStore:
         loaded = []
         for entry in entries:
             try:
-                loaded.append(Stored(_decode(entry), entry.mod_revision))
+                loaded.append(Stored(self.decode(entry.key, entry.value), entry.mod_revision))
             except ValueError as exc:  # pydantic's ValidationError is one
                 await quarantine.set_aside(self.backing, entry, exc)
         return loaded, revision
@@ -250,7 +259,7 @@ class JobStore:
         if entry is None:
             return None
         try:
-            return Stored(_decode(entry), entry.mod_revision)
+            return Stored(self.decode(entry.key, entry.value), entry.mod_revision)
         except ValueError as exc:
             raise errors.RecordDamagedError(
                 f"job record {entry.key} does not parse: {quarantine.describe(exc)}"
@@ -383,16 +392,22 @@ def _forgetting(entries: Sequence[IdempotencyEntry]) -> store.Txn:
 
 
 def decode_record(
-    key: str, value: bytes, *, known: status.JobRecord | None = None
+    key: str,
+    value: bytes,
+    *,
+    known: status.JobRecord | None = None,
+    interning: jobs.Interning | None = None,
 ) -> status.JobRecord:
     """The job record stored under `key`; ValueError (pydantic's is one) if it does not
     parse or names another job. `known`: the job's record as the reader holds it; a value
     whose spec is the same bytes (a dispatch, a report: the spec never changes after submit)
     shares its GPUJob, not validated again. A follower reads each job's every change, and
-    validating the job is most of reading a record."""
+    validating the job is most of reading a record. `interning`: where the jobs read keep
+    their templates and shapes (`Interners`)."""
     record = _with_known_job(value, known) if known is not None else None
     if record is None:
-        record = status.JobRecord.model_validate_json(value)
+        context = None if interning is None else {jobs.INTERNING: interning}
+        record = status.JobRecord.model_validate_json(value, context=context)
     if job_key(record.id) != key:
         raise ValueError(f"the record's id {record.id!r} does not match its key")
     return record
@@ -408,5 +423,5 @@ def _with_known_job(value: bytes, known: status.JobRecord) -> status.JobRecord |
     return status.JobRecord.model_validate_json(head, context={status.KNOWN_JOB: known.job})
 
 
-def _decode(entry: store.Entry) -> status.JobRecord:
-    return decode_record(entry.key, entry.value)
+# the templates, shapes and gangs' tasks of the jobs one book holds, one of each kind
+Interners = interning.Interners[jobs.PodTemplate, jobs.PodShape, jobs.Tasks]

@@ -56,7 +56,7 @@ async def test_an_idle_history_gives_its_caches_back(tmp_path: Path) -> None:
         batches.append(records)
     before = memory_used()  # other connections of this process: not this history's
     history = await sqlite_history.SqliteHistory.open(
-        str(tmp_path / "history.db"), idle_seconds=1.0
+        str(tmp_path / "history.db"), idle_seconds=2.0
     )
     try:
         for records in batches:
@@ -66,20 +66,21 @@ async def test_an_idle_history_gives_its_caches_back(tmp_path: Path) -> None:
                 *(history.page(queries.JobQuery(), limit=1000) for _ in range(2)),
                 history.count(),
             )
-        busy = memory_used() - before
-        assert history.shrinks == 0
+        # on a loaded machine a pause between two reads may pass for idleness: the caches
+        # given back then fill again with the next read; what counts is from here on
+        busy, given_back = memory_used() - before, history.shrinks
         assert busy > 4 * 2**20, busy  # held while in use
         deadline = time.monotonic() + 10
-        while history.shrinks == 0 and time.monotonic() < deadline:
+        while history.shrinks == given_back and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert history.shrinks == 1
+        assert history.shrinks == given_back + 1
         assert memory_used() - before < busy / 4, (busy, memory_used() - before)
         # used again: the caches fill again, and are given back again once idle
         await history.page(queries.JobQuery(), limit=1000)
         deadline = time.monotonic() + 10
-        while history.shrinks == 1 and time.monotonic() < deadline:
+        while history.shrinks == given_back + 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert history.shrinks == 2
+        assert history.shrinks == given_back + 2
     finally:
         await history.close()
 

@@ -10,7 +10,7 @@ import pytest
 
 from broker.api import gangs, status
 from broker.jobs import book
-from broker.state import records
+from broker.state import records, sqlite
 from kits import memo
 from tests.builders import make_job
 
@@ -37,14 +37,27 @@ def test_a_value_is_computed_once_per_object_and_goes_with_it() -> None:
     assert len(values) == 1
 
 
-def test_a_gang_is_read_once_per_job_id_and_attempt() -> None:
+async def test_the_book_reads_a_jobs_gang_once_per_job_object_and_id() -> None:
+    backing = await sqlite.SqliteStore.open(":memory:")
+    try:
+        job_book = book.JobBook(records.JobStore(backing))
+        job = make_job("g", gpus=2).build()
+        record = status.JobRecord(id="g-1", tenant="t", job=job)
+        request = job_book.gang(record)
+        assert job_book.gang(record) is request
+        assert job_book.gang(book.draft_of(record)) is request  # a draft shares the spec
+        assert request == gangs.gang_request("g-1", job)  # what reading it again gives
+        other = job_book.gang(status.JobRecord(id="g-2", tenant="t", job=job))
+        assert other.job_id == "g-2" and other.tasks is request.tasks
+    finally:
+        await backing.close()
+
+
+def test_a_gang_names_its_pods_per_attempt() -> None:
     job = make_job("g", gpus=2).build()
-    request = gangs.gang_request("g-1", job)
-    assert gangs.gang_request("g-1", job) is request
     again = gangs.gang_request("g-1", job, attempt=2)
-    assert again is not request and again.attempt == 2
+    assert again.attempt == 2
     assert [pod for pod, _, _ in again.pod_names()] == ["g-1-worker-0-a2"]
-    assert gangs.gang_request("g-2", job).job_id == "g-2"
 
 
 def test_a_record_written_with_its_spec_known_is_what_it_was_written_as_before() -> None:

@@ -95,19 +95,38 @@ def test_a_validated_jobs_shapes_are_read_without_parsing_its_templates(
         assert request.pods == 2
 
 
-def test_jobs_of_one_template_hold_one_shape() -> None:
+def test_jobs_of_one_template_hold_one_shape_where_a_holder_keeps_them() -> None:
+    interning = records.Interners()
+    first = jobs.validate_submitted(document(), interning=interning)
+    second = jobs.validate_submitted(document(), interning=interning)
+    assert first.spec.tasks[0].template.shape is second.spec.tasks[0].template.shape
+    request = gangs.gang_request("a", first, interning=interning)
+    assert gangs.gang_request("b", second, interning=interning).tasks is request.tasks
+
+
+def test_without_a_holder_every_job_holds_its_own() -> None:
+    """No table of the process: a job validated without an `Interning` (the agent's offers,
+    the CLI) shares nothing, and two holders share nothing with each other."""
     first, second = jobs.validate_submitted(document()), jobs.validate_submitted(document())
-    assert first.spec.tasks[0].template._shape is second.spec.tasks[0].template._shape
+    assert first.spec.tasks[0].template is not second.spec.tasks[0].template
+    assert first.spec.tasks[0].template.shape == second.spec.tasks[0].template.shape
+    one, other = records.Interners(), records.Interners()
+    mine = jobs.validate_submitted(document(), interning=one).spec.tasks[0].template
+    theirs = jobs.validate_submitted(document(), interning=other).spec.tasks[0].template
+    assert mine is not theirs
 
 
 def test_jobs_of_one_template_hold_one_template_and_others_their_own() -> None:
-    first, second = jobs.validate_submitted(document()), jobs.validate_submitted(document())
+    interning = records.Interners()
+    first = jobs.validate_submitted(document(), interning=interning)
+    second = jobs.validate_submitted(document(), interning=interning)
     assert first.spec.tasks[0].template is second.spec.tasks[0].template
-    stored = jobs.GPUJob.model_validate_json(first.model_dump_json(by_alias=True))
+    text = first.model_dump_json(by_alias=True)
+    stored = jobs.GPUJob.model_validate_json(text, context={jobs.INTERNING: interning})
     assert stored.spec.tasks[0].template is first.spec.tasks[0].template  # read back: the same
     changed = document()
     changed["spec"]["tasks"][0]["template"]["metadata"]["labels"] = {"team": "b"}
-    other = jobs.validate_submitted(changed).spec.tasks[0].template
+    other = jobs.validate_submitted(changed, interning=interning).spec.tasks[0].template
     template = first.spec.tasks[0].template
     assert other is not template
     assert other.metadata.labels == {"team": "b"} and other.shape == template.shape
@@ -115,20 +134,27 @@ def test_jobs_of_one_template_hold_one_template_and_others_their_own() -> None:
 
 def test_a_template_read_leniently_first_is_still_held_to_a_submits_rules() -> None:
     """A stored record is read leniently (a duration past the bound is no error there); the
-    same template submitted after is refused: the one object was never checked by those rules."""
+    same template submitted after is refused: the one object was never checked by those rules,
+    and the lenient one is not changed by the refusal."""
+    interning = records.Interners()
+    lenient_context = {jobs.INTERNING: interning}
     long = document()
     long["spec"]["tasks"][0]["template"]["metadata"]["annotations"] = {
         "gpufed.io/sim-duration": "2000000000"
     }
-    lenient = jobs.GPUJob.model_validate(long)
-    assert lenient.spec.tasks[0].template.shape is not None
-    assert not lenient.spec.tasks[0].template.checked
+    lenient = jobs.GPUJob.model_validate(long, context=lenient_context)
+    held = lenient.spec.tasks[0].template
+    assert held.shape is not None and not held.checked
     with pytest.raises(ValidationError, match="sim-duration"):
-        jobs.validate_submitted(long)
-    submitted = jobs.validate_submitted(document())  # and one submitted first stays checked
-    again = jobs.GPUJob.model_validate(document())
+        jobs.validate_submitted(long, interning=interning)
+    assert lenient.spec.tasks[0].template is held and not held.checked
+    # one read leniently first, then submitted: the submit checks it and keeps the checked one
+    read = jobs.GPUJob.model_validate(document(), context=lenient_context).spec.tasks[0].template
+    assert not read.checked
+    submitted = jobs.validate_submitted(document(), interning=interning)
+    assert submitted.spec.tasks[0].template.checked and not read.checked  # a new object
+    again = jobs.GPUJob.model_validate(document(), context=lenient_context)
     assert again.spec.tasks[0].template is submitted.spec.tasks[0].template
-    assert again.spec.tasks[0].template.checked
 
 
 def test_the_stores_dump_of_a_sweep_parses_its_template_once(

@@ -46,7 +46,8 @@ from typing import TypeVar
 import aiohttp
 import pydantic
 
-from broker.api import messages
+from broker.api import jobs, messages
+from kits import interning
 from member_agent.jobs import handling
 from member_agent.session import brokers, leasing, reporting, tls
 
@@ -192,6 +193,10 @@ class Connector:
         self._silent = False  # ... and then the broker stopped answering (frozen, cut off)
         self._heartbeat = settings.heartbeat_seconds  # the last welcome's
         self._close_reason = ""  # what the broker's close frame said, last
+        # the offered jobs' templates and shapes, one of each kind (a sweep's offers share)
+        self.interning: interning.Interners[jobs.PodTemplate, jobs.PodShape, jobs.Tasks] = (
+            interning.Interners()
+        )
         self.tls = tls.ClientTls(settings.tls_files) if settings.tls_files.given else None
         self.lease = leasing.ClusterLease(
             requested=settings.fence_after_seconds,
@@ -455,7 +460,7 @@ class Connector:
                 self._close_reason = str(frame.extra or "")
             if frame.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
                 try:
-                    return messages.decode(frame.data)
+                    return messages.decode(frame.data, interning=self.interning)
                 except pydantic.ValidationError as exc:
                     logger.warning(
                         "ignoring a message that does not decode: %s",

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from broker.api import status
+from broker.api import gangs, status
 from broker.planning import fairshare, holdings, preemption, quotas, snapshot, usage
 from tests.builders import make_job, make_model_summary, make_summary
 from tests.unit.planning.sim import H100, T0, T4, config, queue
@@ -147,12 +147,15 @@ def test_running_view_counts_the_last_run_and_whole_gpus() -> None:
         )
         for i in range(2)
     ]  # fmt: skip
-    view = holdings.running_view(record, models=None, cluster_models=[T4, H100], preempting=False)
+    request = gangs.gang_request(record.id, record.job)
+    view = holdings.running_view(
+        record, request, models=None, cluster_models=[T4, H100], preempting=False
+    )
     assert view.started == T0 + timedelta(minutes=7)
     assert view.gpus == {T4: 4}, "no model asked: the cluster's first model"
     assert [p.gpus for p in view.pods] == [1, 1], "a shared GPU is not whole"
     hinted = holdings.running_view(
-        record, models={H100: 4}, cluster_models=[T4, H100], preempting=True
+        record, request, models={H100: 4}, cluster_models=[T4, H100], preempting=True
     )
     assert hinted.gpus == {H100: 4} and hinted.preempting
 
