@@ -124,6 +124,12 @@ def test_the_tree_keeps_every_contract(tmp_path: Path) -> None:
             id="a kit imports the wire contract",
         ),
         pytest.param(
+            "broker/api/jobs.py",
+            "from kits import tables",
+            "The wire contract (broker.api) is plain models",
+            id="the wire contract keeps a table of its own",
+        ),
+        pytest.param(
             "gpufed/sim/traces.py",
             "from gpufed import cli",
             "gpufed: the CLI on top",
