@@ -24,7 +24,7 @@ from member_agent import app
 from member_agent.cluster.simulated import backend as simulated
 from member_agent.session import brokers
 from tests import fakebroker, tcpproxy
-from tests.unit.agent import builders
+from tests.unit.member_agent import builders
 
 State = status.JobState
 

@@ -20,7 +20,7 @@ from broker.api import messages, status
 from member_agent import app
 from member_agent.cluster.simulated import backend as simulated
 from tests import fakebroker
-from tests.unit.agent import builders
+from tests.unit.member_agent import builders
 
 TOKEN = fakebroker.TOKEN
 FakeBroker = fakebroker.FakeBroker

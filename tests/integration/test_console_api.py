@@ -20,7 +20,7 @@ from broker import app as broker_app
 from broker.http import events
 from member_agent import app as agent_app
 from tests.builders import make_job
-from tests.unit.agent import builders as agent_builders
+from tests.unit.member_agent import builders as agent_builders
 
 REPO = Path(__file__).resolve().parents[2]
 TEAM_A = {"Authorization": "Bearer dev-team-a"}

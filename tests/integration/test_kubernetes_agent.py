@@ -19,7 +19,7 @@ from member_agent.placement import limits
 from tests import kubeemulator
 from tests.conftest_kube import Kube, Start
 from tests.kubeemulator import GPU, H100, until
-from tests.unit.agent import builders
+from tests.unit.member_agent import builders
 
 REQ = f"requests.{GPU}"
 

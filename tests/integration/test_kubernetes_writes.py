@@ -20,7 +20,7 @@ from member_agent.cluster.kubernetes import retrying
 from member_agent.jobs import handling
 from tests.conftest_kube import Kube, Start, Waits, following
 from tests.kubeemulator import Emulator, Fault, pod_request, until
-from tests.unit.agent import builders
+from tests.unit.member_agent import builders
 
 
 class Agent:

@@ -24,7 +24,7 @@ from broker.telemetry import metrics
 from member_agent import app as agent_app
 from tests import fakes
 from tests.builders import make_job, make_model_summary, make_summary
-from tests.unit.agent import builders as agent_builders
+from tests.unit.member_agent import builders as agent_builders
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 REPO = Path(__file__).resolve().parents[2]

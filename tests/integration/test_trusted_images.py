@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient
 from broker.api import jobs, messages
 from tests import brokerapps
 from tests.builders import make_job, make_model_summary, make_summary
-from tests.unit.agent import builders, harnesses
+from tests.unit.member_agent import builders, harnesses
 
 TOKENS: list[dict[str, Any]] = [
     {"token": "admin", "admin": True},
