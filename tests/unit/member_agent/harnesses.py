@@ -12,7 +12,7 @@ from broker.api import messages
 from member_agent.cluster.simulated import backend as simulated
 from member_agent.jobs import handling
 from member_agent.placement import limits
-from tests.unit.member_agent import builders
+from tests import agentbuilders
 
 Sent = list[messages.Message]
 
@@ -21,7 +21,7 @@ class Harness:
     """A handler on a small simulated cluster, with every message it sends recorded."""
 
     def __init__(self, tmp_path: Path, *, agent_limits: limits.AgentLimits | None = None) -> None:
-        self.backend: simulated.SimulatedBackend = builders.small_backend(tmp_path)
+        self.backend: simulated.SimulatedBackend = agentbuilders.small_backend(tmp_path)
         self.sent: Sent = []
         self.replies: Sent = []
         self.now = 1000.0
@@ -57,7 +57,9 @@ class Harness:
         attempt: int = 1,
         **job: Any,
     ) -> messages.Message:
-        offer = builders.make_offer(job_id, builders.make_job(**job), epoch=epoch, attempt=attempt)
+        offer = agentbuilders.make_offer(
+            job_id, agentbuilders.make_job(**job), epoch=epoch, attempt=attempt
+        )
         await self.handler.handle_offer(
             offer, session_epoch=session_epoch, reply=self.replies.append
         )

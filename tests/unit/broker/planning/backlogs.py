@@ -8,18 +8,17 @@ says where they differ. The world applies the full plan, so both see the same ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from broker.api import clusterchoice
 from broker.api import queues as api
 from broker.planning import planning, plans, quotas, snapshot
 from broker.planning.backlog import backlog, parking
-from tests.builders import make_job
+from tests.builders import T0, make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 A100 = "NVIDIA-A100-SXM4-80GB"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 @dataclass

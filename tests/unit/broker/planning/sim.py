@@ -9,17 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from broker.api import clusterchoice
 from broker.api import queues as api
 from broker.planning import planning, snapshot
-from tests.builders import JobBuilder, make_model_summary, make_summary
+from tests.builders import T0, JobBuilder, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 T4 = "Tesla-T4"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def at(seconds: float) -> datetime:
@@ -50,17 +48,8 @@ def config(
 def pending(
     builder: JobBuilder, job_id: str, *, at_s: float = 0.0, queued_s: float | None = None
 ) -> snapshot.PendingJob:
-    job = builder.build()
-    return snapshot.PendingJob(
-        job_id=job_id,
-        queue=job.spec.queue,
-        priority=job.spec.priority,
-        created=at(at_s),
-        request=builder.request(job_id),
-        priority_class=job.spec.priority_class,
-        queued_since=at(queued_s) if queued_s is not None else None,
-        clusters=clusterchoice.choice_of(job.spec.clusters),
-    )
+    queued_since = at(queued_s) if queued_s is not None else None
+    return builder.pending(job_id, created=at(at_s), queued_since=queued_since)
 
 
 @dataclass

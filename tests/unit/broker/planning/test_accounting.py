@@ -119,7 +119,7 @@ def test_queue_views_show_use_guarantee_fair_share_and_undeclared_queues() -> No
         running("a-2", [("n1", 4)]),
         running("x-1", [("n2", 2)], "x"),
     ]
-    waiting = [snapshot.PendingJob("b-1", "b", 0, T0, make_job(gpus=1, queue="b").request("b-1"))]
+    waiting = [make_job(gpus=1, queue="b").pending("b-1")]
     views = {
         v.name: v
         for v in usage.build_views(

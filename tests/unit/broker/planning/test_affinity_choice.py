@@ -3,7 +3,6 @@ and stays permissive for every other label; a stored bad queue name harms nobody
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -11,13 +10,12 @@ import pytest
 from broker.api import inventory, jobs, queues
 from broker.api.queues import ReasonCode
 from broker.planning import fitting, holdings, planning, quotas, snapshot, usage
-from tests.builders import JobBuilder, expr, make_job, make_model_summary, make_summary
+from tests.builders import expr, make_job, make_model_summary, make_summary
 
 GPU = jobs.GPU_PRODUCT_LABEL
 H100 = "NVIDIA-H100-80GB-HBM3"
 A100 = "NVIDIA-A100-SXM4-80GB"
 L4 = "NVIDIA-L4"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def _summaries() -> list[inventory.ClusterSummary]:
@@ -34,17 +32,6 @@ def _summaries() -> list[inventory.ClusterSummary]:
 def _fleet() -> snapshot.FleetSnapshot:
     return snapshot.FleetSnapshot.build(
         [snapshot.ClusterCapacity.from_summary(s, healthy=True) for s in _summaries()]
-    )
-
-
-def _pending(builder: JobBuilder, job_id: str = "j1") -> snapshot.PendingJob:
-    job = builder.build()
-    return snapshot.PendingJob(
-        job_id=job_id,
-        queue=job.spec.queue,
-        priority=job.spec.priority,
-        created=T0,
-        request=builder.request(job_id),
     )
 
 
@@ -96,16 +83,16 @@ def test_which_clusters_fit(terms: list[list[dict[str, Any]]], fits: set[str]) -
 
 
 def test_notin_h100_is_not_planned_on_the_tightest_h100() -> None:
-    plain = planning.plan_cycle(_fleet(), [_pending(make_job(gpus=8))])
+    plain = planning.plan_cycle(_fleet(), [make_job(gpus=8).pending("j1")])
     assert [a.cluster for a in plain.assignments] == ["h100"]
     avoid = make_job(gpus=8).node_affinity([expr(GPU, "NotIn", H100)])
-    plan = planning.plan_cycle(_fleet(), [_pending(avoid)])
+    plan = planning.plan_cycle(_fleet(), [avoid.pending("j1")])
     assert [a.cluster for a in plan.assignments] in (["a100"], ["l4"])
 
 
 def test_a_job_no_cluster_can_take_says_so() -> None:
     job = make_job(gpus=8).node_affinity([expr(GPU, "NotIn", H100, A100, L4)])
-    plan = planning.plan_cycle(_fleet(), [_pending(job)])
+    plan = planning.plan_cycle(_fleet(), [job.pending("j1")])
     assert plan.assignments == []
     [miss] = plan.unplaceable
     assert any(f"matching {GPU} NotIn" in reason for reason in miss.reasons), miss.reasons
@@ -113,7 +100,7 @@ def test_a_job_no_cluster_can_take_says_so() -> None:
 
 def test_a_cpu_only_task_asking_for_a_node_without_gpus_is_left_to_the_agent() -> None:
     job = make_job(gpus=8).task("loader", gpus=0).node_affinity([expr(GPU, "DoesNotExist")])
-    plan = planning.plan_cycle(_fleet(), [_pending(job)])
+    plan = planning.plan_cycle(_fleet(), [job.pending("j1")])
     assert [a.cluster for a in plan.assignments] == ["h100"]
 
 
@@ -124,11 +111,11 @@ def test_a_running_job_is_counted_on_a_model_its_affinity_allows() -> None:
 
 def _stored_with_bad_queue(job_id: str) -> snapshot.PendingJob:
     """A job an older broker accepted in queue `Team_A` (read back without the submit rules)."""
-    return _pending(make_job(gpus=1, queue="Team_A"), job_id)
+    return make_job(gpus=1, queue="Team_A").pending(job_id)
 
 
 def test_a_stored_bad_queue_name_neither_halts_the_cycle_nor_the_listing() -> None:
-    good = _pending(make_job(gpus=1, queue="team-b"), "good")
+    good = make_job(gpus=1, queue="team-b").pending("good")
     plan = planning.plan_cycle(_fleet(), [_stored_with_bad_queue("old"), good])
     assert {a.job_id for a in plan.assignments} == {"old", "good"}
     running = [

@@ -4,7 +4,6 @@ are held to every rule, naming the field, and stored records are read leniently.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 import pydantic
@@ -14,11 +13,10 @@ from broker.api import clusterchoice, jobs, messages
 from broker.api.queues import ReasonCode
 from broker.http import problems
 from broker.planning import planning, snapshot
-from tests.builders import JobBuilder, make_job, make_model_summary, make_summary
+from tests.builders import make_job, make_model_summary, make_summary
 from tests.unit.broker.planning.sim import Cluster, Fleet, at, codes, config, pending, queue
 
 H100 = "NVIDIA-H100-80GB-HBM3"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 LABELS = {
     "eu-1": {"region": "eu", "tier": "spot"},
     "eu-2": {"region": "eu"},
@@ -36,18 +34,6 @@ def _fleet(free: dict[str, int] | None = None) -> snapshot.FleetSnapshot:
         summary = summary.model_copy(update={"labels": labels})
         out.append(snapshot.ClusterCapacity.from_summary(summary, healthy=True))
     return snapshot.FleetSnapshot.build(out)
-
-
-def _pending(builder: JobBuilder, job_id: str = "j1") -> snapshot.PendingJob:
-    job = builder.build()
-    return snapshot.PendingJob(
-        job_id=job_id,
-        queue=job.spec.queue,
-        priority=job.spec.priority,
-        created=T0,
-        request=builder.request(job_id),
-        clusters=clusterchoice.choice_of(job.spec.clusters),
-    )
 
 
 def _expr(key: str, operator: str, *values: str) -> dict[str, Any]:
@@ -103,7 +89,7 @@ def test_the_selector_allows_only_the_clusters_it_matches(
 
 def test_a_job_runs_only_where_its_selector_allows_and_why_names_the_others() -> None:
     fleet = _fleet(free={"us-1": 1, "eu-1": 0, "eu-2": 0, "bare": 2})
-    job = _pending(make_job(gpus=8).clusters(selector={"matchLabels": {"region": "eu"}}))
+    job = make_job(gpus=8).clusters(selector={"matchLabels": {"region": "eu"}}).pending("j1")
     plan = planning.plan_cycle(fleet, [job])
     assert plan.assignments == []
     (miss,) = plan.unplaceable
@@ -126,13 +112,13 @@ def test_a_job_runs_only_where_its_selector_allows_and_why_names_the_others() ->
 def test_preferred_weights_outrank_the_tightest_fit() -> None:
     # without preferences the tightest fit wins: the clusters with one free node
     fleet = _fleet(free={"eu-1": 3, "eu-2": 1, "us-1": 2, "bare": 1})
-    plain = planning.plan_cycle(fleet, [_pending(make_job(gpus=8))])
+    plain = planning.plan_cycle(fleet, [make_job(gpus=8).pending("j1")])
     assert [a.cluster for a in plain.assignments] == ["bare"]
     preferred = [
         {"weight": 10, "selector": {"matchLabels": {"tier": "spot"}}},
         {"weight": 5, "selector": {"matchLabels": {"region": "us"}}},
     ]
-    job = _pending(make_job(gpus=8).clusters(preferred=preferred))
+    job = make_job(gpus=8).clusters(preferred=preferred).pending("j1")
     plan = planning.plan_cycle(_fleet(free={"eu-1": 3, "eu-2": 1, "us-1": 2, "bare": 1}), [job])
     assert [a.cluster for a in plan.assignments] == ["us-1"]  # 15 over eu-1's 10
     choice = job.clusters
@@ -146,7 +132,7 @@ def test_order_spills_over_to_the_next_cluster_where_the_job_fits() -> None:
     placed = []
     for full in ([], ["us-1"], ["us-1", "eu-2"], ["us-1", "eu-2", "eu-1"]):
         fleet = _fleet(free={name: 0 if name in full else 4 for name in LABELS})
-        plan = planning.plan_cycle(fleet, [_pending(job)])
+        plan = planning.plan_cycle(fleet, [job.pending("j1")])
         placed.append(plan.assignments[0].cluster)
     # the first in order with room, whatever the fit; one it does not name comes last
     assert placed == ["us-1", "eu-2", "eu-1", "bare"]
@@ -158,14 +144,14 @@ def test_order_within_the_selector_and_over_preferences() -> None:
         preferred=[{"weight": 100, "selector": {"matchLabels": {"tier": "spot"}}}],
         order=["us-1", "eu-2"],
     )
-    plan = planning.plan_cycle(_fleet(), [_pending(job)])
+    plan = planning.plan_cycle(_fleet(), [job.pending("j1")])
     assert [a.cluster for a in plan.assignments] == ["eu-2"]  # us-1 excluded; order first
 
 
 def test_jobs_in_one_cycle_spill_over_as_the_first_cluster_fills() -> None:
     fleet = _fleet(free={name: 1 for name in LABELS})
     order = ["eu-2", "eu-1"]
-    pending = [_pending(make_job(gpus=8).clusters(order=order), f"j{i}") for i in range(3)]
+    pending = [make_job(gpus=8).clusters(order=order).pending(f"j{i}") for i in range(3)]
     plan = planning.plan_cycle(fleet, pending)
     assert [a.cluster for a in plan.assignments] == ["eu-2", "eu-1", "bare"]
 

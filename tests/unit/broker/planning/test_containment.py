@@ -4,7 +4,6 @@ whatever raises is set aside with a reason, and every good job is still placed."
 from __future__ import annotations
 
 import dataclasses
-from datetime import UTC, datetime
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,10 +12,9 @@ from hypothesis import strategies as st
 from broker.api import gangs, jobs
 from broker.api.queues import ReasonCode
 from broker.planning import containment, planning, snapshot
-from tests.builders import make_job
+from tests.builders import T0, make_job
 
 H100 = "NVIDIA-H100-80GB-HBM3"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def good_cluster(name: str) -> snapshot.ClusterCapacity:
@@ -35,14 +33,7 @@ def good_cluster(name: str) -> snapshot.ClusterCapacity:
 
 
 def good_job(index: int, gpus: int) -> snapshot.PendingJob:
-    builder = make_job(f"good-{index}", gpus=gpus, queue="good").model(H100)
-    return snapshot.PendingJob(
-        job_id=f"good-{index}",
-        queue="good",
-        priority=0,
-        created=T0,
-        request=builder.request(f"good-{index}"),
-    )
+    return make_job(f"good-{index}", gpus=gpus, queue="good").model(H100).pending()
 
 
 counts = st.integers(min_value=-3, max_value=70)

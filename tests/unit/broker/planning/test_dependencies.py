@@ -4,7 +4,7 @@ cycle detection, and the planner's bound on an array's jobs holding GPUs."""
 from __future__ import annotations
 
 import dataclasses
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
@@ -13,10 +13,9 @@ from broker.api.queues import ReasonCode
 from broker.api.status import JobState
 from broker.planning import dependencies, planning, snapshot
 from broker.planning.backlog import backlog, parking
-from tests.builders import make_job, make_model_summary, make_summary
+from tests.builders import T0, make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 S, F = Condition.SUCCEEDED, Condition.FINISHED
 
 
@@ -154,15 +153,9 @@ def _fleet(nodes: int = 20) -> snapshot.FleetSnapshot:
 
 
 def _member(index: int, *, array: str = "sweep-abc", parallelism: int = 3) -> snapshot.PendingJob:
-    builder = make_job(f"sweep-{index}", gpus=1)
-    job = builder.build()
-    job_id = f"{array}-{index}"
-    return snapshot.PendingJob(
-        job_id=job_id,
-        queue=job.spec.queue,
-        priority=job.spec.priority,
+    return make_job(f"sweep-{index}", gpus=1).pending(
+        f"{array}-{index}",
         created=T0 + timedelta(seconds=index),
-        request=builder.request(job_id),
         array=snapshot.ArrayLimit(array, parallelism),
     )
 

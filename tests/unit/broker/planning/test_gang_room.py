@@ -6,7 +6,7 @@ from __future__ import annotations
 from broker.api import gangs
 from broker.api.queues import ReasonCode
 from broker.planning import fitting, snapshot
-from tests.unit.member_agent.placement import builders
+from tests import agentbuilders
 
 
 def cluster(*models: tuple[str, list[int], int]) -> snapshot.ClusterCapacity:
@@ -29,7 +29,7 @@ def cluster(*models: tuple[str, list[int], int]) -> snapshot.ClusterCapacity:
 
 
 def request(gpus: int, pods: int, *, nvlink: str = "none") -> gangs.GangRequest:
-    return builders.gang(builders.shape(gpus), pods, nvlink=nvlink)
+    return agentbuilders.gang(agentbuilders.shape(gpus), pods, nvlink=nvlink)
 
 
 def test_a_gang_one_pod_bigger_than_the_cluster_is_told_so() -> None:

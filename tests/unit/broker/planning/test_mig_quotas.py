@@ -4,17 +4,14 @@ whole-GPU jobs, and preemption with MIG jobs about neither crashes nor miscounts
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import pytest
 
 from broker.api import gangs, inventory, mig
 from broker.planning import fitting, holdings, planning, quotas, snapshot
-from tests.builders import JobBuilder, make_job, make_model_summary, make_summary
+from tests.builders import T0, JobBuilder, make_job, make_model_summary, make_summary
 from tests.unit.broker.planning.sim import H100, codes, config, pending, queue, reasons
 
 PROFILE = "1g.10gb"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def mig_builder(name: str, slices: int = 1, *, pods: int = 1, queue_: str = "a") -> JobBuilder:

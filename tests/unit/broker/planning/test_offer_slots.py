@@ -4,15 +4,12 @@ or wait, told ClusterBusy, live (never parked: answers come without a summary's 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from broker.api.queues import ReasonCode
 from broker.planning import planning, snapshot
 from broker.planning.backlog import backlog, parking
-from tests.builders import make_job, make_model_summary, make_summary
+from tests.builders import T0, make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def fleet(slots: dict[str, int | None]) -> snapshot.FleetSnapshot:
@@ -28,19 +25,7 @@ def fleet(slots: dict[str, int | None]) -> snapshot.FleetSnapshot:
 
 
 def jobs(count: int) -> list[snapshot.PendingJob]:
-    out = []
-    for n in range(count):
-        builder = make_job(f"j{n}", gpus=1)
-        out.append(
-            snapshot.PendingJob(
-                job_id=f"j{n}",
-                queue="default",
-                priority=0,
-                created=T0.replace(second=n),
-                request=builder.request(f"j{n}"),
-            )
-        )
-    return out
+    return [make_job(f"j{n}", gpus=1).pending(created=T0.replace(second=n)) for n in range(count)]
 
 
 def placed(plan: planning.CyclePlan) -> dict[str, int]:
@@ -81,13 +66,7 @@ def test_with_every_slot_taken_the_rest_wait_told_cluster_busy_and_stay_live() -
 
 
 def test_a_fleet_with_a_slot_left_is_not_busy_and_a_job_that_fits_nowhere_is_told_why() -> None:
-    big = snapshot.PendingJob(
-        job_id="big",
-        queue="default",
-        priority=0,
-        created=T0,
-        request=make_job("big", gpus=8).gang(20).request("big"),
-    )
+    big = make_job("big", gpus=8).gang(20).pending()
     plan = planning.plan_cycle(fleet({"tight": 0, "roomy": 2}), [big, *jobs(1)])
     assert not plan.busy  # roomy has a slot left
     assert placed(plan) == {"roomy": 1}

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
 from broker.api import inventory
 from broker.planning import planning, snapshot
-from tests.builders import make_job, make_model_summary, make_summary
+from tests.builders import T0, make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 A100 = "NVIDIA-A100-SXM4-80GB"
 L4 = "NVIDIA-L4"
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def hist(**free: int) -> list[int]:
@@ -36,15 +35,7 @@ def fleet(
 
 
 def pending(builder, job_id: str, *, minutes: int = 0, excluded=()) -> snapshot.PendingJob:
-    job = builder.build()
-    return snapshot.PendingJob(
-        job_id=job_id,
-        queue=job.spec.queue,
-        priority=job.spec.priority,
-        created=T0 + timedelta(minutes=minutes),
-        request=builder.request(job_id),
-        excluded=frozenset(excluded),
-    )
+    return builder.pending(job_id, created=T0 + timedelta(minutes=minutes), excluded=excluded)
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
 from broker.planning import position
+from tests.builders import T0
 
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 H100 = frozenset({"H100"})
 A100 = frozenset({"A100"})
 BOTH = H100 | A100

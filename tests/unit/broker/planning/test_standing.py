@@ -3,8 +3,6 @@ strikes add up (`standing.strike`), and what the planner does with a cluster sco
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import pytest
 
 from broker.planning import planning, snapshot, standing
@@ -74,15 +72,7 @@ def summaries(tight: str, roomy: str) -> snapshot.FleetSnapshot:
 
 
 def pending(job_id: str) -> snapshot.PendingJob:
-    builder = make_job(gpus=1)
-    job = builder.build()
-    return snapshot.PendingJob(
-        job_id=job_id,
-        queue=job.spec.queue,
-        priority=0,
-        created=datetime(2026, 1, 1, tzinfo=UTC),
-        request=builder.request(job_id),
-    )
+    return make_job(gpus=1).pending(job_id)
 
 
 @pytest.mark.parametrize(

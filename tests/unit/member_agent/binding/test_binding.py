@@ -12,18 +12,18 @@ from member_agent.binding import binding
 from member_agent.cluster import base, errors
 from member_agent.cluster.simulated import backend as simulated
 from member_agent.placement import gang
-from tests.unit.member_agent import builders
+from tests import agentbuilders
 
 
 async def prepare(
     tmp_path: Path, job: jobs.GPUJob, *, epoch: int | None = 7, attempt: int = 1
 ) -> tuple[simulated.SimulatedBackend, list[base.PodRequest]]:
-    backend = builders.small_backend(tmp_path)
+    backend = agentbuilders.small_backend(tmp_path)
     request = gangs.gang_request("j1", job, attempt=attempt)
     placement = gang.place_gang(backend.inventory(), request)
     assert isinstance(placement, gang.GangPlacement)
     requests = binding.build_requests(
-        "j1", job, placement, traceparent=builders.TRACEPARENT, epoch=epoch, attempt=attempt
+        "j1", job, placement, traceparent=agentbuilders.TRACEPARENT, epoch=epoch, attempt=attempt
     )
     return backend, requests
 
@@ -38,7 +38,7 @@ async def prepare(
 async def test_the_pods_carry_gpufeds_labels_and_the_trace(
     tmp_path: Path, attempt: int, names: list[str]
 ) -> None:
-    job = builders.make_job(gpus=4, replicas=2, namespace="team-a", duration=1)
+    job = agentbuilders.make_job(gpus=4, replicas=2, namespace="team-a", duration=1)
     backend, requests = await prepare(tmp_path, job, attempt=attempt)
     await binding.create_gang(backend, requests)
     assert [(r.namespace, r.name) for r in requests] == [("team-a", name) for name in names]
@@ -52,7 +52,7 @@ async def test_the_pods_carry_gpufeds_labels_and_the_trace(
     }
     assert first.annotations == {
         "gpufed.io/sim-duration": "1",
-        "traceparent": builders.TRACEPARENT,
+        "traceparent": agentbuilders.TRACEPARENT,
         "gpufed.io/epoch": "7",
         "gpufed.io/min-member": "2",
         "gpufed.io/gang-size": "2",
@@ -69,13 +69,13 @@ async def test_the_pods_carry_gpufeds_labels_and_the_trace(
     ("job", "epoch", "expected"),
     [
         pytest.param(
-            builders.make_job(gpus=1, replicas=3, min_member=2),
+            agentbuilders.make_job(gpus=1, replicas=3, min_member=2),
             3,
             base.HeldJob("j1", "default", 3, 2, 3, 3, (), queue="research"),
             id="minMember below the gang size",
         ),
         pytest.param(
-            builders.make_job(gpus=2, replicas=2, namespace="team-a"),
+            agentbuilders.make_job(gpus=2, replicas=2, namespace="team-a"),
             None,
             base.HeldJob("j1", "team-a", 0, 2, 2, 4, (), queue="research"),
             id="no epoch given",
@@ -90,7 +90,7 @@ async def test_a_backend_rebuilds_the_job_from_its_pods(
     held = backend.held_jobs()
     assert list(held) == ["j1"]
     found = held["j1"]
-    assert found.traceparent == builders.TRACEPARENT
+    assert found.traceparent == agentbuilders.TRACEPARENT
     assert [p.name for p in found.pods] == sorted(r.name for r in requests)
     assert dataclasses.replace(found, pods=(), traceparent=None) == expected
     await backend.close()
@@ -108,7 +108,7 @@ async def test_a_backend_rebuilds_the_job_from_its_pods(
 async def test_a_failed_create_leaves_no_pod(
     tmp_path: Path, succeed: int, concurrency: int
 ) -> None:
-    job = builders.make_job(gpus=4, replicas=4)
+    job = agentbuilders.make_job(gpus=4, replicas=4)
     backend, requests = await prepare(tmp_path, job)
     free_before = sum(n.whole_free for n in backend.inventory())
     backend.fail_creates_after(succeed)
@@ -122,7 +122,7 @@ async def test_a_failed_create_leaves_no_pod(
 
 
 async def test_delete_pods_reports_what_it_could_not_delete(tmp_path: Path) -> None:
-    job = builders.make_job(gpus=1, replicas=2)
+    job = agentbuilders.make_job(gpus=1, replicas=2)
     backend, requests = await prepare(tmp_path, job)
     await binding.create_gang(backend, requests)
 

@@ -20,9 +20,8 @@ from member_agent.cluster.simulated import faults
 from member_agent.inventory import summary
 from member_agent.placement import gang
 from member_agent.session import reporting
-from tests import kubeemulator
-from tests.unit.member_agent import builders, harnesses
-from tests.unit.member_agent.placement import builders as b
+from tests import agentbuilders, kubeemulator
+from tests.unit.member_agent import harnesses
 
 KEYS = health.HealthKeys()
 H100 = kubeemulator.H100
@@ -240,7 +239,9 @@ def test_a_claims_device_condition_makes_that_device_unhealthy() -> None:
 
 
 def test_an_unhealthy_gpu_is_never_free_and_counts_unavailable() -> None:
-    inventory = b.inventory(b.node("n1", gpus=4), b.node("n2", gpus=4))
+    inventory = agentbuilders.inventory(
+        agentbuilders.node("n1", gpus=4), agentbuilders.node("n2", gpus=4)
+    )
     pod = status.PodPlacement(name="p", task="w", node="n1", gpus=[status.GPUSlot(index=1)])
     inventory.apply(pod)
     assert inventory.set_unhealthy("n1", {1, 2}) == {1, 2}
@@ -259,8 +260,10 @@ def test_an_unhealthy_gpu_is_never_free_and_counts_unavailable() -> None:
     assert (found.total_gpus, found.free_gpus, found.unavailable_gpus) == (8, 6, 2)
     assert found.nodes_by_free == [0, 0, 1, 0, 1]
     # placement goes around them: two pods of 3 GPUs cannot both go, one goes to n2
-    assert isinstance(gang.place_gang(inventory, b.gang(b.shape(3), 2)), gang.NoPlacement)
-    placed = gang.place_gang(inventory, b.gang(b.shape(3)))
+    assert isinstance(
+        gang.place_gang(inventory, agentbuilders.gang(agentbuilders.shape(3), 2)), gang.NoPlacement
+    )
+    placed = gang.place_gang(inventory, agentbuilders.gang(agentbuilders.shape(3)))
     assert isinstance(placed, gang.GangPlacement)
     assert [p.placement.node for p in placed.pods] == ["n2"]
     assert inventory.set_unhealthy("n1", ()) == frozenset()  # healthy again: all free
@@ -307,9 +310,9 @@ async def test_a_gpu_failing_fails_the_gang_on_it_and_leaves_the_inventory(
 ) -> None:
     harness = harnesses.Harness(tmp_path)
     try:
-        j1 = await harness.offer("j1", gpus=4, replicas=2, model=builders.H100)
+        j1 = await harness.offer("j1", gpus=4, replicas=2, model=agentbuilders.H100)
         assert isinstance(j1, messages.Accepted)
-        j2 = await harness.offer("j2", gpus=2, model=builders.L4)
+        j2 = await harness.offer("j2", gpus=2, model=agentbuilders.L4)
         assert isinstance(j2, messages.Accepted)
         running = ("Running", "PodsRunning")
         await harness.pump(lambda: all(running in harness.updates(j) for j in ("j1", "j2")))
@@ -354,7 +357,7 @@ async def test_a_jobs_annotation_fails_its_gpu_and_auto_cordon_cordons_the_node(
 ) -> None:
     backend = simulated.SimulatedBackend(
         "small",
-        simulated.load_pools(builders.write_cluster(tmp_path)),
+        simulated.load_pools(agentbuilders.write_cluster(tmp_path)),
         start_delay=0.01,
         health_settings=gpuhealth.HealthSettings(auto_cordon=True, cordon_after=1),
     )
@@ -376,7 +379,7 @@ async def test_a_jobs_annotation_fails_its_gpu_and_auto_cordon_cordons_the_node(
         "h100-000": "GPUFailed: 1 GPU failures on this node within 1h"
     }
     assert [p.phase for p in backend.pods() if p.request.name == "b"] == [status.PodPhase.RUNNING]
-    found = summary.summarise(inventory).model(builders.H100)
+    found = summary.summarise(inventory).model(agentbuilders.H100)
     assert found is not None and found.unavailable_gpus == 8  # the cordoned node's
     with pytest.raises(ValueError, match="no GPU 9"):
         backend.gpus.fail_gpu("h100-001", 9)
@@ -387,7 +390,7 @@ async def test_a_jobs_annotation_fails_its_gpu_and_auto_cordon_cordons_the_node(
 
 
 async def test_the_summary_carries_gpu_health_only_to_a_broker_that_reads_it() -> None:
-    inventory = b.inventory(b.node("n1", gpus=4))
+    inventory = agentbuilders.inventory(agentbuilders.node("n1", gpus=4))
     book = gpuhealth.HealthBook("c1", gpuhealth.HealthSettings(auto_cordon=True, cordon_after=1))
     reporter = reporting.SummaryReporter(
         lambda: inventory, cluster="c1", health=book.summary, interval=0

@@ -11,7 +11,7 @@ import pytest
 from broker.api import status
 from member_agent.cluster import base, errors
 from member_agent.cluster.simulated import backend as simulated
-from tests.unit.member_agent import builders
+from tests import agentbuilders
 
 POOL = """
 pools:
@@ -42,7 +42,7 @@ pools:
 def test_a_bad_cluster_file_names_the_field(
     tmp_path: Path, change: tuple[str, str], field: str
 ) -> None:
-    path = builders.write_cluster(tmp_path, POOL.replace(*change))
+    path = agentbuilders.write_cluster(tmp_path, POOL.replace(*change))
     with pytest.raises(simulated.NodesFileError, match=re.escape(field)):
         simulated.load_pools(path)
 
@@ -72,7 +72,7 @@ def test_pools_become_nodes(
     tmp_path: Path, extra: str, racks: list[str], domains: list[str]
 ) -> None:
     nodes = simulated.build_nodes(
-        simulated.load_pools(builders.write_cluster(tmp_path, POOL + extra))
+        simulated.load_pools(agentbuilders.write_cluster(tmp_path, POOL + extra))
     )
     assert [n.name for n in nodes] == ["gpu-000", "gpu-001", "gpu-002", "gpu-003"]
     assert [n.rack for n in nodes] == racks
@@ -158,7 +158,7 @@ async def phases(backend: simulated.SimulatedBackend, count: int) -> list[tuple[
 async def test_a_pod_runs_and_ends(
     tmp_path: Path, annotations: dict[str, str], expected: list[tuple[str, str, str]]
 ) -> None:
-    backend = builders.small_backend(tmp_path)
+    backend = agentbuilders.small_backend(tmp_path)
     await backend.create_pod(request("p", annotations=annotations))
     assert backend.inventory().nodes["h100-000"].whole_free == 0
     assert await phases(backend, 3) == expected
@@ -169,7 +169,7 @@ async def test_a_pod_runs_and_ends(
 
 
 async def test_a_pod_without_duration_runs_until_deleted(tmp_path: Path) -> None:
-    backend = builders.small_backend(tmp_path)
+    backend = agentbuilders.small_backend(tmp_path)
     await backend.create_pod(request("p", gpus=4))
     assert await phases(backend, 2) == [("p", "Pending", ""), ("p", "Running", "")]
     await asyncio.sleep(0.05)
@@ -206,7 +206,7 @@ async def test_a_pod_without_duration_runs_until_deleted(tmp_path: Path) -> None
 async def test_a_create_that_cannot_be_done_raises(
     tmp_path: Path, first: base.PodRequest, second: base.PodRequest, match: str
 ) -> None:
-    backend = builders.small_backend(tmp_path)
+    backend = agentbuilders.small_backend(tmp_path)
     await backend.create_pod(first)
     with pytest.raises(errors.PermanentBackendError, match=match):
         await backend.create_pod(second)
@@ -215,7 +215,7 @@ async def test_a_create_that_cannot_be_done_raises(
 
 
 async def test_creates_fail_when_injected(tmp_path: Path) -> None:
-    backend = builders.small_backend(tmp_path)
+    backend = agentbuilders.small_backend(tmp_path)
     backend.fail_creates_after(1)
     await backend.create_pod(request("a", gpus=1))
     with pytest.raises(errors.BackendError, match="injected"):
@@ -226,7 +226,7 @@ async def test_creates_fail_when_injected(tmp_path: Path) -> None:
 
 
 async def test_a_node_that_goes_not_ready_fails_its_pods(tmp_path: Path) -> None:
-    backend = builders.small_backend(tmp_path)
+    backend = agentbuilders.small_backend(tmp_path)
     await backend.create_pod(request("a", gpus=2))
     await backend.create_pod(request("b", "h100-001", gpus=2))
     await phases(backend, 4)  # both pending and running

@@ -14,7 +14,7 @@ from broker.api import messages, status
 from member_agent.cluster import base
 from member_agent.cluster.simulated import backend as simulated
 from member_agent.jobs import adopting, handling, table
-from tests.unit.member_agent import builders
+from tests import agentbuilders
 
 Phase = status.PodPhase
 R, P, S, F = Phase.RUNNING, Phase.PENDING, Phase.SUCCEEDED, Phase.FAILED
@@ -44,7 +44,7 @@ def held(
         gang_size=len(pods) if gang_size < 0 else gang_size,
         gpus=len(pods),
         pods=tuple(pods),
-        traceparent=builders.TRACEPARENT,
+        traceparent=agentbuilders.TRACEPARENT,
     )
 
 
@@ -74,7 +74,7 @@ def test_a_found_job_gets_the_state_its_pods_imply(
     assert (record.state.value, record.reason) == expected
     assert record.terminal_at == (5.0 if record.state.terminal else None)
     assert (record.epoch, record.namespace, record.gpus) == (41, "team-a", len(job.pods))
-    assert record.traceparent == builders.TRACEPARENT
+    assert record.traceparent == agentbuilders.TRACEPARENT
     assert not record.binding
     hello = record.agent_job()
     assert [(p.name, p.phase) for p in hello.pods] == [(p.name, p.phase) for p in job.pods]
@@ -101,7 +101,7 @@ class Restart:
     restarted) on the same cluster."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.backend: simulated.SimulatedBackend = builders.small_backend(tmp_path)
+        self.backend: simulated.SimulatedBackend = agentbuilders.small_backend(tmp_path)
         self.sent: list[messages.Message] = []
         self.events = self.backend.events()
         self.before = self._handler()
@@ -122,7 +122,9 @@ class Restart:
 
     async def offer(self, job_id: str, *, attempt: int = 1, **job: Any) -> None:
         reply: list[messages.Message] = []
-        offer = builders.make_offer(job_id, builders.make_job(**job), epoch=3, attempt=attempt)
+        offer = agentbuilders.make_offer(
+            job_id, agentbuilders.make_job(**job), epoch=3, attempt=attempt
+        )
         await self.before.handle_offer(offer, session_epoch=3, reply=reply.append)
         assert isinstance(reply[0], messages.Accepted)
 
@@ -159,7 +161,7 @@ async def restart(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 async def test_hello_after_a_restart_lists_the_jobs_still_running(restart: Restart) -> None:
-    await restart.offer("long", gpus=8, replicas=2, model=builders.H100)
+    await restart.offer("long", gpus=8, replicas=2, model=agentbuilders.H100)
     await restart.offer("short", gpus=1, duration=0.01)
     await restart.pump(restart.before, lambda: state_of(restart.before, "short") == "Succeeded")
     await restart.pump(restart.before, lambda: state_of(restart.before, "long") == "Running")
@@ -178,7 +180,9 @@ async def test_hello_after_a_restart_lists_the_jobs_still_running(restart: Resta
     await restart.pump(after, lambda: bool(restart.updates("long")))
     assert restart.updates("long") == [("Failed", "NodeLost")]
     update = restart.sent[-1]
-    assert isinstance(update, messages.JobUpdate) and update.traceparent == builders.TRACEPARENT
+    assert (
+        isinstance(update, messages.JobUpdate) and update.traceparent == agentbuilders.TRACEPARENT
+    )
 
 
 async def test_a_gang_that_failed_while_the_agent_was_away_has_its_pods_deleted(

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from broker.api import gangs, messages, status
+from tests import agentbuilders
 from tests import builders as job_builders
-from tests.unit.member_agent import builders, harnesses
+from tests.unit.member_agent import harnesses
 
 Phase = status.PodPhase
 
@@ -84,7 +85,12 @@ async def test_a_later_attempt_runs_again_under_new_pod_names(
     left: set[str],
 ) -> None:
     # both H100 nodes, whole: attempt 2 fits only once attempt 1 has let go
-    job: dict[str, Any] = {"gpus": 8, "replicas": 2, "model": builders.H100, "outcome": outcome}
+    job: dict[str, Any] = {
+        "gpus": 8,
+        "replicas": 2,
+        "model": agentbuilders.H100,
+        "outcome": outcome,
+    }
     assert isinstance(await harness.offer("j1", **job), messages.Accepted)
     await before(harness)
     reply = await harness.offer("j1", attempt=2, duration=0.02, **job)
@@ -173,7 +179,8 @@ def held_job(attempt: int) -> messages.AgentJob:
     "make",
     [
         pytest.param(
-            lambda n: builders.make_offer("j1", builders.make_job(), attempt=n), id="offer"
+            lambda n: agentbuilders.make_offer("j1", agentbuilders.make_job(), attempt=n),
+            id="offer",
         ),
         pytest.param(
             lambda n: messages.Accepted(job_id="j1", epoch=1, pods=[], attempt=n), id="accepted"

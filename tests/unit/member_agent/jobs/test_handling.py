@@ -10,7 +10,8 @@ import pytest
 
 from broker.api import messages, status
 from member_agent.placement import limits
-from tests.unit.member_agent import builders, harnesses
+from tests import agentbuilders
+from tests.unit.member_agent import harnesses
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ async def harness(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 async def test_an_offer_that_fits_is_accepted_with_its_pods(harness: harnesses.Harness) -> None:
-    reply = await harness.offer("j1", gpus=8, replicas=2, model=builders.H100)
+    reply = await harness.offer("j1", gpus=8, replicas=2, model=agentbuilders.H100)
     assert isinstance(reply, messages.Accepted)
     assert sorted((p.name, len(p.gpus)) for p in reply.pods) == [
         ("j1-worker-0", 8),
@@ -38,7 +39,7 @@ async def test_an_offer_that_fits_is_accepted_with_its_pods(harness: harnesses.H
     [
         pytest.param({"epoch": 1, "session_epoch": 2}, "stale", "stale epoch 1", id="stale epoch"),
         pytest.param(
-            {"gpus": 8, "replicas": 3, "model": builders.H100},
+            {"gpus": 8, "replicas": 3, "model": agentbuilders.H100},
             "unplaceable",
             "",
             id="too big",
@@ -132,7 +133,7 @@ async def test_pod_phases_become_job_updates(
     assert harness.updates("j1") == expected
     update = harness.sent[-1]
     assert isinstance(update, messages.JobUpdate)
-    assert update.epoch == 1 and update.traceparent == builders.TRACEPARENT
+    assert update.epoch == 1 and update.traceparent == agentbuilders.TRACEPARENT
 
 
 async def test_a_failed_gang_deletes_its_other_pods(harness: harnesses.Harness) -> None:

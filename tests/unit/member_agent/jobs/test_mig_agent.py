@@ -12,14 +12,14 @@ from broker.api import messages, mig
 from member_agent.cluster.simulated import backend as simulated
 from member_agent.jobs import handling
 from member_agent.session import reporting
-from tests.unit.member_agent import builders
+from tests import agentbuilders
 
 MIG_CLUSTER = f"""
 cluster: migs
 pools:
   - name: a100
     count: 2
-    gpu_product: {builders.H100}
+    gpu_product: {agentbuilders.H100}
     gpus_per_node: 2
     cpu: 64
     memory: 256Gi
@@ -28,7 +28,7 @@ pools:
 
 
 def backend(tmp_path: Path) -> simulated.SimulatedBackend:
-    pools = simulated.load_pools(builders.write_cluster(tmp_path, MIG_CLUSTER))
+    pools = simulated.load_pools(agentbuilders.write_cluster(tmp_path, MIG_CLUSTER))
     return simulated.SimulatedBackend("migs", pools, start_delay=0.01)
 
 
@@ -42,7 +42,7 @@ def test_a_pool_of_mig_nodes_and_a_bad_profile(tmp_path: Path) -> None:
     assert all(n.gpu_count == 2 for n in sim.inventory())
     bad = MIG_CLUSTER.replace("1g.10gb: 7", "tiny: 7")
     with pytest.raises(simulated.NodesFileError, match=r"pools\[0\]\.mig.*not a MIG profile"):
-        simulated.load_pools(builders.write_cluster(tmp_path, bad))
+        simulated.load_pools(agentbuilders.write_cluster(tmp_path, bad))
 
 
 async def test_a_mig_gang_that_does_not_fit_is_rejected_with_nothing_created(
@@ -52,9 +52,9 @@ async def test_a_mig_gang_that_does_not_fit_is_rejected_with_nothing_created(
     replies: list[messages.Message] = []
     handler = handling.JobHandler(sim, send=lambda m, **_: None, failure_grace_seconds=0)
     annotations = {mig.MIG_PROFILE_ANNOTATION: "3g.40gb"}
-    job = builders.make_job("m", gpus=2, replicas=3, annotations=annotations)
+    job = agentbuilders.make_job("m", gpus=2, replicas=3, annotations=annotations)
     await handler.handle_offer(
-        builders.make_offer("j1", job), session_epoch=1, reply=replies.append
+        agentbuilders.make_offer("j1", job), session_epoch=1, reply=replies.append
     )
     reply = replies[-1]
     assert isinstance(reply, messages.Rejected)
@@ -67,11 +67,11 @@ async def test_finished_mig_pods_give_their_slices_back(tmp_path: Path) -> None:
     sim = backend(tmp_path)
     replies: list[messages.Message] = []
     handler = handling.JobHandler(sim, send=lambda m, **_: None, failure_grace_seconds=0)
-    job = builders.make_job(
+    job = agentbuilders.make_job(
         "m", gpus=5, replicas=2, duration=0.05, annotations={mig.MIG_PROFILE_ANNOTATION: "1g.10gb"}
     )
     await handler.handle_offer(
-        builders.make_offer("j1", job), session_epoch=1, reply=replies.append
+        agentbuilders.make_offer("j1", job), session_epoch=1, reply=replies.append
     )
     assert isinstance(replies[-1], messages.Accepted), replies[-1]
     assert free(sim) == {"a100-000": 2, "a100-001": 2}  # 5 slices on each node

@@ -10,8 +10,8 @@ import pytest
 from broker.api import gangs, jobs
 from member_agent.inventory import model
 from member_agent.placement import filtering, gang, indexing
+from tests import agentbuilders as b
 from tests.builders import JobBuilder, expr, make_job
-from tests.unit.member_agent.placement import builders as b
 
 GPU = jobs.GPU_PRODUCT_LABEL
 H100 = "NVIDIA-H100-80GB-HBM3"

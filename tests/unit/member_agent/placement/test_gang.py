@@ -9,7 +9,7 @@ import pytest
 from broker.api import gangs
 from member_agent.inventory import model
 from member_agent.placement import gang, indexing
-from tests.unit.member_agent.placement import builders as b
+from tests import agentbuilders as b
 
 
 def _placed(

@@ -15,8 +15,8 @@ from broker.api import inventory as api
 from broker.planning import planning, snapshot
 from member_agent.inventory import model, summary
 from member_agent.placement import gang
+from tests import agentbuilders as b
 from tests.builders import make_job
-from tests.unit.member_agent.placement import builders as b
 
 PROFILE = "1g.10gb"
 WHERE = "spec.tasks[0].template"

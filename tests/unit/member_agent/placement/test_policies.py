@@ -6,7 +6,7 @@ import pytest
 
 from member_agent.inventory import fragmentation, model
 from member_agent.placement import gang, indexing, policies, scoring
-from tests.unit.member_agent.placement import builders as b
+from tests import agentbuilders as b
 
 
 # Three 8-GPU nodes: "full" has 2 GPUs free, "half" 4, "idle" 8. Tie-break order: idle, half, full.

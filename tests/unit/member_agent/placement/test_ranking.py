@@ -10,7 +10,7 @@ import pytest
 from broker.api import affinity, status
 from member_agent.inventory import fragmentation, model
 from member_agent.placement import filtering, gang, indexing, policies, ranking, scoring
-from tests.unit.member_agent.placement import builders as b
+from tests import agentbuilders as b
 
 WORKLOAD = fragmentation.default_workload()
 

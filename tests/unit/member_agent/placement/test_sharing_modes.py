@@ -8,7 +8,7 @@ import pytest
 
 from member_agent.inventory import model
 from member_agent.placement import gang
-from tests.unit.member_agent.placement import builders as b
+from tests import agentbuilders as b
 
 REPLICAS = {model.SHARING_LABEL: model.SHARING_REPLICAS, model.SHARED_RESOURCE_LABEL: "x.io/s"}
 WHOLE = {model.SHARING_LABEL: model.SHARING_NONE, model.SHARED_RESOURCE_LABEL: "x.io/s"}

@@ -10,7 +10,7 @@ from broker.api import gangs
 from broker.api import inventory as api
 from broker.planning import planning, snapshot
 from member_agent.inventory import model, summary
-from tests.unit.member_agent.placement import builders as b
+from tests import agentbuilders as b
 
 
 def test_summary_counts_nodes_by_free_gpus() -> None:

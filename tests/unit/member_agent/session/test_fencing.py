@@ -13,7 +13,8 @@ import pytest
 from broker.api import messages, status
 from member_agent.jobs import handling
 from member_agent.session import leasing
-from tests.unit.member_agent import builders, harnesses
+from tests import agentbuilders
+from tests.unit.member_agent import harnesses
 
 State = status.JobState
 
@@ -34,8 +35,8 @@ async def running(h: harnesses.Harness, job_id: str, **job: object) -> None:
 async def test_a_fence_stops_the_requeue_jobs_and_keeps_the_waiting_ones(
     harness: harnesses.Harness,
 ) -> None:
-    await running(harness, "req", gpus=8, replicas=2, model=builders.H100)
-    await running(harness, "waits", gpus=2, model=builders.L4, cluster_lost="wait")
+    await running(harness, "req", gpus=8, replicas=2, model=agentbuilders.H100)
+    await running(harness, "waits", gpus=2, model=agentbuilders.L4, cluster_lost="wait")
     harness.connected = False  # partitioned: nothing reaches the broker
 
     stopped = await harness.handler.fence(reason="no word for 30 s", grace_seconds=0)
@@ -75,8 +76,8 @@ async def test_while_fenced_offers_create_nothing_and_once_renewed_they_do(
 
 async def test_a_job_adopted_after_a_restart_keeps_its_policy(tmp_path: Path) -> None:
     first = harnesses.Harness(tmp_path)
-    await running(first, "waits", gpus=2, model=builders.L4, cluster_lost="wait")
-    await running(first, "req", gpus=1, model=builders.H100)
+    await running(first, "waits", gpus=2, model=agentbuilders.L4, cluster_lost="wait")
+    await running(first, "req", gpus=1, model=agentbuilders.H100)
     await first.handler.close()
     # the agent restarts on the same cluster: it finds the pods and their annotations
     restarted = handling.JobHandler(first.backend, send=lambda *_, **__: None)

@@ -12,7 +12,7 @@ from broker.api import inventory, messages, status
 from member_agent.inventory import model
 from member_agent.inventory import summary as summaries
 from member_agent.session import connecting, reporting
-from tests.unit.member_agent import builders
+from tests import agentbuilders
 
 
 def take(inv: model.Inventory, node: str, *indexes: int, milli: int = 1000, name: str = "") -> None:
@@ -27,12 +27,12 @@ def take(inv: model.Inventory, node: str, *indexes: int, milli: int = 1000, name
 
 
 def test_the_summary_counts_free_gpus_per_model(tmp_path: Path) -> None:
-    inv = builders.small_backend(tmp_path).inventory()
+    inv = agentbuilders.small_backend(tmp_path).inventory()
     take(inv, "h100-000", 0, 1, 2)  # 5 free, best NVLink island 5
     take(inv, "h100-001", 0, milli=300)  # a shared GPU: 700 milli left on it
     inv.nodes["l4-000"].ready = False
     summary = summaries.summarise(inv)
-    h100 = summary.model(builders.H100)
+    h100 = summary.model(agentbuilders.H100)
     assert h100 is not None
     assert (h100.nodes, h100.total_gpus, h100.free_gpus, h100.unavailable_gpus) == (2, 16, 12, 0)
     assert h100.nodes_by_free == [0, 0, 0, 0, 0, 1, 0, 1, 0]
@@ -40,7 +40,7 @@ def test_the_summary_counts_free_gpus_per_model(tmp_path: Path) -> None:
     assert h100.largest_free_nvlink_block == 7
     assert h100.racks == {"h100-rack-0": [0, 0, 0, 0, 0, 1, 0, 1, 0]}
     assert h100.max_free_cpu_milli == 200_000
-    l4 = summary.model(builders.L4)
+    l4 = summary.model(agentbuilders.L4)
     assert l4 is not None
     assert (l4.free_gpus, l4.unavailable_gpus, l4.nodes_by_free) == (0, 4, [0, 0, 0, 0, 0])
 
@@ -74,7 +74,7 @@ def test_the_largest_free_nvlink_block(island: int, domain_nodes: int, expected:
 
 
 def summaries_reporter(tmp_path: Path) -> tuple[reporting.SummaryReporter, model.Inventory]:
-    inv = builders.small_backend(tmp_path).inventory()
+    inv = agentbuilders.small_backend(tmp_path).inventory()
     reporter = reporting.SummaryReporter(
         lambda: inv, cluster="small", interval=0.05, summarise=summaries.summarise
     )
@@ -90,7 +90,7 @@ def test_a_delta_carries_only_the_changed_model(tmp_path: Path) -> None:
     take(inv, "l4-000", 0)
     delta = reporter.next_message()
     assert delta is not None and not delta.full
-    assert [m.model for m in delta.summary.models] == [builders.L4]
+    assert [m.model for m in delta.summary.models] == [agentbuilders.L4]
     assert delta.summary.seq == 2
     take(inv, "l4-000", 1)
     take(inv, "h100-000", 1)
@@ -99,7 +99,7 @@ def test_a_delta_carries_only_the_changed_model(tmp_path: Path) -> None:
 
 
 def test_cluster_labels_go_only_to_a_broker_that_reads_them(tmp_path: Path) -> None:
-    inv = builders.small_backend(tmp_path).inventory()
+    inv = agentbuilders.small_backend(tmp_path).inventory()
     labels = {"region": "eu-west", "tier": "spot"}
     reporter = reporting.SummaryReporter(lambda: inv, cluster="small", labels=labels)
     old = reporter.attach(lambda _: None)  # a broker older than protocol 5: no labels
@@ -131,7 +131,7 @@ async def test_changes_are_coalesced(tmp_path: Path) -> None:
         reporter.mark_dirty()
     await asyncio.sleep(0.1)
     assert len(sent) == 1
-    h100 = sent[0].summary.model(builders.H100)
+    h100 = sent[0].summary.model(agentbuilders.H100)
     assert isinstance(h100, inventory.ModelSummary) and h100.free_gpus == 12
     reporter.detach()
     take(inv, "h100-000", 5)

@@ -14,9 +14,8 @@ from member_agent.cluster import base
 from member_agent.cluster.kubernetes import objects
 from member_agent.jobs import adopting, table
 from member_agent.utilisation import readings
-from tests import dcgmpages
+from tests import agentbuilders, dcgmpages
 from tests.dcgmpages import GPU
-from tests.unit.member_agent import builders
 
 GiB = 1 << 30
 MIB = 1 << 20
@@ -281,7 +280,7 @@ def test_a_page_joined_to_the_table_end_to_end() -> None:
 
 
 async def test_a_restarted_agent_knows_the_queue_of_the_jobs_it_adopts(tmp_path: Path) -> None:
-    backend = builders.small_backend(tmp_path)
+    backend = agentbuilders.small_backend(tmp_path)
     await backend.create_pod(
         base.PodRequest(
             namespace="team-a",

@@ -1,12 +1,14 @@
-"""Builders for the agent's tests: small clusters, jobs and offers."""
+"""Builders for the agent's tests: a small simulated cluster, jobs and offers as the broker
+sends them; nodes, inventories, pod shapes and gang requests for placement."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from broker.api import jobs, messages
+from broker.api import gangs, jobs, messages
 from member_agent.cluster.simulated import backend as simulated
+from member_agent.inventory import model
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 L4 = "NVIDIA-L4"
@@ -105,4 +107,86 @@ def make_offer(
         job=job,
         traceparent=TRACEPARENT,
         attempt=attempt,
+    )
+
+
+def node(
+    name: str,
+    *,
+    gpus: int = 8,
+    model_name: str = "H100",
+    used: dict[int, int] | None = None,
+    cpu: int = 96_000,
+    memory: int = 512_000,
+    cpu_free: int = -1,
+    memory_free: int = -1,
+    gpu_memory: int = 80_000,
+    rack: str = "",
+    domain: str = "",
+    island: int = 0,
+    ready: bool = True,
+    labels: dict[str, str] | None = None,
+) -> model.Node:
+    """A node whose GPU i has `used[i]` milli taken."""
+    free = [model.GPU_MILLI] * gpus
+    for index, milli in (used or {}).items():
+        free[index] -= milli
+    return model.Node(
+        name=name,
+        model=model_name,
+        gpu_count=gpus,
+        gpu_memory_mib=gpu_memory,
+        cpu_milli=cpu,
+        memory_mib=memory,
+        rack=rack,
+        nvlink_domain=domain,
+        nvlink_island=island,
+        ready=ready,
+        labels=dict(labels or {}),
+        gpu_free=free,
+        cpu_free=cpu_free,
+        memory_free=memory_free,
+    )
+
+
+def inventory(*nodes: model.Node) -> model.Inventory:
+    inv = model.Inventory(cluster="test")
+    for item in nodes:
+        inv.add(item)
+    return inv
+
+
+def shape(
+    gpus: int = 1,
+    *,
+    milli: int = 1000,
+    models: tuple[str, ...] = (),
+    cpu: int = 1000,
+    memory: int = 1000,
+    gpu_memory: int = 0,
+) -> jobs.PodShape:
+    return jobs.PodShape(
+        gpus=gpus,
+        gpu_milli=milli if gpus else 0,
+        models=models,
+        cpu_milli=cpu,
+        memory_mib=memory,
+        min_gpu_memory_mib=gpu_memory,
+    )
+
+
+def gang(
+    pod_shape: jobs.PodShape,
+    pods: int = 1,
+    *,
+    min_member: int | None = None,
+    nvlink: str = "none",
+    rack: str = "none",
+    job_id: str = "job",
+) -> gangs.GangRequest:
+    return gangs.GangRequest(
+        job_id=job_id,
+        tasks=(("w", pods, pod_shape),),
+        min_member=min_member if min_member is not None else pods,
+        topology=jobs.Topology(nvlink=jobs.TopologyMode(nvlink), rack=jobs.TopologyMode(rack)),
     )
