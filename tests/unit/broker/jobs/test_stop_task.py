@@ -22,6 +22,7 @@ async def test_a_task_that_ends_on_its_cancel_is_awaited() -> None:
     assert task.cancelled()
 
 
+@pytest.mark.looptime  # the 0.1 s it waits for the task passes at once
 async def test_a_task_that_swallows_its_cancel_is_left_behind(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

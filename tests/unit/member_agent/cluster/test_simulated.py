@@ -168,6 +168,7 @@ async def test_a_pod_runs_and_ends(
     await backend.close()
 
 
+@pytest.mark.looptime  # its start delay and the while it runs pass on the fake loop time
 async def test_a_pod_without_duration_runs_until_deleted(tmp_path: Path) -> None:
     backend = agentbuilders.small_backend(tmp_path)
     await backend.create_pod(request("p", gpus=4))

@@ -5,6 +5,7 @@ they are gone; a pod's `gpufed.io/last-checkpoint` is reported to a broker that 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -47,6 +48,7 @@ async def preempt(h: harnesses.Harness, *, grace: float) -> float:
     return before
 
 
+@pytest.mark.looptime  # the grace passes on the loop's fake time
 async def test_the_pods_get_the_notice_and_keep_their_gpus_through_the_grace(
     harness: harnesses.Harness,
 ) -> None:
@@ -62,9 +64,10 @@ async def test_the_pods_get_the_notice_and_keep_their_gpus_through_the_grace(
         assert pod.terminating_until is not None
     assert free_gpus(harness) == idle  # still held: the workload runs on
     assert finals(harness, "j1") == []  # not reported yet: the broker counts nothing free
-    started = time.monotonic()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     await harness.pump(lambda: finals(harness, "j1") != [])
-    assert time.monotonic() - started >= 0.2  # the grace, not at once
+    assert loop.time() - started >= 0.2  # the grace, not at once
     assert finals(harness, "j1") == [("Cancelled", "Preempted")]
     assert harness.backend.pods() == []
     assert free_gpus(harness) == idle + 16
@@ -93,6 +96,7 @@ async def test_a_cancel_that_is_not_a_preemption_is_reported_at_once(
     )
 
 
+@pytest.mark.looptime
 async def test_a_preemption_cancel_sent_twice_deletes_once(harness: harnesses.Harness) -> None:
     await running(harness, exit_after=60)
     await preempt(harness, grace=0.2)

@@ -88,6 +88,7 @@ async def test_a_job_adopted_after_a_restart_keeps_its_policy(tmp_path: Path) ->
     await first.close()
 
 
+@pytest.mark.looptime
 async def test_the_lease_fences_once_when_it_lapses_and_a_renewal_lifts_it() -> None:
     fences: list[tuple[str, float]] = []
     renewals: list[bool] = []
@@ -101,6 +102,7 @@ async def test_the_lease_fences_once_when_it_lapses_and_a_renewal_lifts_it() -> 
         failure_grace=30.0,
         on_lapse=fence,
         on_renew=lambda: renewals.append(True),
+        clock=asyncio.get_running_loop().time,  # the loop's fake time: the sleeps take none
     )
     # the broker's welcome: heartbeat 0.05 s, grace 1.3 s -> fence after 1.3 - 1.1 = 0.2 s
     lease.set_terms(heartbeat=0.05, lost_after=1.3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,10 +74,12 @@ def test_the_largest_free_nvlink_block(island: int, domain_nodes: int, expected:
     assert summary.largest_free_nvlink_block == expected
 
 
-def summaries_reporter(tmp_path: Path) -> tuple[reporting.SummaryReporter, model.Inventory]:
+def summaries_reporter(
+    tmp_path: Path, *, clock: Callable[[], float] = time.monotonic
+) -> tuple[reporting.SummaryReporter, model.Inventory]:
     inv = agentbuilders.small_backend(tmp_path).inventory()
     reporter = reporting.SummaryReporter(
-        lambda: inv, cluster="small", interval=0.05, summarise=summaries.summarise
+        lambda: inv, cluster="small", interval=0.05, summarise=summaries.summarise, clock=clock
     )
     return reporter, inv
 
@@ -122,8 +125,9 @@ def test_a_summary_with_labels_kubernetes_would_refuse_is_refused() -> None:
         inventory.ClusterSummary(cluster="c", labels={"region": "no spaces"})
 
 
+@pytest.mark.looptime
 async def test_changes_are_coalesced(tmp_path: Path) -> None:
-    reporter, inv = summaries_reporter(tmp_path)
+    reporter, inv = summaries_reporter(tmp_path, clock=asyncio.get_running_loop().time)
     sent: list[messages.Summary] = []
     reporter.attach(sent.append)
     for index in range(4):
