@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -9,6 +10,12 @@ import pytest
 
 from gpufed.local import processes
 from tests import conftest_etcd
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """No event loop until a test makes one (as tests/conftest.py says why: looptime's plugin
+    would make one nobody closes)."""
+    asyncio.set_event_loop(None)
 
 
 @pytest.fixture

@@ -1,11 +1,17 @@
-"""Builders for test data: `make_job(gpus=8).gang(4).build()`, `make_summary(...)`."""
+"""Builders for the broker's tests: `make_job(gpus=8).gang(4).build()`, the job as the planner
+sees it queued (`.pending("j1")`), `make_summary(...)`."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
+from datetime import UTC, datetime
 from typing import Any
 
-from broker.api import gangs, inventory, jobs
+from broker.api import clusterchoice, gangs, inventory, jobs
+from broker.planning import snapshot
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)  # when a pending job was created, unless told
 
 
 class JobBuilder:
@@ -123,6 +129,32 @@ class JobBuilder:
 
     def request(self, job_id: str | None = None) -> gangs.GangRequest:
         return gangs.gang_request(job_id or self.doc["metadata"]["name"], self.build())
+
+    def pending(
+        self,
+        job_id: str | None = None,
+        *,
+        created: datetime = T0,
+        queued_since: datetime | None = None,
+        excluded: Iterable[str] = (),
+        array: snapshot.ArrayLimit | None = None,
+    ) -> snapshot.PendingJob:
+        """The job queued, as the planner sees it: its queue, priority (and class), its
+        `spec.clusters` and its gang request as the job says."""
+        job_id = job_id or self.doc["metadata"]["name"]
+        job = self.build()
+        return snapshot.PendingJob(
+            job_id=job_id,
+            queue=job.spec.queue,
+            priority=job.spec.priority,
+            created=created,
+            request=self.request(job_id),
+            excluded=frozenset(excluded),
+            priority_class=job.spec.priority_class,
+            queued_since=queued_since,
+            clusters=clusterchoice.choice_of(job.spec.clusters),
+            array=array,
+        )
 
 
 def make_job(name: str = "job", *, gpus: int = 1, queue: str = "default") -> JobBuilder:

@@ -199,7 +199,7 @@ async def middleware(
         return await handler(request)
     path = request.match_info.route.resource.canonical if request.match_info.route.resource else ""
     rule = roles.rule_of(request.app[ACCESS], request.method, path)
-    if rule is None:  # fails closed; tests/unit/test_roles.py keeps it from happening
+    if rule is None:  # fails closed; tests/unit/broker/http/test_roles.py keeps it from happening
         raise RuntimeError(f"no access rule for {request.method} {path} in broker.http.roles")
     if not rule.public:
         principal = await _identify(request, rule)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import datetime
 
 from broker.api import status
 from broker.jobs import book
@@ -36,11 +37,16 @@ def sweep_interval(window: float) -> float:
 
 
 async def sweep_keys(
-    jobs: book.JobBook, *, shard: str = "", batch: int = SWEEP_BATCH
+    jobs: book.JobBook,
+    *,
+    shard: str = "",
+    batch: int = SWEEP_BATCH,
+    now: datetime | None = None,
 ) -> tuple[int, bool]:
-    """One pass over the keys of `shard` ("": every key): delete up to `batch` expired ones;
-    returns how many and whether expired ones are left."""
-    now = status.utcnow()
+    """One pass over the keys of `shard` ("": every key): delete up to `batch` expired ones,
+    expired at `now` (None: the wall clock's now); returns how many and whether expired ones
+    are left."""
+    now = now if now is not None else status.utcnow()
     entries = await jobs.store.list_idempotent(shard)
     expired = [e for e in entries if jobs.idempotency_expired(e, now=now)]
     deleted = await jobs.store.forget_idempotent(expired[:batch]) if expired else 0

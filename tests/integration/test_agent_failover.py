@@ -23,8 +23,7 @@ from gpufed.local import processes
 from member_agent import app
 from member_agent.cluster.simulated import backend as simulated
 from member_agent.session import brokers
-from tests import fakebroker, tcpproxy
-from tests.unit.agent import builders
+from tests import agentbuilders, fakebroker, tcpproxy
 
 State = status.JobState
 
@@ -87,7 +86,7 @@ async def running_agent(
 ) -> AsyncIterator[fakebroker.Agent]:
     token_file = tmp_path / "token"
     token_file.write_text(fakebroker.TOKEN + "\n")
-    nodes = builders.write_cluster(tmp_path)
+    nodes = agentbuilders.write_cluster(tmp_path)
     settings = app.AgentSettings(
         broker_url=broker_url,
         cluster="small",
@@ -110,7 +109,7 @@ async def running_agent(
 
 
 def offer(broker: fakebroker.FakeBroker, job_id: str, **job: object) -> messages.Offer:
-    return builders.make_offer(job_id, builders.make_job(**job), epoch=broker.epoch)  # type: ignore[arg-type]
+    return agentbuilders.make_offer(job_id, agentbuilders.make_job(**job), epoch=broker.epoch)  # type: ignore[arg-type]
 
 
 async def test_a_dead_first_broker_url_is_passed_over_for_the_next(tmp_path: Path) -> None:
@@ -192,7 +191,7 @@ async def test_a_token_refused_before_any_session_stops_the_agent_with_the_reaso
 async def test_the_cli_exits_non_zero_saying_why_the_token_was_refused(tmp_path: Path) -> None:
     refusing = Refusing(status=401)
     (tmp_path / "small.token").write_text("wrong\n")
-    nodes = builders.write_cluster(tmp_path)
+    nodes = agentbuilders.write_cluster(tmp_path)
     async with serving(refusing.app) as server:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gpufed.cli", "agent", "--broker", url_of(server),
@@ -219,7 +218,7 @@ async def test_final_reports_and_running_jobs_survive_a_move_to_another_replica(
         running_agent(tmp_path, f"{url_of(one)},{url_of(two)}"),
     ):
         await first.wait_for_hellos(1)
-        await first.send(offer(first, "long", gpus=8, model=builders.H100, duration=600))
+        await first.send(offer(first, "long", gpus=8, model=agentbuilders.H100, duration=600))
         await first.send(offer(first, "short", gpus=1, duration=0.1))
         done = await first.expect(messages.JobUpdate, lambda u: u.state.terminal)
         assert (done.job_id, done.state, done.seq) == ("short", State.SUCCEEDED, 1)
@@ -251,10 +250,15 @@ async def test_a_partitioned_agent_fences_itself_before_the_brokers_grace(
         try:
             async with running_agent(tmp_path, proxy.url) as agent:
                 await fake.wait_for_hellos(1)
-                await fake.send(offer(fake, "req", gpus=8, model=builders.H100, duration=600))
+                await fake.send(offer(fake, "req", gpus=8, model=agentbuilders.H100, duration=600))
                 await fake.send(
                     offer(
-                        fake, "waits", gpus=2, model=builders.L4, duration=600, cluster_lost="wait"
+                        fake,
+                        "waits",
+                        gpus=2,
+                        model=agentbuilders.L4,
+                        duration=600,
+                        cluster_lost="wait",
                     )
                 )
                 for job_id in ("req", "waits"):

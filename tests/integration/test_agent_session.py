@@ -19,8 +19,7 @@ from aiohttp.test_utils import TestServer
 from broker.api import messages, status
 from member_agent import app
 from member_agent.cluster.simulated import backend as simulated
-from tests import fakebroker
-from tests.unit.agent import builders
+from tests import agentbuilders, fakebroker
 
 TOKEN = fakebroker.TOKEN
 FakeBroker = fakebroker.FakeBroker
@@ -41,7 +40,7 @@ async def agent(tmp_path: Path, broker: tuple[FakeBroker, TestServer]) -> AsyncI
     _, server = broker
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    nodes = builders.write_cluster(tmp_path)
+    nodes = agentbuilders.write_cluster(tmp_path)
     settings = app.AgentSettings(
         broker_url=str(server.make_url("/")),
         cluster="small",
@@ -60,7 +59,7 @@ async def agent(tmp_path: Path, broker: tuple[FakeBroker, TestServer]) -> AsyncI
 
 
 def offer(broker: FakeBroker, job_id: str, **job: object) -> messages.Offer:
-    return builders.make_offer(job_id, builders.make_job(**job), epoch=broker.epoch)  # type: ignore[arg-type]
+    return agentbuilders.make_offer(job_id, agentbuilders.make_job(**job), epoch=broker.epoch)  # type: ignore[arg-type]
 
 
 async def test_hello_welcome_then_a_full_summary(
@@ -73,8 +72,8 @@ async def test_hello_welcome_then_a_full_summary(
     assert summary.full
     assert summary.summary.cluster == "small"
     assert {(m.model, m.free_gpus) for m in summary.summary.models} == {
-        (builders.H100, 16),
-        (builders.L4, 4),
+        (agentbuilders.H100, 16),
+        (agentbuilders.L4, 4),
     }
 
 
@@ -83,9 +82,9 @@ async def test_offers_go_to_nodes_with_room_and_run_to_success(
 ) -> None:
     fake, _ = broker
     await fake.wait_for_hellos(1)
-    await fake.send(offer(fake, "first", gpus=8, model=builders.H100))
+    await fake.send(offer(fake, "first", gpus=8, model=agentbuilders.H100))
     first = await fake.expect(messages.Accepted)
-    await fake.send(offer(fake, "second", gpus=8, model=builders.H100, duration=0.2))
+    await fake.send(offer(fake, "second", gpus=8, model=agentbuilders.H100, duration=0.2))
     second = await fake.expect(messages.Accepted)
     assert first.job_id == "first" and second.job_id == "second"
     assert second.epoch == fake.epoch
@@ -101,7 +100,7 @@ async def test_offers_go_to_nodes_with_room_and_run_to_success(
     # the broker hears that the GPUs are free again
     await fake.expect(
         messages.Summary,
-        lambda s: any(m.model == builders.H100 and m.free_gpus == 8 for m in s.summary.models),
+        lambda s: any(m.model == agentbuilders.H100 and m.free_gpus == 8 for m in s.summary.models),
     )
 
 
@@ -110,7 +109,7 @@ async def test_an_offer_that_does_not_fit_is_rejected_having_created_nothing(
 ) -> None:
     fake, _ = broker
     await fake.wait_for_hellos(1)
-    await fake.send(offer(fake, "huge", gpus=8, replicas=3, model=builders.H100))
+    await fake.send(offer(fake, "huge", gpus=8, replicas=3, model=agentbuilders.H100))
     rejected = await fake.expect(messages.Rejected)
     assert rejected.job_id == "huge" and rejected.reasons
     assert agent.backend.pods() == []
@@ -208,7 +207,7 @@ async def test_a_restarted_agent_says_hello_with_the_jobs_its_pods_still_run(
 ) -> None:
     fake, _ = broker
     await fake.wait_for_hellos(1)
-    await fake.send(offer(fake, "long", gpus=8, replicas=2, model=builders.H100))
+    await fake.send(offer(fake, "long", gpus=8, replicas=2, model=agentbuilders.H100))
     await fake.expect(messages.Accepted)
     await fake.expect(messages.JobUpdate, lambda u: u.state == status.JobState.RUNNING)
     epoch = fake.epoch
@@ -253,7 +252,7 @@ async def test_stop_closes_the_session(
         broker_url=str(server.make_url("/")),
         cluster="small",
         token_file=tmp_path / "token",
-        nodes_file=builders.write_cluster(tmp_path),
+        nodes_file=agentbuilders.write_cluster(tmp_path),
     )
     stop = asyncio.Event()
     task = asyncio.create_task(app.run_agent(settings, stop=stop))
@@ -286,7 +285,7 @@ async def test_metrics_and_health_are_served(
         broker_url=str(server.make_url("/")),
         cluster="small",
         token_file=tmp_path / "token",
-        nodes_file=builders.write_cluster(tmp_path),
+        nodes_file=agentbuilders.write_cluster(tmp_path),
         metrics_port=port,
         metrics_host="127.0.0.1",
     )
@@ -331,7 +330,7 @@ async def test_stop_does_not_wait_for_a_welcome_that_never_comes(tmp_path: Path)
     settings = app.AgentSettings(
         broker_url=str(server.make_url("/")),
         cluster="small",
-        nodes_file=builders.write_cluster(tmp_path),
+        nodes_file=agentbuilders.write_cluster(tmp_path),
     )
     stop = asyncio.Event()
     task = asyncio.create_task(app.run_agent(settings, stop=stop))
@@ -398,7 +397,7 @@ async def test_cluster_labels_reach_a_broker_of_protocol_5_only(
     fake, server = broker
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    nodes = builders.write_cluster(tmp_path)
+    nodes = agentbuilders.write_cluster(tmp_path)
     settings = app.AgentSettings(
         broker_url=str(server.make_url("/")),
         cluster="small",

@@ -19,14 +19,14 @@ from aiohttp.test_utils import TestClient, TestServer
 from broker import app as broker_app
 from broker.http import events
 from member_agent import app as agent_app
+from tests import agentbuilders
 from tests.builders import make_job
-from tests.unit.agent import builders as agent_builders
 
 REPO = Path(__file__).resolve().parents[2]
 TEAM_A = {"Authorization": "Bearer dev-team-a"}
 TEAM_B = {"Authorization": "Bearer dev-team-b"}
 ADMIN = {"Authorization": "Bearer dev-admin"}
-H100 = agent_builders.H100
+H100 = agentbuilders.H100
 TEMPLATE = 'http://grafana:3000/explore?traceId={trace_id}&x="<b>"'
 Client = TestClient[Any, Any]
 
@@ -238,7 +238,7 @@ async def test_the_gpu_map_shows_the_pods_the_agent_placed_and_every_other_node(
         broker_url=str(api.make_url("/")),
         cluster="a100",
         token_file=token,
-        nodes_file=agent_builders.write_cluster(tmp_path),  # 2 x 8 H100, 1 x 4 L4
+        nodes_file=agentbuilders.write_cluster(tmp_path),  # 2 x 8 H100, 1 x 4 L4
         summary_interval_seconds=0.02,
     )
     agent = asyncio.create_task(agent_app.run_agent(settings, stop=stop))
@@ -258,7 +258,7 @@ async def test_the_gpu_map_shows_the_pods_the_agent_placed_and_every_other_node(
         assert answer["health"] == "Ready"
         assert sorted((m["model"], m["gpusPerNode"], m["nodes"]) for m in answer["models"]) == [
             (H100, 8, 2),
-            (agent_builders.L4, 4, 1),
+            (agentbuilders.L4, 4, 1),
         ]
         assert len(answer["nodes"]) + sum(g["count"] for g in answer["others"]) == 3
         by_node = {n["name"]: n for n in answer["nodes"]}
@@ -272,7 +272,7 @@ async def test_the_gpu_map_shows_the_pods_the_agent_placed_and_every_other_node(
         shown = {job for node in answer["nodes"] for job in node["jobs"]}
         assert ids[1] not in shown  # team-b's job colours its cell, its id is not team-a's
         free_h100 = [{"model": H100, "cells": "F" * 8, "count": 1}] if len(by_node) == 1 else []
-        l4 = [{"model": agent_builders.L4, "cells": "FFFF", "count": 1}]
+        l4 = [{"model": agentbuilders.L4, "cells": "FFFF", "count": 1}]
         assert answer["others"] == free_h100 + l4  # from the summary: names not reported
         assert (await api.get("/v1/clusters/nowhere/gpus", headers=TEAM_A)).status == 404
         assert (await api.get("/v1/clusters/a100/gpus")).status == 401

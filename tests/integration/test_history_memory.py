@@ -46,6 +46,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.looptime  # idle and in use on the loop's fake time
 async def test_an_idle_history_gives_its_caches_back(tmp_path: Path) -> None:
     assert memory_used is not None
     batches = []
@@ -85,6 +86,7 @@ async def test_an_idle_history_gives_its_caches_back(tmp_path: Path) -> None:
         await history.close()
 
 
+@pytest.mark.looptime  # idle and in use on the loop's fake time
 async def test_a_history_in_use_keeps_its_caches(tmp_path: Path) -> None:
     history = await sqlite_history.SqliteHistory.open(
         str(tmp_path / "history.db"), idle_seconds=0.3

@@ -175,21 +175,24 @@ async def test_the_sweep_deletes_expired_keys_a_shard_and_a_batch_at_a_time() ->
         await backing.put(records.idempotency_key("team-a", "k-0"), made[0].id.encode())
         await backing.put(records.idempotency_key("team-a", "k-ghost"), b"no-such-job")
         assert await expiring.sweep_keys(job_book) == (0, False)  # nothing expired yet
-        await asyncio.sleep(0.3)
+        later = status.utcnow() + timedelta(seconds=0.3)  # the window (0.2 s) past
         shard_of = {
             i: records.idempotency_key("team-a", f"k-{i}").removeprefix(records.IDEMPOTENCY)[:2]
             for i in range(3)
         }
         other = next(s for s in expiring.SHARDS if s not in shard_of.values())
-        assert await expiring.sweep_keys(job_book, shard=other) == (0, False), "its own keys only"
+        assert await expiring.sweep_keys(job_book, shard=other, now=later) == (0, False), (
+            "its own keys only"
+        )
         one = [i for i in range(3) if shard_of[i] == shard_of[1]]
-        assert await expiring.sweep_keys(job_book, shard=shard_of[1]) == (len(one), False)
+        swept = await expiring.sweep_keys(job_book, shard=shard_of[1], now=later)
+        assert swept == (len(one), False)
         assert await job_book.store.find_idempotent("team-a", "k-1") is None
         again = await job_book.create(new_record("k-1", tenant="team-a"))  # the key anew
-        await asyncio.sleep(0.3)
+        later = status.utcnow() + timedelta(seconds=0.3)
         left = 4 - len(one)  # k-0 (old format), k-2 and the new k-1, less what went
-        assert await expiring.sweep_keys(job_book, batch=left - 1) == (left - 1, True)
-        assert await expiring.sweep_keys(job_book, batch=left - 1) == (1, False)
+        assert await expiring.sweep_keys(job_book, batch=left - 1, now=later) == (left - 1, True)
+        assert await expiring.sweep_keys(job_book, batch=left - 1, now=later) == (1, False)
         entries = await job_book.store.list_idempotent()
         assert [e.job_id for e in entries] == ["no-such-job"], "a key of an unknown job is kept"
         assert {r.id for r in job_book} == {*(r.id for r in made), again.id}, "jobs untouched"
@@ -223,6 +226,7 @@ class FlakyStore(store.Shortcuts):
         await self.inner.close()
 
 
+@pytest.mark.looptime  # its pauses and backoffs pass on the loop's fake time
 async def test_the_sweeper_lives_through_store_errors() -> None:
     backing = FlakyStore(await sqlite.SqliteStore.open(":memory:"))
     job_book = book.JobBook(records.JobStore(backing), idempotency_window=0.05)

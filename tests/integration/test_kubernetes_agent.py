@@ -16,10 +16,9 @@ from member_agent.cluster import base
 from member_agent.cluster.kubernetes import backend as k8s
 from member_agent.jobs import handling
 from member_agent.placement import limits
-from tests import kubeemulator
+from tests import agentbuilders, kubeemulator
 from tests.conftest_kube import Kube, Start
 from tests.kubeemulator import GPU, H100, until
-from tests.unit.agent import builders
 
 REQ = f"requests.{GPU}"
 
@@ -51,7 +50,7 @@ class Agent:
 
     async def offer(self, job_id: str, *, epoch: int = 1, **job: Any) -> messages.Message:
         replies: list[messages.Message] = []
-        offer = builders.make_offer(job_id, builders.make_job(**job), epoch=epoch)
+        offer = agentbuilders.make_offer(job_id, agentbuilders.make_job(**job), epoch=epoch)
         await self.handler.handle_offer(offer, session_epoch=epoch, reply=replies.append)
         return replies[-1]
 
@@ -222,7 +221,7 @@ async def test_a_new_backend_finds_the_jobs_in_the_pods_it_created(
         3,
         24,
     )
-    assert job.traceparent == builders.TRACEPARENT
+    assert job.traceparent == agentbuilders.TRACEPARENT
     assert [(p.name, p.phase) for p in job.pods] == [
         ("j1-worker-0", status.PodPhase.RUNNING),
         ("j1-worker-1", status.PodPhase.RUNNING),

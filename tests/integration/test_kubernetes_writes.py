@@ -18,9 +18,9 @@ from member_agent.cluster.kubernetes import backend as k8s
 from member_agent.cluster.kubernetes import errors as k8s_errors
 from member_agent.cluster.kubernetes import retrying
 from member_agent.jobs import handling
+from tests import agentbuilders
 from tests.conftest_kube import Kube, Start, Waits, following
 from tests.kubeemulator import Emulator, Fault, pod_request, until
-from tests.unit.agent import builders
 
 
 class Agent:
@@ -41,7 +41,7 @@ class Agent:
 
     async def offer(self, job_id: str, *, attempt: int = 1, **job: Any) -> messages.Message:
         replies: list[messages.Message] = []
-        offer = builders.make_offer(job_id, builders.make_job(**job), attempt=attempt)
+        offer = agentbuilders.make_offer(job_id, agentbuilders.make_job(**job), attempt=attempt)
         await self.handler.handle_offer(offer, session_epoch=1, reply=replies.append)
         return replies[-1]
 

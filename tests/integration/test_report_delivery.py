@@ -22,9 +22,8 @@ from broker.planning import fitting, planning
 from broker.state import errors, records, sqlite
 from broker.telemetry import metrics
 from member_agent import app as agent_app
-from tests import fakes
+from tests import agentbuilders, fakes
 from tests.builders import make_job, make_model_summary, make_summary
-from tests.unit.agent import builders as agent_builders
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 REPO = Path(__file__).resolve().parents[2]
@@ -368,7 +367,7 @@ async def test_an_offer_to_a_silent_agent_is_withdrawn_and_the_job_runs_elsewher
             broker_url=str(client.make_url("/")),
             cluster="a100",
             token_file=token,
-            nodes_file=agent_builders.write_cluster(tmp_path),
+            nodes_file=agentbuilders.write_cluster(tmp_path),
             summary_interval_seconds=0.02,
         )
         agent = asyncio.create_task(agent_app.run_agent(agent_settings, stop=stop))

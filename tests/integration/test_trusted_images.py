@@ -17,9 +17,9 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from broker.api import jobs, messages
-from tests import brokerapps
+from tests import agentbuilders, brokerapps
 from tests.builders import make_job, make_model_summary, make_summary
-from tests.unit.agent import builders, harnesses
+from tests.unit.member_agent import harnesses
 
 TOKENS: list[dict[str, Any]] = [
     {"token": "admin", "admin": True},
@@ -230,11 +230,11 @@ async def test_the_offer_carries_the_list_to_an_agent_that_reads_it(
 
 
 def offer_of(image: str, allowed: list[str] | None, **pod: Any) -> messages.Offer:
-    doc = builders.make_job("train", gpus=1).model_dump(by_alias=True, mode="json")
+    doc = agentbuilders.make_job("train", gpus=1).model_dump(by_alias=True, mode="json")
     spec = doc["spec"]["tasks"][0]["template"]["spec"]
     spec["containers"][0]["image"] = image
     spec.update(pod)
-    offer = builders.make_offer("j1", jobs.GPUJob.model_validate(doc))
+    offer = agentbuilders.make_offer("j1", jobs.GPUJob.model_validate(doc))
     return offer.model_copy(update={"allowed_images": allowed})
 
 

@@ -29,7 +29,6 @@ import contextlib
 import logging
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TypeVar
@@ -184,7 +183,7 @@ class SqliteHistory:
         if self._closed:
             raise errors.StoreError(f"sqlite history {self.path} is closed")
         loop = asyncio.get_running_loop()
-        self._used_at = time.monotonic()
+        self._used_at = loop.time()  # the clock of the idle timer
         if self._idle_timer is None:
             self._idle_timer = loop.call_later(self.idle_seconds, self._when_idle)
         try:
@@ -198,8 +197,8 @@ class SqliteHistory:
         self._idle_timer = None
         if self._closed:
             return
-        left = self._used_at + self.idle_seconds - time.monotonic()
         loop = asyncio.get_running_loop()
+        left = self._used_at + self.idle_seconds - loop.time()
         if left > 0:
             self._idle_timer = loop.call_later(left, self._when_idle)
         elif self._shrinking is None or self._shrinking.done():

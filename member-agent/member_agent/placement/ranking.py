@@ -16,8 +16,9 @@ which keeps one `FreeIndex` across offers, keeps one `Rankings` beside it:
 - `choose` answers the best node not yet taken by the gang being placed, weighing the gang's
   scratch copies (the nodes it already put pods on) as `choose_node` does.
 
-The answer is `choose_node`'s, node for node (`tests/unit/placement/test_ranking.py` checks it
-against the scan over random clusters and placements). Orders are kept for the
+The answer is `choose_node`'s, node for node
+(`tests/unit/member_agent/placement/test_ranking.py` checks it against the scan over random
+clusters and placements). Orders are kept for the
 `MAX_DEMANDS` demands used last; randomised scorers, MIG pods and topology groups (a subset
 of the nodes) are decided by the scan.
 """
