@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Generic, Protocol, TypeVar
 
+from pydantic import BaseModel
+
 from kits import tables
 
 MAX_KINDS = 4096
@@ -43,6 +45,7 @@ class Interners(Generic[T, S, G]):
         self._templates: dict[str, T] = {}
         self._shapes: dict[S, S] = {}
         self._tasks: dict[G, G] = {}
+        self._fields: dict[type[BaseModel], set[str]] = {}
 
     def template(self, text: str) -> T | None:
         """The template kept for this JSON, if any."""
@@ -64,3 +67,15 @@ class Interners(Generic[T, S, G]):
 
     def tasks(self, tasks: G) -> G:
         return tables.remember(self._tasks, tasks, tasks, limit=self._limit)
+
+    def fields(self, model: BaseModel) -> None:
+        """Let `model` hold its class's one set of every field name as the set of fields it
+        was given (pydantic keeps a set of its own in every instance). With every name in
+        it, an assignment adds nothing to it, so no model changes another's; a copy
+        (`model_copy`) takes a set of its own. What changes: `exclude_unset` leaves nothing
+        out of such a model, so it is for models never dumped that way (a held job's)."""
+        cls = type(model)
+        names = self._fields.get(cls)
+        if names is None:
+            names = self._fields[cls] = set(cls.model_fields)
+        object.__setattr__(model, "__pydantic_fields_set__", names)

@@ -85,6 +85,10 @@ class Interning(Protocol):
 
     def tasks(self, tasks: Tasks) -> Tasks: ...
 
+    def fields(self, model: BaseModel) -> None:
+        """Let `model` share one set of field names with its class's models the holder keeps
+        (a job's models are never dumped with `exclude_unset`)."""
+
 
 def validate_submitted(document: object, *, interning: Interning | None = None) -> GPUJob:
     """A job as a user submits it, held to every rule of the API (raises ValidationError).
@@ -519,6 +523,9 @@ class GPUJob(_Strict):
             shape = template.shape
             assert shape is not None  # settled
             gpus += shape.gpus + shape.mig_slices
+        if interning is not None:  # a holder of many jobs: their models share their names
+            for model in (self, self.metadata, self.spec, *self.spec.tasks):
+                interning.fields(model)
         if gpus == 0:
             raise ValueError(
                 f"spec.tasks[0].template.spec.containers[0].resources.limits[{GPU_RESOURCE}]: "

@@ -541,6 +541,7 @@ class JobBook:
         """Make a committed record the book's; indices and observers follow."""
         entry = self._entries.get(record.id)
         before = entry.record if entry is not None else None
+        self._share_names(record)
         self._entries[record.id] = records.Stored(record, revision)
         self.held.put(record)
         self._index(before, record)
@@ -550,6 +551,15 @@ class JobBook:
                 observer(change)
             except Exception:  # an observer's bug must not undo a commit
                 logger.exception("observer of job %s failed", record.id)
+
+    def _share_names(self, record: status.JobRecord) -> None:
+        """The record's models, held, share their class's set of field names (`Interning`):
+        the book holds every live job, and drafts copy their own."""
+        share = self.store.interning.fields
+        share(record)
+        share(record.status)
+        for pod in record.status.pods:
+            share(pod)
 
     def _index(self, before: status.JobRecord | None, after: status.JobRecord) -> None:
         job_id = after.id

@@ -51,6 +51,8 @@ from broker.telemetry import metrics
 from kits import logcontext, tables
 
 logger = logging.getLogger(__name__)
+# a job excluded from no cluster: one empty set for all (each `frozenset()` is a new one)
+_NONE_EXCLUDED: frozenset[str] = frozenset()
 
 
 class LazyRunning(Sequence[snapshot.RunningJob]):
@@ -253,7 +255,7 @@ class Scheduler:
             known = self.backlog.get(job_id)
             view = self.dispatcher.view(
                 job_id,
-                self._excluded.get(job_id, frozenset()),
+                self._excluded.get(job_id, _NONE_EXCLUDED),
                 request=known.request if known is not None else None,
             )
             if view is None:

@@ -48,6 +48,7 @@ from aetcd import utils as aetcd_utils
 from broker.state import errors, etcd_credentials, store
 
 log = logging.getLogger(__name__)
+CLOSE_TIMEOUT = 5.0  # seconds the client's channel is given to close
 
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_WRITE_TIMEOUT = 5.0  # a transaction the store cannot commit fails this soon
@@ -426,7 +427,10 @@ class EtcdStore(store.Shortcuts):
         if self._closing.is_set():
             return
         self._closing.set()
-        await self._client.close()
+        try:  # a channel that does not close (gRPC's poller stuck) must not hold the exit
+            await asyncio.wait_for(self._client.close(), CLOSE_TIMEOUT)
+        except TimeoutError:
+            log.warning("the etcd client did not close within %.0f s; left behind", CLOSE_TIMEOUT)
 
     def commit_timeout(self) -> float:
         """The deadline of the next transaction: `write_timeout`, or while the store is

@@ -16,7 +16,7 @@ import bisect
 import heapq
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TypeVar
 
@@ -138,6 +138,9 @@ class Backlog:
         self._parked: dict[str, Park] = {}
         self._counts: Counter[str] = Counter()  # queue -> pending jobs, live and parked
         self._classes: dict[Wake, set[str]] = {}
+        # each class's one Wake: the jobs of a class, parked cycle after cycle, hold it, not
+        # an equal copy of their own
+        self._wakes: dict[Wake, Wake] = {}
         self._bounds: dict[bounds.Bound, dict[int, set[Wake]]] = {}  # bound -> need -> classes
         self._on_cluster: dict[str, set[bounds.Bound]] = {}
         self._thresholds: dict[UsageKey, dict[int, set[Wake]]] = {}
@@ -435,8 +438,10 @@ class Backlog:
 
     def _park(self, park: Park) -> None:
         job_id = park.job.job_id
+        wake = self._wakes.setdefault(park.wake, park.wake)
+        if wake is not park.wake:
+            park = replace(park, wake=wake)
         self._parked[job_id] = park
-        wake = park.wake
         lines = self._lines.setdefault(park.job.queue, {})
         lines.setdefault(wake.shape, _Line()).add(park.order)
         if wake.timed:  # by waiting time, stale entries dropped at the top
@@ -481,6 +486,7 @@ class Backlog:
                 self._tidy(wake, members)
             return park
         del self._classes[wake]
+        del self._wakes[wake]
         self._timed.pop(wake, None)
         for witness in wake.witnesses:
             _unfile(self._bounds, witness.bound, witness.need, wake)

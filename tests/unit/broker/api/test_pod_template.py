@@ -173,3 +173,25 @@ def test_the_stores_dump_of_a_sweep_parses_its_template_once(
     assert json.loads(lean)["spec"]["tasks"][0]["template"] == template.model_dump(
         mode="json", by_alias=True, exclude_defaults=True
     )
+
+
+def test_held_jobs_share_their_models_field_names_and_stay_apart() -> None:
+    """A holder's jobs share one set of field names per model class (pydantic keeps one in
+    every instance); every name is in it, so an assignment to one job's model changes no
+    other's, and a copy takes a set of its own. The dumps are the same as without."""
+    interning = records.Interners()
+    first = jobs.validate_submitted(document(), interning=interning)
+    second = jobs.validate_submitted(document(), interning=interning)
+    alone = jobs.validate_submitted(document())
+    for a, b in ((first, second), (first.spec, second.spec), (first.metadata, second.metadata)):
+        assert a.__pydantic_fields_set__ is b.__pydantic_fields_set__
+    names = set(first.spec.__pydantic_fields_set__)
+    second.spec.priority = 5  # an assignment: a name already there
+    assert first.spec.__pydantic_fields_set__ == names and first.spec.priority == 0
+    copied = first.spec.model_copy(update={"priority": 7})
+    assert copied.__pydantic_fields_set__ is not first.spec.__pydantic_fields_set__
+    for dump in (
+        {"by_alias": True, "exclude_defaults": True},
+        {"by_alias": True, "exclude_none": True},
+    ):
+        assert first.model_dump_json(**dump) == alone.model_dump_json(**dump)  # type: ignore[arg-type]

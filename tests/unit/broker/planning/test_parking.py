@@ -251,6 +251,20 @@ def test_a_rejected_job_stays_in_the_plan_and_a_changed_job_is_live_again() -> N
     assert [p.job.job_id for p in cycle(twins).parked.parks] == [gang]
 
 
+def test_jobs_of_one_class_parked_in_different_cycles_hold_one_wake() -> None:
+    """A class's jobs arrive over many cycles, each cycle deciding its own (equal) wake: the
+    backlog keeps the first, so a queued job does not hold a copy of its own."""
+    world, twins = world_of(1, busy=True)
+    world.submit(JobSpec(gpus=8, pods=3, queue="a"))
+    cycle(twins)
+    world.submit(JobSpec(gpus=8, pods=3, queue="a"))
+    cycle(twins)
+    parks = [twins.backlog.park_of(job_id) for job_id in twins.backlog.parked()]
+    assert len(parks) == 2 and all(p is not None for p in parks)
+    first, second = (p.wake for p in parks if p is not None)
+    assert first == second and first is second
+
+
 def test_an_emptied_backlog_keeps_no_index() -> None:
     world, twins = world_of(1, busy=True)
     for queue in ("a", "b", "c", "open"):
