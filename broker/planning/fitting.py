@@ -30,6 +30,7 @@ from broker.api.queues import ReasonCode
 from broker.planning import snapshot
 
 GPU_MILLI = 1000
+NO_ROOM = 1 << 30  # `least_leftover` of a cluster with no node that has room for the pod
 
 
 @dataclass(frozen=True)
@@ -347,8 +348,31 @@ def fit_gang(
     return anywhere
 
 
+def least_leftover(cluster: snapshot.ClusterCapacity, request: gangs.GangRequest) -> int:
+    """A lower bound on the `leftover` of any fit of the gang on the cluster (on any models,
+    in any rack), read from the histograms without fitting: the gang's largest pod is fitted
+    first, on the fullest node with room for it, and leaves that node's surplus idle. 0 when
+    its largest pod is not of whole GPUs; past any real leftover when no node has room."""
+    largest = max((shape for _, replicas, shape in request.tasks if replicas > 0),
+                  key=lambda shape: (shape.gpus, shape.gpu_milli, shape.mig_slices),
+                  default=None)  # fmt: skip
+    if largest is None or not _whole(largest):
+        return 0
+    gpus = largest.gpus
+    least = None
+    for model in cluster.models.values():
+        hist = model.nodes_by_free
+        for free in range(gpus, len(hist)):
+            if hist[free] > 0:
+                if least is None or free < least:
+                    least = free
+                break
+    return least - gpus if least is not None else NO_ROOM
+
+
 def assume(cluster: snapshot.ClusterCapacity, fit: Fit) -> None:
     """Deduct a chosen fit from the cluster's capacity (in place, on the cycle's scratch copy)."""
+    cluster.changed()
     for take in fit.takes:
         model = cluster.models[take.model]
         if take.mig_slices:
