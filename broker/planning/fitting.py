@@ -30,7 +30,6 @@ from broker.api.queues import ReasonCode
 from broker.planning import snapshot
 
 GPU_MILLI = 1000
-NO_ROOM = 1 << 30  # `least_leftover` of a cluster with no node that has room for the pod
 
 
 @dataclass(frozen=True)
@@ -348,26 +347,25 @@ def fit_gang(
     return anywhere
 
 
-def least_leftover(cluster: snapshot.ClusterCapacity, request: gangs.GangRequest) -> int:
-    """A lower bound on the `leftover` of any fit of the gang on the cluster (on any models,
-    in any rack), read from the histograms without fitting: the gang's largest pod is fitted
-    first, on the fullest node with room for it, and leaves that node's surplus idle. 0 when
-    its largest pod is not of whole GPUs; past any real leftover when no node has room."""
+def largest_whole_pod(request: gangs.GangRequest) -> int | None:
+    """The GPUs of the gang's largest pod, the first it fits (`_runs_by_size`), if that pod
+    takes whole GPUs; None for a pod of MIG slices, of a share of a GPU, or of none."""
     largest = max((shape for _, replicas, shape in request.tasks if replicas > 0),
                   key=lambda shape: (shape.gpus, shape.gpu_milli, shape.mig_slices),
                   default=None)  # fmt: skip
-    if largest is None or not _whole(largest):
-        return 0
-    gpus = largest.gpus
-    least = None
-    for model in cluster.models.values():
-        hist = model.nodes_by_free
-        for free in range(gpus, len(hist)):
-            if hist[free] > 0:
-                if least is None or free < least:
-                    least = free
-                break
-    return least - gpus if least is not None else NO_ROOM
+    return largest.gpus if largest is not None and _whole(largest) else None
+
+
+def could_leave_less(cluster: snapshot.ClusterCapacity, gpus: int | None, leftover: int) -> bool:
+    """Could a fit of the gang on the cluster leave fewer than `leftover` GPUs idle? Read off
+    the free GPUs its nodes have (`ClusterCapacity.free_buckets`), without fitting: the
+    gang's largest pod (of `gpus` whole GPUs) is fitted first, on the fullest node with room,
+    and leaves that node's surplus idle, so no fit leaves less than the surplus of the
+    fullest node with room on any model, in any rack. Always True when `gpus` is None."""
+    if gpus is None:
+        return True
+    window = ((1 << leftover) - 1) << gpus  # nodes with gpus .. gpus + leftover - 1 free
+    return bool(cluster.free_buckets & window)
 
 
 def assume(cluster: snapshot.ClusterCapacity, fit: Fit) -> None:

@@ -357,13 +357,14 @@ class _Cycle:
     ) -> fitting.Fit | None:
         """The cluster `_survey` would choose for a job of no `spec.clusters`, found without
         fitting every cluster: the clusters are walked in the order of `_rank` less the fit
-        (`self.by_room`: standing, then the busiest), and a cluster is fitted only if its
-        least possible leftover (`fitting.least_leftover`) could beat the best so far; a fit
-        that leaves nothing idle ends the walk, as no later cluster can rank before it.
+        (`self.by_room`: standing, then the busiest), and a cluster is fitted only if it has
+        a node on which the gang's largest pod would leave less idle than the best fit so far
+        (`fitting.could_leave_less`, one test of the free GPUs its nodes have); a fit that
+        leaves nothing idle ends the walk, as no later cluster can rank before it.
         None if the job fits nowhere (every cluster tried is in `tried`, for `_survey`)."""
         best: fitting.Fit | None = None
         best_key: tuple[int, int, int, str] | None = None
-        floor = 0
+        largest = fitting.largest_whole_pod(job.request)
         for scored_down, free, name in list(self.by_room):
             if best_key is not None and (scored_down > best_key[0] or best_key[1] == 0):
                 break  # every cluster from here ranks after the best
@@ -372,10 +373,8 @@ class _Cycle:
             cluster = self.fleet.clusters.get(name)
             if cluster is None:
                 continue  # set aside during this job's walk
-            if best_key is not None:
-                floor = fitting.least_leftover(cluster, job.request)
-                if floor >= best_key[1]:
-                    continue  # no fit here leaves less idle, and it is not busier
+            if best_key is not None and not fitting.could_leave_less(cluster, largest, best_key[1]):
+                continue  # no fit here leaves less idle, and it is not busier
             result = tried[name] = self._try(job, name, admission)
             if isinstance(result, fitting.Fit):
                 key = (scored_down, result.leftover, free, name)

@@ -78,6 +78,7 @@ class ClusterCapacity:
     # what every cycle reads off it, kept until its histograms change (`changed`): under
     # copy on write, a cluster the shell keeps from cycle to cycle is read once, not each cycle
     _free: int | None = field(default=None, init=False, repr=False, compare=False)
+    _buckets: int | None = field(default=None, init=False, repr=False, compare=False)
     checked: tuple[str | None] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -96,17 +97,30 @@ class ClusterCapacity:
             self._free = sum(m.free_gpus for m in self.models.values())
         return self._free
 
+    @property
+    def free_buckets(self) -> int:
+        """Which numbers of free GPUs its nodes have, of any model: bit k is set when some
+        node has exactly k free."""
+        if self._buckets is None:
+            buckets = 0
+            for model in self.models.values():
+                for free, nodes in enumerate(model.nodes_by_free):
+                    if nodes > 0:
+                        buckets |= 1 << free
+            self._buckets = buckets
+        return self._buckets
+
     def changed(self) -> None:
         """Its histograms were changed in place (a scratch copy's deduction or give-back):
         what was read off them is read again."""
-        self._free = None
+        self._free = self._buckets = None
         self.checked = None
 
     def reshaped(self, *, offer_slots: int | None, scored_down: bool) -> ClusterCapacity:
         """The same capacity (its models shared, not copied) with other offer slots and
         standing: for a copy-on-write holder, whose capacity is never changed in place."""
         out = dataclasses.replace(self, offer_slots=offer_slots, scored_down=scored_down)
-        out._free, out.checked = self._free, self.checked
+        out._free, out._buckets, out.checked = self._free, self._buckets, self.checked
         return out
 
     def copy(self) -> ClusterCapacity:
