@@ -97,6 +97,7 @@ COUNTERS: list[tuple[str, str, dict[str, str], int]] = [
     ("broker", "gpufed_scheduling_cycle_duration_seconds_count", {}, 1),
     ("broker", "gpufed_scheduling_decision_duration_seconds_count", {}, 1),
     ("broker", "gpufed_job_submit_to_dispatch_seconds_count", {}, 1),
+    ("broker", "gpufed_agent_summary_duration_seconds_count", {}, 1),
     ("broker", "gpufed_job_submit_to_running_seconds_count", {}, 1),
     ("broker", "gpufed_store_operation_duration_seconds_count", {"op": "create"}, 2),
     ("broker", "gpufed_store_operation_duration_seconds_count", {"op": "update"}, 1),

@@ -298,9 +298,11 @@ class Sessions:
         try:
             match message:
                 case messages.Summary():
+                    started = time.perf_counter()
                     cluster.apply_summary(message)
                     self._export_cluster(cluster, now=time.monotonic())
                     self.fleet.changed.set()
+                    self.meters.summary_duration.observe(time.perf_counter() - started)
                 case messages.Heartbeat():
                     pass
                 case _:

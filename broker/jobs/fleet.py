@@ -199,9 +199,16 @@ class Cluster:
         self._accepted.append(job_id)
         return True
 
-    def capacity(self) -> snapshot.ClusterCapacity:
-        """The summary's capacity, every offer in flight deducted in the order they were sent:
-        a copy of its own for the caller (a planning cycle changes its snapshot)."""
+    def capacity(
+        self, *, offer_slots: int | None = None, scored_down: bool = False
+    ) -> snapshot.ClusterCapacity:
+        """The summary's capacity, every offer in flight deducted in the order they were sent,
+        with the offer slots and standing given.
+
+        Copy on write: what it returns is never changed afterwards (a planning cycle, which
+        changes its snapshot, replaces a cluster with a changed copy), so while a cluster's
+        summary, offers, slots and standing stay as they were, it is the same object, shared
+        by the snapshots that hold it; offers sent since are deducted on a copy."""
         assert self.summary is not None
         inflight = self.inflight
         view = self._view
@@ -214,12 +221,16 @@ class Cluster:
             view = snapshot.ClusterCapacity.from_summary(self.summary, healthy=True)
             for flight in inflight.values():
                 fitting.assume(view, flight.fit)
-        else:  # none gone since: the offers sent since are the last ones (dicts keep order)
+        elif self._assumed < len(inflight):
+            # none gone since: the offers sent since are the last ones (dicts keep order)
+            view = view.copy()
             for flight in itertools.islice(inflight.values(), self._assumed, None):
                 fitting.assume(view, flight.fit)
+        if view.offer_slots != offer_slots or view.scored_down != scored_down:
+            view = view.reshaped(offer_slots=offer_slots, scored_down=scored_down)
         self._view, self._view_of = view, self.summary
         self._assumed, self._removals_seen = len(inflight), inflight.removals
-        return view.copy()
+        return view
 
     def silent_for(self, now: float) -> float:
         """Seconds since the agent was last heard (0 while the broker is behind on it)."""
@@ -545,9 +556,9 @@ class Fleet:
             ):
                 continue
             try:
-                capacity = cluster.capacity()
-                capacity.offer_slots = self.offer_slots(cluster)
-                capacity.scored_down = cluster.scored_down(now=now)
+                capacity = cluster.capacity(
+                    offer_slots=self.offer_slots(cluster), scored_down=cluster.scored_down(now=now)
+                )
             except Exception as exc:
                 cluster.planning_error = f"its capacity cannot be computed: {exc!r}"[:300]
                 logger.exception("cluster %s left out of planning", cluster.name)

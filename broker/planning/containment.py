@@ -36,7 +36,14 @@ def describe(exc: BaseException) -> str:
 def check_cluster(cluster: snapshot.ClusterCapacity) -> str | None:
     """What in `cluster`'s capacity planning cannot work with, or None. Runs for every
     cluster every cycle, so it looks only at what makes the fit or the deduction raise
-    (histogram lengths) and at negative node counts, with C-speed builtins."""
+    (histogram lengths) and at negative node counts, with C-speed builtins, and the answer
+    is kept with the capacity until its histograms change (`ClusterCapacity.checked`)."""
+    if cluster.checked is None:
+        cluster.checked = (_problem(cluster),)
+    return cluster.checked[0]
+
+
+def _problem(cluster: snapshot.ClusterCapacity) -> str | None:
     for name, model in cluster.models.items():
         width = len(model.nodes_by_free)
         if width and min(model.nodes_by_free) < 0:

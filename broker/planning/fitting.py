@@ -347,8 +347,30 @@ def fit_gang(
     return anywhere
 
 
+def largest_whole_pod(request: gangs.GangRequest) -> int | None:
+    """The GPUs of the gang's largest pod, the first it fits (`_runs_by_size`), if that pod
+    takes whole GPUs; None for a pod of MIG slices, of a share of a GPU, or of none."""
+    largest = max((shape for _, replicas, shape in request.tasks if replicas > 0),
+                  key=lambda shape: (shape.gpus, shape.gpu_milli, shape.mig_slices),
+                  default=None)  # fmt: skip
+    return largest.gpus if largest is not None and _whole(largest) else None
+
+
+def could_leave_less(cluster: snapshot.ClusterCapacity, gpus: int | None, leftover: int) -> bool:
+    """Could a fit of the gang on the cluster leave fewer than `leftover` GPUs idle? Read off
+    the free GPUs its nodes have (`ClusterCapacity.free_buckets`), without fitting: the
+    gang's largest pod (of `gpus` whole GPUs) is fitted first, on the fullest node with room,
+    and leaves that node's surplus idle, so no fit leaves less than the surplus of the
+    fullest node with room on any model, in any rack. Always True when `gpus` is None."""
+    if gpus is None:
+        return True
+    window = ((1 << leftover) - 1) << gpus  # nodes with gpus .. gpus + leftover - 1 free
+    return bool(cluster.free_buckets & window)
+
+
 def assume(cluster: snapshot.ClusterCapacity, fit: Fit) -> None:
     """Deduct a chosen fit from the cluster's capacity (in place, on the cycle's scratch copy)."""
+    cluster.changed()
     for take in fit.takes:
         model = cluster.models[take.model]
         if take.mig_slices:

@@ -26,6 +26,7 @@ Phases:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 
@@ -127,11 +128,17 @@ class _Cycle:
             for name, cluster in fleet.clusters.items()
             if cluster.offer_slots is None or cluster.offer_slots > 0
         }
+        self.by_room: list[tuple[int, int, str]] = []  # built once the broken are set aside
         for name in sorted(fleet.clusters):
             problem = containment.check_cluster(fleet.clusters[name])
             if problem is not None:
                 self._set_aside_cluster(name, problem)
         self.pristine = fleet.copy()
+        # the clusters in the order `_rank` puts them for a job of no `spec.clusters`, the
+        # fit aside: (scored down, free GPUs, name); kept as placements are assumed
+        self.by_room = sorted(
+            (int(c.scored_down), c.free_gpus, name) for name, c in fleet.clusters.items()
+        )
         self.strikes = containment.Strikes()
         self.broken: dict[str, str] = {}  # job id -> why computing its order raised
         self.pending = {job.job_id: job for job in pending}
@@ -245,8 +252,24 @@ class _Cycle:
 
     def _set_aside_cluster(self, name: str, reason: str) -> None:
         self.plan.set_aside.append(containment.SetAside(containment.CLUSTER, name, reason))
-        self.fleet.clusters.pop(name, None)
+        cluster = self.fleet.clusters.pop(name, None)
         self.open.discard(name)
+        if cluster is not None:
+            self._reorder(name, cluster, None)
+
+    def _reorder(
+        self,
+        name: str,
+        before: snapshot.ClusterCapacity,
+        after: snapshot.ClusterCapacity | None,
+    ) -> None:
+        """Keep `by_room` in order as a cluster's capacity is replaced (or set aside)."""
+        old = (int(before.scored_down), before.free_gpus, name)
+        at = bisect.bisect_left(self.by_room, old)
+        if at < len(self.by_room) and self.by_room[at] == old:
+            del self.by_room[at]
+        if after is not None:
+            bisect.insort(self.by_room, (int(after.scored_down), after.free_gpus, name))
 
     def busy(self) -> bool:
         """Every cluster's agent is out of offer slots: no job can go this cycle."""
@@ -312,62 +335,10 @@ class _Cycle:
             reasons = [Reason(FLEET, m.code, m.message) for m in admission.misses]
             self.plan.unplaceable.append(Unplaceable.of(job.job_id, reasons))
             return False
-        best: fitting.Fit | None = None
-        for name in sorted(self.fleet.clusters):
-            cluster = self.fleet.clusters[name]
-            if not clusterchoice.allows(job.clusters, cluster.labels):
-                assert job.clusters is not None
-                message = job.clusters.describe_exclusion(cluster.labels)
-                reasons.append(Reason(name, ReasonCode.CLUSTER_SELECTOR, message))
-                continue
-            if name in job.excluded:
-                reasons.append(
-                    Reason(
-                        name,
-                        ReasonCode.REJECTED,
-                        "turned the job down (Rejected, or OfferTimeout: its offer unanswered); "
-                        "waiting for a fresh summary",
-                    )
-                )
-                continue
-            if cluster.offer_slots is not None and cluster.offer_slots <= 0:
-                reasons.append(
-                    Reason(
-                        name,
-                        ReasonCode.CLUSTER_BUSY,
-                        "its agent has as many offers unanswered as the broker sends at once "
-                        "(--max-offers-in-flight); more go once it answers",
-                    )
-                )
-                continue
-            blocked, holder = self._blocked(name, job.job_id)
-            models = admission.admissible - blocked
-            if blocked and not models and admission.admissible & cluster.models.keys():
-                held = self.reservations[holder] if holder else None
-                since = f" since {held.since:%H:%M:%S}" if held else ""
-                reasons.append(
-                    Reason(
-                        name,
-                        ReasonCode.WAITING_FOR_RESERVATION,
-                        f"its {'/'.join(sorted(blocked))} GPUs are held for job {holder}, "
-                        f"reserved{since}; other jobs go elsewhere until it runs",
-                    )
-                )
-                continue
-            try:
-                result = fitting.fit_gang(cluster, job.request, models=models)
-            except Exception as exc:
-                reason = containment.describe(exc)
-                reasons.append(
-                    Reason(name, ReasonCode.PLANNING_FAILED, f"planning here failed: {reason}")
-                )
-                if self.strikes.add(name, job.job_id):
-                    self._set_aside_cluster(name, reason)
-                continue
-            if isinstance(result, fitting.NoFit):
-                reasons.append(Reason(name, result.code, result.reason))
-            elif best is None or self._rank(job, result) < self._rank(job, best):
-                best = result
+        tried: dict[str, fitting.Fit | Reason] = {}
+        best = self._search(job, admission, tried) if job.clusters is None else None
+        if best is None:
+            best = self._survey(job, admission, tried, reasons)
         if best is not None:
             self._assign(job, best, admission)
             return True
@@ -377,6 +348,105 @@ class _Cycle:
         reasons += self._make_room(job, reasons, admission)
         self.plan.unplaceable.append(Unplaceable.of(job.job_id, reasons))
         return False
+
+    def _search(
+        self,
+        job: snapshot.PendingJob,
+        admission: quotas.Admission,
+        tried: dict[str, fitting.Fit | Reason],
+    ) -> fitting.Fit | None:
+        """The cluster `_survey` would choose for a job of no `spec.clusters`, found without
+        fitting every cluster: the clusters are walked in the order of `_rank` less the fit
+        (`self.by_room`: standing, then the busiest), and a cluster is fitted only if it has
+        a node on which the gang's largest pod would leave less idle than the best fit so far
+        (`fitting.could_leave_less`, one test of the free GPUs its nodes have); a fit that
+        leaves nothing idle ends the walk, as no later cluster can rank before it.
+        None if the job fits nowhere (every cluster tried is in `tried`, for `_survey`)."""
+        best: fitting.Fit | None = None
+        best_key: tuple[int, int, int, str] | None = None
+        largest = fitting.largest_whole_pod(job.request)
+        for scored_down, free, name in list(self.by_room):
+            if best_key is not None and (scored_down > best_key[0] or best_key[1] == 0):
+                break  # every cluster from here ranks after the best
+            if name in job.excluded or name not in self.open:
+                continue  # not offered the job: `_survey` says why, if it must
+            cluster = self.fleet.clusters.get(name)
+            if cluster is None:
+                continue  # set aside during this job's walk
+            if best_key is not None and not fitting.could_leave_less(cluster, largest, best_key[1]):
+                continue  # no fit here leaves less idle, and it is not busier
+            result = tried[name] = self._try(job, name, admission)
+            if isinstance(result, fitting.Fit):
+                key = (scored_down, result.leftover, free, name)
+                if best_key is None or key < best_key:
+                    best, best_key = result, key
+        return best
+
+    def _survey(
+        self,
+        job: snapshot.PendingJob,
+        admission: quotas.Admission,
+        tried: Mapping[str, fitting.Fit | Reason],
+        reasons: list[Reason],
+    ) -> fitting.Fit | None:
+        """Every cluster, in name order: the best fit by `_rank`, and a reason for each
+        cluster where the job does not fit (appended to `reasons`). `tried`: the clusters
+        `_search` already fitted, not fitted again."""
+        best: fitting.Fit | None = None
+        for name in sorted(self.fleet.clusters.keys() | tried.keys()):
+            result = tried.get(name)
+            if result is None:
+                result = self._try(job, name, admission)
+            if isinstance(result, Reason):
+                reasons.append(result)
+            elif best is None or self._rank(job, result) < self._rank(job, best):
+                best = result
+        return best
+
+    def _try(
+        self, job: snapshot.PendingJob, name: str, admission: quotas.Admission
+    ) -> fitting.Fit | Reason:
+        """The job's best fit on one cluster, or why it has none there."""
+        cluster = self.fleet.clusters[name]
+        if not clusterchoice.allows(job.clusters, cluster.labels):
+            assert job.clusters is not None
+            message = job.clusters.describe_exclusion(cluster.labels)
+            return Reason(name, ReasonCode.CLUSTER_SELECTOR, message)
+        if name in job.excluded:
+            return Reason(
+                name,
+                ReasonCode.REJECTED,
+                "turned the job down (Rejected, or OfferTimeout: its offer unanswered); "
+                "waiting for a fresh summary",
+            )
+        if cluster.offer_slots is not None and cluster.offer_slots <= 0:
+            return Reason(
+                name,
+                ReasonCode.CLUSTER_BUSY,
+                "its agent has as many offers unanswered as the broker sends at once "
+                "(--max-offers-in-flight); more go once it answers",
+            )
+        blocked, holder = self._blocked(name, job.job_id)
+        models = admission.admissible - blocked
+        if blocked and not models and admission.admissible & cluster.models.keys():
+            held = self.reservations[holder] if holder else None
+            since = f" since {held.since:%H:%M:%S}" if held else ""
+            return Reason(
+                name,
+                ReasonCode.WAITING_FOR_RESERVATION,
+                f"its {'/'.join(sorted(blocked))} GPUs are held for job {holder}, "
+                f"reserved{since}; other jobs go elsewhere until it runs",
+            )
+        try:
+            result = fitting.fit_gang(cluster, job.request, models=models)
+        except Exception as exc:
+            reason = containment.describe(exc)
+            if self.strikes.add(name, job.job_id):
+                self._set_aside_cluster(name, reason)
+            return Reason(name, ReasonCode.PLANNING_FAILED, f"planning here failed: {reason}")
+        if isinstance(result, fitting.NoFit):
+            return Reason(name, result.code, result.reason)
+        return result
 
     def _rank(self, job: snapshot.PendingJob, fit: fitting.Fit) -> tuple[int, ...]:
         """The job's `spec.clusters` first (its `order`, then its `preferred` score), then
@@ -397,6 +467,8 @@ class _Cycle:
             cluster.offer_slots -= 1
             if cluster.offer_slots <= 0:
                 self.open.discard(fit.cluster)
+        before = self.fleet.clusters[fit.cluster]
+        self._reorder(fit.cluster, before, cluster)
         self.fleet.clusters[fit.cluster] = cluster
         gpus = fit.gpus_by_model
         borrowing = any(model not in admission.within for model in gpus)

@@ -214,6 +214,7 @@ def give_back(
     cluster: snapshot.ClusterCapacity, victim: snapshot.RunningJob, held: dict[str, int]
 ) -> None:
     """Add a victim's GPUs back to the cluster's histograms (estimate: see the module doc)."""
+    cluster.changed()
     model = next((cluster.models[m] for m in victim.gpus if m in cluster.models), None)
     if model is None:
         return

@@ -2,8 +2,11 @@
 jobs, the jobs holding GPUs, and the preemption victims still releasing theirs.
 
 Built by the scheduling shell (`jobs.scheduling`) from the fleet and the job book, then
-changed only by `assume` inside one planning cycle (a scratch copy), so decisions later in the
-cycle see earlier ones.
+changed only by `assume` inside one planning cycle, so decisions later in the cycle see
+earlier ones. Copy on write: a cluster's capacity is never changed in place once it is in a
+snapshot; the cycle deducts a placement on a copy of it and puts the copy in its own snapshot
+(`FleetSnapshot.copy` shares the clusters), so the shell keeps one capacity per cluster from
+cycle to cycle and rebuilds only what a summary or an offer changed.
 """
 
 from __future__ import annotations
@@ -72,6 +75,11 @@ class ClusterCapacity:
     offer_slots: int | None = None
     # it failed to start jobs it accepted (`standing`): ranked after the clusters that did not
     scored_down: bool = False
+    # what every cycle reads off it, kept until its histograms change (`changed`): under
+    # copy on write, a cluster the shell keeps from cycle to cycle is read once, not each cycle
+    _free: int | None = field(default=None, init=False, repr=False, compare=False)
+    _buckets: int | None = field(default=None, init=False, repr=False, compare=False)
+    checked: tuple[str | None] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_summary(cls, summary: inventory.ClusterSummary, *, healthy: bool) -> ClusterCapacity:
@@ -85,7 +93,35 @@ class ClusterCapacity:
 
     @property
     def free_gpus(self) -> int:
-        return sum(m.free_gpus for m in self.models.values())
+        if self._free is None:
+            self._free = sum(m.free_gpus for m in self.models.values())
+        return self._free
+
+    @property
+    def free_buckets(self) -> int:
+        """Which numbers of free GPUs its nodes have, of any model: bit k is set when some
+        node has exactly k free."""
+        if self._buckets is None:
+            buckets = 0
+            for model in self.models.values():
+                for free, nodes in enumerate(model.nodes_by_free):
+                    if nodes > 0:
+                        buckets |= 1 << free
+            self._buckets = buckets
+        return self._buckets
+
+    def changed(self) -> None:
+        """Its histograms were changed in place (a scratch copy's deduction or give-back):
+        what was read off them is read again."""
+        self._free = self._buckets = None
+        self.checked = None
+
+    def reshaped(self, *, offer_slots: int | None, scored_down: bool) -> ClusterCapacity:
+        """The same capacity (its models shared, not copied) with other offer slots and
+        standing: for a copy-on-write holder, whose capacity is never changed in place."""
+        out = dataclasses.replace(self, offer_slots=offer_slots, scored_down=scored_down)
+        out._free, out._buckets, out.checked = self._free, self._buckets, self.checked
+        return out
 
     def copy(self) -> ClusterCapacity:
         return ClusterCapacity(
@@ -181,7 +217,10 @@ class FleetSnapshot:
         return cls(clusters={c.name: c for c in clusters})
 
     def copy(self) -> FleetSnapshot:
-        return FleetSnapshot(clusters={name: c.copy() for name, c in self.clusters.items()})
+        """A snapshot whose clusters may be replaced without changing this one. The clusters
+        themselves are shared: a cycle never changes one in place, it replaces it with a
+        changed copy (`ClusterCapacity.copy`), so copying is O(clusters), not O(racks)."""
+        return FleetSnapshot(clusters=dict(self.clusters))
 
     def total_gpus(self) -> dict[str, int]:
         """GPUs per model over every cluster of the snapshot (free or not)."""

@@ -215,6 +215,12 @@ class BrokerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.summary_duration = Histogram(
+            "gpufed_agent_summary_duration_seconds",
+            "Applying one agent's summary to the broker's view of its cluster",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.submit_to_dispatch = Histogram(
             "gpufed_job_submit_to_dispatch_seconds",
             "Submit to first offer",

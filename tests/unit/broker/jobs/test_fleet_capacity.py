@@ -4,12 +4,14 @@ built whole each time, whatever comes and goes."""
 
 from __future__ import annotations
 
+import copy
 import random
+from datetime import UTC, datetime
 
-from broker.api import messages
+from broker.api import gangs, messages
 from broker.jobs import fleet
-from broker.planning import fitting, snapshot
-from tests.builders import make_model_summary, make_summary
+from broker.planning import fitting, planning, snapshot
+from tests.builders import make_job, make_model_summary, make_summary
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 
@@ -39,6 +41,7 @@ def test_the_kept_capacity_reads_as_if_built_whole_each_cycle() -> None:
     cluster = fleet.Cluster(name="east")
     cluster.apply_summary(summary(1, 40))
     seq, n = 1, 0
+    handed: list[tuple[snapshot.ClusterCapacity, snapshot.ClusterCapacity]] = []
     for _ in range(600):
         step = rng.random()
         if step < 0.45:  # an offer sent
@@ -57,21 +60,32 @@ def test_the_kept_capacity_reads_as_if_built_whole_each_cycle() -> None:
             cluster.apply_summary(summary(seq, rng.randint(5, 40)))
         elif step < 0.9:
             cluster.forget_offers()  # the session ended
-        assert cluster.capacity() == whole(cluster)
+        given = cluster.capacity()
+        assert given == whole(cluster)
+        handed.append((given, copy.deepcopy(given)))
         unanswered = sum(not f.accepted for f in cluster.inflight.values())
         assert cluster.inflight.unanswered == unanswered  # counted, not walked
         if step >= 0.8 and step < 0.87:
             assert not any(f.accepted for f in cluster.inflight.values())  # shown in it now
+    # copy on write: a capacity once handed to a cycle is never changed afterwards
+    assert all(given == as_given for given, as_given in handed)
+    assert len({id(given) for given, _ in handed}) < len(handed)  # unchanged: the same one
 
 
-def test_a_cycle_changing_its_copy_changes_no_later_cycle() -> None:
+def test_a_cycle_placing_on_it_changes_no_later_cycle() -> None:
     cluster = fleet.Cluster(name="east")
     cluster.apply_summary(summary(1, 4))
     cluster.inflight["a"] = offer(8)
-    mine = cluster.capacity()
-    fitting.assume(mine, offer(8).fit)
-    mine.offer_slots = 0
-    assert cluster.capacity() == whole(cluster)
+    fleet_view = snapshot.FleetSnapshot.build([cluster.capacity(offer_slots=1)])
+    job = make_job("b", gpus=8).build()
+    pending = snapshot.PendingJob("b", "q", 0, datetime(2026, 1, 1, tzinfo=UTC),
+                                  gangs.gang_request("b", job))  # fmt: skip
+    plan = planning.plan_cycle(fleet_view, [pending])
+    assert [a.cluster for a in plan.assignments] == ["east"]
+    assert fleet_view.clusters["east"].models[H100].nodes_by_free[8] == 2  # its copy, changed
+    assert cluster.capacity(offer_slots=1) == whole(cluster).reshaped(
+        offer_slots=1, scored_down=False
+    )
     assert cluster.capacity().models[H100].nodes_by_free[8] == 3
 
 
