@@ -236,9 +236,9 @@ class Scheduler:
             self._look_again()
 
     def _look_again(self) -> None:
-        """The changed jobs into the backlog: at most `look_limit` a cycle (reading a job's
-        request costs about 0.1 ms: 100,000 jobs after a start would hold the loop for
-        seconds), the rest in the next cycles, which come at once."""
+        """The changed jobs into the backlog: at most `look_limit` a cycle (reading every
+        job's request at once, 100,000 jobs after a start, would hold the loop for seconds),
+        the rest in the next cycles, which come at once."""
         if len(self._dirty) <= self.look_limit:
             dirty, self._dirty = self._dirty, set()
         else:
