@@ -310,8 +310,7 @@ class EtcdStore(store.Shortcuts):
                     continue
                 self._client, self.endpoint = client, f"{host}:{port}"
                 log.warning("etcd member %s unreachable: now using %s", current, self.endpoint)
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(failed.close(), 1.0)
+                await _close_client(failed, 1.0)
                 return True
             return False
 
@@ -333,8 +332,7 @@ class EtcdStore(store.Shortcuts):
                 return False
             self._client = client
             log.info("etcd %s refused the auth token: authenticated again", self.endpoint)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(refused.close(), 1.0)
+            await _close_client(refused, 1.0)
             return True
 
     async def _recover(self, failed: aetcd.Client, exc: errors.TemporaryStoreError) -> bool:
@@ -427,9 +425,7 @@ class EtcdStore(store.Shortcuts):
         if self._closing.is_set():
             return
         self._closing.set()
-        try:  # a channel that does not close (gRPC's poller stuck) must not hold the exit
-            await asyncio.wait_for(self._client.close(), CLOSE_TIMEOUT)
-        except TimeoutError:
+        if not await _close_client(self._client, CLOSE_TIMEOUT):
             log.warning("the etcd client did not close within %.0f s; left behind", CLOSE_TIMEOUT)
 
     def commit_timeout(self) -> float:
@@ -593,6 +589,34 @@ class EtcdStore(store.Shortcuts):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closing.wait(), delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, WATCH_BACKOFF_MAX)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """A done callback: the future's error is taken (it no longer matters)."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def _close_client(client: aetcd.Client, timeout: float) -> bool:
+    """Close `client`, waiting for it at most `timeout` seconds; True if it closed. A close
+    that does not answer is cancelled and left behind, never waited for again: not
+    `wait_for`, which on its timeout (or its caller's cancellation) waits for the close to
+    take the cancellation, and a gRPC channel's close may never take it (a term's end, a
+    fail-over, the exit would hang on it)."""
+    closing = asyncio.ensure_future(client.close())
+    try:
+        done, _ = await asyncio.wait({closing}, timeout=timeout)
+    except asyncio.CancelledError:
+        closing.cancel()
+        closing.add_done_callback(_retrieve)
+        raise
+    if not done:
+        closing.cancel()
+        closing.add_done_callback(_retrieve)
+        return False
+    if not closing.cancelled() and closing.exception() is not None:
+        log.warning("closing an etcd client failed: %s", closing.exception())
+    return True
 
 
 async def _open_client(
