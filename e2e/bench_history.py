@@ -1,7 +1,7 @@
 """History benchmark: pages of 100 over 1,000,000 finished jobs, SQLite and a real PostgreSQL.
 
     .venv/bin/python -m e2e.bench_history [--rows 1000000] [--samples 200]
-        [--stores sqlite,postgres] [--dir DIR]
+        [--stores sqlite,postgres] [--dir DIR] [--cases all|text] [--keep] [--reuse DIR]
 
 Fills each store with `--rows` finished jobs spread over 7 days (the default history TTL):
 10 tenants, 50 queues, 20 clusters, Succeeded 80% / Failed 15% / Cancelled 5%, two labels;
@@ -16,6 +16,10 @@ the queries themselves take 0.5-2 ms here). The data lives in `--dir` (default: 
 temporary folder, on disk, not tmpfs); PostgreSQL is pgserver's (as configured by it) or
 Debian's (fsync off), started there by tests/postgresserver.py. Figures only; asserts nothing.
 These machines are shared: compare medians, and read a p99 with the load beside it.
+`--cases text` times the text searches only (a common word, one name, two letters, nothing).
+`--keep` keeps the data folder (its path printed) and `--reuse DIR` opens the SQLite history
+kept there instead of filling one: a history written by an older broker, opened by this one
+(the time it takes to open is printed), so two versions can be timed over the same rows.
 `--gc-freeze` moves what the process holds out of the cyclic collector's reach before the
 figures (`gc.freeze()`, as a broker would after loading its book): most of a page's p99
 beyond its median is otherwise a full collection scanning the heap.
@@ -161,7 +165,9 @@ async def timed(samples: int, call: Callable[[int], Awaitable[object]]) -> list[
     return latencies
 
 
-async def measure(history: protocol.HistoryStore, samples: int, ids: list[str]) -> None:
+async def measure(
+    history: protocol.HistoryStore, samples: int, ids: list[str], *, which: str = "all"
+) -> None:
     pick = random.Random(3)
     start_us = queries.to_us(START)
 
@@ -215,14 +221,17 @@ async def measure(history: protocol.HistoryStore, samples: int, ids: list[str]) 
         ),
         ("get by id", lambda n: history.get(ids[n % len(ids)])),
     ]
-    cases += text_cases(pick, page, deep)
-    texts = [row.record for row in next(make_rows(PAGE, seed=11))]
+    if which == "text":
+        cases = [case for case in text_cases(pick, page, deep) if case[0].startswith("q ")]
+    else:
+        cases += text_cases(pick, page, deep)
+        texts = [row.record for row in next(make_rows(PAGE, seed=11))]
 
-    async def parse(_: int) -> None:  # what a page costs beyond the store: its records read
-        for text in texts:
-            status.JobRecord.model_validate_json(text)
+        async def parse(_: int) -> None:  # what a page costs beyond the store: its records read
+            for text in texts:
+                status.JobRecord.model_validate_json(text)
 
-    cases.append(("(reference: parsing 100 records, no store)", parse))
+        cases.append(("(reference: parsing 100 records, no store)", parse))
     for label, call in cases:
         await timed(min(20, samples), call)  # warm
         short[0] = 0
@@ -245,6 +254,9 @@ def text_cases(
     def one_name() -> queries.JobQuery:
         return queries.JobQuery(text=f"{pick.choice(WORDS)}-{pick.randrange(NAMES)}")
 
+    def two_letters() -> queries.JobQuery:
+        return queries.JobQuery(text=pick.choice(WORDS)[:2])
+
     return [
         ("q a word (1 of 8 names)", lambda _: page(word(), None)),
         ("q a word, deep page", lambda _: page(q := word(), deep(q))),
@@ -255,6 +267,8 @@ def text_cases(
             ),
         ),
         ("q one name (1 job in 80,000)", lambda _: page(one_name(), None)),
+        ("q one name, deep page", lambda _: page(q := one_name(), deep(q))),
+        ("q two letters (too short to index)", lambda _: page(two_letters(), None)),
         ("q matching nothing", lambda n: page(queries.JobQuery(text=f"zz{n}"), None)),
         (
             "q matching nothing + queue (1 of 50)",
@@ -279,20 +293,23 @@ Sizer = Callable[[protocol.HistoryStore], Awaitable[int]]
 
 
 async def bench(name: str, url: str, args: argparse.Namespace, size: Sizer) -> None:
-    history = await opening.open_history(url)
-    try:
-        began = time.perf_counter()
-        rate, ids = await fill(history, args.rows)
-        taken = time.perf_counter() - began
-        count, used = await history.count(), await size(history)
-        print(
-            f"{name}: {count:,} rows in {taken:.0f} s (generating them included);"
-            f" insert {rate:,.0f} rows/s; size {used / 2**20:,.0f} MiB"
-            f" ({used / count:,.0f} B a job)",
-            flush=True,
-        )
-    finally:
-        await history.close()
+    if args.reuse is None:
+        history = await opening.open_history(url)
+        try:
+            began = time.perf_counter()
+            rate, ids = await fill(history, args.rows)
+            taken = time.perf_counter() - began
+            count, used = await history.count(), await size(history)
+            print(
+                f"{name}: {count:,} rows in {taken:.0f} s (generating them included);"
+                f" insert {rate:,.0f} rows/s; size {used / 2**20:,.0f} MiB"
+                f" ({used / count:,.0f} B a job)",
+                flush=True,
+            )
+        finally:
+            await history.close()
+    else:
+        ids = [chunk[len(chunk) // 2].id for chunk in make_rows(args.rows)]
     if url.startswith("postgresql://"):
         began = time.perf_counter()
         await settle(url)
@@ -300,11 +317,14 @@ async def bench(name: str, url: str, args: argparse.Namespace, size: Sizer) -> N
     began = time.perf_counter()
     history = await opening.open_history(url)  # the figures of a broker that restarted
     print(f"  opened again in {(time.perf_counter() - began) * 1e3:.0f} ms", flush=True)
+    if args.reuse is not None:
+        count, used = await history.count(), await size(history)
+        print(f"{name}: {count:,} rows kept; size {used / 2**20:,.0f} MiB", flush=True)
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
     try:
-        await measure(history, args.samples, ids)
+        await measure(history, args.samples, ids, which=args.cases)
     finally:
         await history.close()
 
@@ -323,7 +343,11 @@ async def settle(url: str) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    root = Path(tempfile.mkdtemp(prefix="gpufed-bench-history-", dir=args.dir))
+    if args.reuse is not None:
+        root = Path(args.reuse)
+    else:
+        root = Path(tempfile.mkdtemp(prefix="gpufed-bench-history-", dir=args.dir))
+        root.chmod(0o711)  # PostgreSQL's binaries run as nobody when this runs as root
     stores = args.stores.split(",")
     try:
         if "sqlite" in stores:
@@ -334,7 +358,7 @@ async def main(args: argparse.Namespace) -> None:
                 return sum(os.path.getsize(p) for p in files if os.path.exists(p))
 
             await bench("sqlite", f"sqlite:///{path}", args, file_size)
-        if "postgres" in stores:
+        if "postgres" in stores and args.reuse is None:
             try:
                 server = postgresserver.start(root / "pg")
             except (postgresserver.PostgresNotFoundError, postgresserver.PostgresStartError) as exc:
@@ -346,7 +370,10 @@ async def main(args: argparse.Namespace) -> None:
             finally:
                 server.stop()
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep or args.reuse is not None:
+            print(f"data kept in {root}", flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
@@ -357,5 +384,8 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--stores", default="sqlite,postgres")
     parser.add_argument("--dir", default=None, help="where the data goes (default: /tmp)")
+    parser.add_argument("--cases", choices=["all", "text"], default="all")
+    parser.add_argument("--keep", action="store_true", help="keep the data folder")
+    parser.add_argument("--reuse", default=None, help="a kept folder's SQLite history, not filled")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before measuring")
     asyncio.run(main(parser.parse_args()))

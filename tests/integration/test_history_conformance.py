@@ -462,6 +462,10 @@ async def test_a_sqlite_history_of_schema_1_gains_names_at_open(tmp_path: Path) 
     await opened.put_many([finished("job-1", name="train-llm"), finished("job-2", name="eval")])
     await opened.close()
     with contextlib.closing(sqlite3.connect(path)) as conn:  # back to what schema 1 was
+        for trigger in ("insert", "delete", "update"):  # it had no text index either
+            conn.execute(f"DROP TRIGGER job_history_text_{trigger}")
+        conn.execute("DROP TABLE job_history_text")
+        conn.execute("DELETE FROM job_history_meta WHERE name = 'text_index'")
         for index in ("finished", "tenant", "queue", "state", "cluster"):
             conn.execute(f"DROP INDEX job_history_{index}")
         conn.execute("ALTER TABLE job_history DROP COLUMN name")
@@ -475,7 +479,9 @@ async def test_a_sqlite_history_of_schema_1_gains_names_at_open(tmp_path: Path) 
     finally:
         await reopened.close()
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT value FROM job_history_meta").fetchone() == (2,)
+        assert conn.execute(
+            "SELECT value FROM job_history_meta WHERE name = 'schema'"
+        ).fetchone() == (2,)
         (indexed,) = conn.execute(
             "SELECT sql FROM sqlite_master WHERE name = 'job_history_tenant'"
         ).fetchone()

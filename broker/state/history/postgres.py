@@ -8,6 +8,13 @@ the other took. Records are `json`, the text exactly as put (an operator may sti
 with `->`): `jsonb` would cost its conversion on every read, and hands back its keys
 reordered, which pydantic reads several times slower than keys in its fields' order.
 
+The text index needs the `pg_trgm` extension (PostgreSQL's contrib, in Debian's `postgresql`
+package; not in every build). At open the store creates it if it may (it is a trusted
+extension: the database's owner or a role with CREATE on it may) and builds the GIN index
+(`sql.text_index_sql`) with its progress logged, in the schema's transaction: writers wait for
+the build, and a build cut short leaves the table as it was. Without the extension a page with
+a text walks its filter's index as before, and the open says once, in the log, what to run.
+
 Errors (`errors_of`): the server away, a connection lost, a timeout, a serialization failure
 or deadlock, too many connections are `TemporaryStoreError`; a full disk `StoreFullError`;
 a read-only server (a standby) `StoreReadOnlyError`; corruption `StoreDamagedError`; bad
@@ -17,6 +24,7 @@ credentials or a database that does not exist are a plain (permanent) `StoreErro
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
@@ -28,12 +36,24 @@ from broker.state import errors
 from broker.state.history import protocol, sql
 from broker.state.history import query as queries
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 CONNECT_TIMEOUT = 10.0
 COMMAND_TIMEOUT = 30.0
 POOL_SIZE = 4
 SCHEMA_LOCK = 0x67707566_6564  # "gpufed": the advisory lock held while creating the schema
+INDEX_TIMEOUT = 3600.0  # seconds the text index's build may take at open
+PROGRESS_SECONDS = 10.0  # how often the build logs how far it is
+EXTENSION = """
+SELECT n.nspname FROM pg_extension e JOIN pg_namespace n ON n.oid = e.extnamespace
+WHERE e.extname = 'pg_trgm'
+"""
+PROGRESS = f"""
+SELECT phase, blocks_done, blocks_total, tuples_done, tuples_total
+FROM pg_stat_progress_create_index WHERE relid = '{sql.HISTORY}'::regclass
+"""
 
 UPSERT = f"""
 INSERT INTO {sql.HISTORY} (id, tenant, queue, state, cluster, created, finished, record, name)
@@ -97,6 +117,9 @@ class PostgresHistory:
         self._pool = pool
         self.where = where
         self._closed = False
+        self.candidates = sql.CANDIDATES  # the most rows a page takes from the text index
+        self.walk = sql.WALK  # the rows a page with a text reads before asking the index
+        self.text_indexed = False  # whether the text index is there (pg_trgm installed)
 
     @classmethod
     async def connect(cls, dsn: str, *, pool_size: int = POOL_SIZE) -> PostgresHistory:
@@ -140,8 +163,11 @@ class PostgresHistory:
     ) -> protocol.Page:
         protocol.check_limit(limit)
         after = queries.decode(cont, query) if cont else None
-        statement, params = sql.page_query(sql.POSTGRES, query, after, limit + 1)
-        found = await self._call(lambda conn: conn.fetch(statement, *params))
+        if query.text is not None and sql.indexable(query.text) and self.text_indexed:
+            found = await self._call(self._select_text, query, after, limit + 1)
+        else:
+            statement, params = sql.page_query(sql.POSTGRES, query, after, limit + 1)
+            found = await self._call(lambda conn: conn.fetch(statement, *params))
         rows = [
             (str(text), queries.Cursor(False, queries.to_us(finished), str(job_id)))
             for text, finished, job_id in found
@@ -201,6 +227,104 @@ class PostgresHistory:
                 await conn.execute(sql.POSTGRES_UPGRADE)
             for statement in sql.INDEXES:
                 await conn.execute(statement)
+            self.text_indexed = await self._create_text_index(conn)
+
+    async def _create_text_index(self, conn: Any) -> bool:
+        """The text index, built if absent; False (and a log line) without pg_trgm."""
+        extension_schema = await conn.fetchval(EXTENSION)
+        if extension_schema is None:
+            try:
+                async with conn.transaction():  # a savepoint: a refusal leaves the rest
+                    await conn.execute("CREATE EXTENSION IF NOT EXISTS pg_trgm")
+            except asyncpg.PostgresError as exc:
+                log.warning(
+                    "postgresql history %s: no text index, a text search reads every row its"
+                    " filters leave (%s: %s): have a superuser run `CREATE EXTENSION pg_trgm`"
+                    " in this database (the package of PostgreSQL's contrib modules has it)",
+                    self.where,
+                    type(exc).__name__,
+                    exc,
+                )
+                return False
+            extension_schema = await conn.fetchval(EXTENSION)
+        exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", sql.TEXT)
+        if exists:
+            return True
+        rows = await conn.fetchval(  # -1: never analyzed
+            "SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = $1::regclass",
+            sql.HISTORY,
+        )
+        log.info("postgresql history %s: building the text index (about %d rows)", self.where, rows)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        watching = asyncio.create_task(self._log_progress())
+        try:
+            await conn.execute(sql.text_index_sql(extension_schema), timeout=INDEX_TIMEOUT)
+        finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+        log.info(
+            "postgresql history %s: text index built in %.1f s", self.where, loop.time() - began
+        )
+        return True
+
+    async def _log_progress(self) -> None:
+        """How far the index's build is, every PROGRESS_SECONDS, from another connection."""
+        while True:
+            await asyncio.sleep(PROGRESS_SECONDS)
+            try:
+                async with self._pool.acquire() as conn:
+                    row = await conn.fetchrow(PROGRESS)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+                log.debug("postgresql history %s: index progress: %s", self.where, exc)
+                continue
+            if row is not None:
+                log.info(
+                    "postgresql history %s: text index: %s, blocks %s of %s, tuples %s of %s",
+                    self.where,
+                    *row,
+                )
+
+    async def _select_text(
+        self, conn: Any, query: queries.JobQuery, after: queries.Cursor | None, limit: int
+    ) -> list[Any]:
+        """A page with a text (`sql.py`): the first `walk` rows if `limit` of them hold it,
+        else the text index's candidates if they are few (and matches were too sparse in the
+        walk to walk on), else the walk of every row; the walks read the index only, and the
+        page is then read from the rows found by bitmap scans (the planner would otherwise
+        walk the page's index for a few ids, as a LIMIT tempts it to). One snapshot."""
+        only_bitmaps = "SET LOCAL enable_seqscan = off; SET LOCAL enable_indexscan = off"
+        async with conn.transaction(isolation="repeatable_read", readonly=True):
+            among: list[object] | None = None
+            asks = True  # whether to ask the text index
+            if self.walk > 0:
+                among = await self._walk(conn, query, after, limit, self.walk)
+                if len(among) < limit:
+                    asks = not sql.walks_on(len(among), walked=self.walk, limit=limit)
+                    among = None
+            if among is None and asks and self.candidates > 0:
+                pattern = sql.like_pattern(queries.fold(query.text or ""))
+                await conn.execute(only_bitmaps)
+                found = await conn.fetch(sql.POSTGRES_TEXT_PROBE, pattern, self.candidates + 1)
+                await conn.execute("RESET enable_seqscan; RESET enable_indexscan")
+                among = [row[0] for row in found] if len(found) <= self.candidates else None
+            if among is None:
+                among = await self._walk(conn, query, after, limit, None)
+            await conn.execute(only_bitmaps)
+            statement, params = sql.page_query(sql.POSTGRES, query, after, limit, among=among)
+            rows: list[Any] = await conn.fetch(statement, *params)
+            return rows
+
+    async def _walk(
+        self,
+        conn: Any,
+        query: queries.JobQuery,
+        after: queries.Cursor | None,
+        limit: int,
+        walk: int | None,
+    ) -> list[object]:
+        statement, params = sql.walk_query(sql.POSTGRES, query, after, limit, walk=walk)
+        return [row[0] for row in await conn.fetch(statement, *params)]
 
     async def _put(self, conn: Any, rows: list[protocol.HistoryRow]) -> int:
         async with conn.transaction():

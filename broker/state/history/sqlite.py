@@ -17,6 +17,10 @@ connection gives its cache back (`PRAGMA shrink_memory`, and the broker's collec
 freed pages back to the system): up to 96 MiB that a broker holding only its live jobs
 would otherwise keep for good once the history has grown past them.
 
+The text index (`sql.SQLITE_TEXT`) is built at the first open of a history that lacks it, in
+one transaction with its progress logged: a broker stopped midway leaves the history as it
+was, and the next open builds it again.
+
 The planner's statistics are refreshed (`ANALYZE`, sampled, so cheap) at open and
 whenever the history has doubled since, so it picks the index of the most selective filter.
 """
@@ -51,6 +55,8 @@ WRITER_CACHE_KIB = 65536  # the writer's page cache: its indexes' hot pages, for
 READER_CACHE_KIB = 16384
 IDLE_SECONDS = 10.0  # no put or read for this long: the connections' caches are given back
 SHRINK_WAIT_SECONDS = 5.0  # how long a reader thread waits for the others to shrink theirs
+TEXT_BATCH = 50_000  # rowids a statement of the text index's build covers
+PROGRESS_SECONDS = 5.0  # how often the build logs how far it is
 
 UPSERT = (
     f"INSERT INTO {sql.HISTORY}"
@@ -68,9 +74,16 @@ class SqliteHistory:
     """The history in an SQLite file (or `:memory:`); open with `await SqliteHistory.open`."""
 
     def __init__(
-        self, path: str, *, readers: int, synchronous: str, idle_seconds: float = IDLE_SECONDS
+        self,
+        path: str,
+        *,
+        readers: int,
+        synchronous: str,
+        idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self.path = path
+        self.candidates = sql.CANDIDATES  # the most rows a page takes from the text index
+        self.walk = sql.WALK  # the rows a page with a text reads before asking the index
         self._synchronous = synchronous
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="history-w")
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
@@ -104,7 +117,10 @@ class SqliteHistory:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous: OFF, NORMAL, FULL or EXTRA, not {synchronous!r}")
         history = cls(
-            path, readers=readers, synchronous=synchronous.upper(), idle_seconds=idle_seconds
+            path,
+            readers=readers,
+            synchronous=synchronous.upper(),
+            idle_seconds=idle_seconds,
         )
         try:
             await history._write(history._connect)
@@ -131,8 +147,11 @@ class SqliteHistory:
     ) -> protocol.Page:
         protocol.check_limit(limit)
         after = queries.decode(cont, query) if cont else None
-        statement, params = sql.page_query(sql.SQLITE, query, after, limit + 1)
-        rows = await self._read(self._select, statement, params)
+        if query.text is not None and sql.indexable(query.text):
+            rows = await self._read(self._select_text, query, after, limit + 1)
+        else:
+            statement, params = sql.page_query(sql.SQLITE, query, after, limit + 1)
+            rows = await self._read(self._select, statement, params)
         return protocol.make_page(rows, query, limit, self.path)
 
     async def prune(self, older_than: datetime, *, batch: int = protocol.PRUNE_BATCH) -> int:
@@ -251,11 +270,45 @@ class SqliteHistory:
                 conn.executescript(f"BEGIN IMMEDIATE; {sql.SQLITE_UPGRADE} COMMIT;")
             for statement in sql.INDEXES:
                 conn.execute(statement)
+            if conn.execute(sql.SQLITE_TEXT_BUILT).fetchone() is None:
+                self._build_text_index(conn)
         except BaseException:
             conn.close()
             raise
         self._conn = conn
         self._analyze()
+
+    def _build_text_index(self, conn: sqlite3.Connection) -> None:
+        """The text index and its triggers, filled with every row, in one transaction."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in sql.SQLITE_TEXT:
+                conn.execute(statement)
+            conn.execute(sql.SQLITE_TEXT_EMPTIED)
+            (rows,) = conn.execute(f"SELECT count(*) FROM {sql.HISTORY}").fetchone()
+            low, high = conn.execute(f"SELECT min(rowid), max(rowid) FROM {sql.HISTORY}").fetchone()
+            began = logged = time.monotonic()
+            if rows > TEXT_BATCH:
+                log.info("sqlite history %s: building the text index of %d rows", self.path, rows)
+            done = 0
+            for start in range(low or 0, (high or 0) + 1, TEXT_BATCH):
+                done += conn.execute(sql.SQLITE_TEXT_FILL, (start, start + TEXT_BATCH)).rowcount
+                if time.monotonic() - logged >= PROGRESS_SECONDS:
+                    logged = time.monotonic()
+                    log.info("sqlite history %s: text index: %d of %d rows", self.path, done, rows)
+            conn.execute(sql.SQLITE_TEXT_DONE)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        if rows > TEXT_BATCH:
+            log.info(
+                "sqlite history %s: text index of %d rows built in %.1f s",
+                self.path,
+                done,
+                time.monotonic() - began,
+            )
 
     def _disconnect(self) -> None:
         if self._conn is not None:
@@ -368,6 +421,32 @@ class SqliteHistory:
         return [
             (str(text), queries.Cursor(False, int(us), str(job_id))) for text, us, job_id in rows
         ]
+
+    def _select_text(
+        self, query: queries.JobQuery, after: queries.Cursor | None, limit: int
+    ) -> list[tuple[str, queries.Cursor]]:
+        """A page with a text (`sql.py`): the first `walk` rows if `limit` of them hold it,
+        else the text index's candidates if they are few (and matches were too sparse in the
+        walk to walk on), else the whole walk; one snapshot."""
+        conn = self._reader()
+        conn.execute("BEGIN")
+        try:
+            among: list[object] | None = None
+            asks = True  # whether to ask the text index
+            if self.walk > 0:
+                statement, params = sql.walk_query(sql.SQLITE, query, after, limit, walk=self.walk)
+                among = [key for (key,) in conn.execute(statement, params)]
+                if len(among) < limit:
+                    asks = not sql.walks_on(len(among), walked=self.walk, limit=limit)
+                    among = None
+            if among is None and asks and self.candidates > 0:
+                probe = (sql.fts_query(queries.fold(query.text or "")), self.candidates + 1)
+                found = conn.execute(sql.SQLITE_TEXT_PROBE, probe).fetchall()
+                among = [rowid for (rowid,) in found] if len(found) <= self.candidates else None
+            statement, params = sql.page_query(sql.SQLITE, query, after, limit, among=among)
+            return self._select(statement, params)
+        finally:
+            conn.execute("COMMIT")
 
     def _count(self) -> int:
         (count,) = self._reader().execute(f"SELECT count(*) FROM {sql.HISTORY}").fetchone()
