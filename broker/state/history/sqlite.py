@@ -33,6 +33,7 @@ import contextlib
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TypeVar
