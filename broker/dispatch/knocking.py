@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from broker.jobs import fleet
 from broker.state import electing, errors, store
+from kits import tasks
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ LEASE_RENEW_AFTER = 30.0  # a follower takes a new lease for its knocks this oft
 ASSESS_MAX_SECONDS = 0.5  # the leader looks at least this often
 SILENT_BEATS = 2.0  # a session silent this many heartbeats does not count as one
 BACKOFF_SECONDS = 1.0
+STOP_SECONDS = 2.0  # the knocks' watch, cancelled, is waited for this long (twice at most)
 
 
 @dataclass(frozen=True)
@@ -191,10 +193,8 @@ class Knocks:
                 if verdict.step_aside:
                     self.leadership.step_aside(verdict.reason, hold_off=self.rule.hold_off)
                     return
-        finally:
-            listening.cancel()
-            with contextlib.suppress(BaseException):
-                await listening
+        finally:  # its watch may swallow the cancellation: not waited for unbounded
+            await tasks.stop_task(listening, timeout=STOP_SECONDS)
 
     async def _listen(self, revision: int) -> None:
         """Note when each cluster knocks (this replica's clock), from `revision` on; a store

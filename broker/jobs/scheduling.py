@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import io
 import itertools
 import logging
 import time
@@ -48,7 +47,7 @@ from broker.planning import planning, plans, snapshot, usage
 from broker.planning.backlog import backlog, budget, parking
 from broker.state import errors, registry
 from broker.telemetry import metrics
-from kits import logcontext, tables
+from kits import logcontext, tables, tasks
 
 logger = logging.getLogger(__name__)
 # a job excluded from no cluster: one empty set for all (each `frozenset()` is a new one)
@@ -480,32 +479,12 @@ class Scheduler:
 
 RESYNC_SHARE = 0.01  # of the scheduler's time the recount of holdings may take
 SLOT_SLACK = 50  # jobs a cycle plans past the offer slots free (`Scheduler._slice_limit`)
-STOP_SECONDS = 10.0  # a task cancelled and still running after this is left behind
+STOP_SECONDS = tasks.STOP_SECONDS
 
 
 async def stop_task(task: asyncio.Task[None], *, timeout: float = STOP_SECONDS) -> bool:
-    """Cancel `task` and wait for it to end, for at most `timeout` seconds; never raises.
-
-    A task that swallows its cancellation (a bug) must not hold up the end of a term, and
-    with it every term after (the replica would lead without working): it is logged with
-    where it is, and left behind; False then. A task that had ended with an error (the
-    retirer ends itself with NotLeaderError when a fenced write finds the term over) has it
-    logged: raised here, it would end the caller — the leader's work, for good."""
-    task.cancel()
-    done, _ = await asyncio.wait({task}, timeout=timeout)
-    if not done:
-        where = io.StringIO()
-        task.print_stack(limit=12, file=where)
-        logger.error(
-            "task %s still runs %g s after it was cancelled; left behind:\n%s",
-            task.get_name(),
-            timeout,
-            where.getvalue(),
-        )
-        return False
-    if not task.cancelled() and (error := task.exception()) is not None:
-        if isinstance(error, errors.StoreError):  # NotLeaderError among them: the term ended
-            logger.warning("task %s had ended: %s", task.get_name(), error)
-        else:
-            logger.error("task %s had ended with an error", task.get_name(), exc_info=error)
-    return True
+    """Cancel `task` and wait for it to end (`kits.tasks.stop_task`): a task that swallows its
+    cancellation must not hold up the end of a term, and with it every term after (the
+    replica would lead without working). A store error it had ended with (the retirer ends
+    itself with NotLeaderError when a fenced write finds the term over) is only a warning."""
+    return await tasks.stop_task(task, timeout=timeout, expected=(errors.StoreError,))

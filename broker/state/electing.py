@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from broker.state import errors, renewing, store
+from kits import tasks
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +81,7 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     return bool(done)
 
 
-def check_cancelled() -> None:
-    """Raise CancelledError if the running task was asked to stop (a cancellation an
-    `asyncio.wait_for` of Python 3.11 swallowed as its awaitable completed)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
+check_cancelled = tasks.check_cancelled
 
 
 @dataclass(frozen=True)

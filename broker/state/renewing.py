@@ -29,7 +29,6 @@ lease is gone (`expired`), and wakes the election (`notify`); the election decid
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -37,10 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.state import errors, store
+from kits import tasks
 
 logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 0.1  # after a failed renewal, the next try this soon
+STOP_SECONDS = 2.0  # the keeper, cancelled, is waited for this long (twice at most)
 
 
 @dataclass
@@ -87,6 +88,7 @@ async def keep_renewing(
     """Renew `renewal.lease` every ttl/3 (sooner again after a failure) until cancelled or
     the store says the lease is gone; never raises a store error."""
     while True:
+        tasks.check_cancelled()  # a cancel a `wait_for` below swallowed: stop renewing
         deadline = renewal.renewed_at + ttl - safety
         left = deadline - time.monotonic()
         if left <= 0:
@@ -100,6 +102,7 @@ async def keep_renewing(
         timeout = max(0.05, min(left, max(ttl / 3, left / 2, 2 * renewal.round_trip)))
         try:
             await asyncio.wait_for(backing.keep_alive(renewal.lease), timeout)
+            tasks.check_cancelled()
         except errors.LeaseExpiredError:
             renewal.expired = True
             notify()
@@ -155,7 +158,5 @@ class Keeper:
         """Stop renewing; the lease itself is left to the caller (revoked, or let expire),
         the connection to the election."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        if task is not None:  # its keep-alive may swallow the cancellation: bounded
+            await tasks.stop_task(task, timeout=STOP_SECONDS, expected=(Exception,))
