@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,13 @@ async def stop_task(
         else:
             logger.error("task %s had ended with an error", task.get_name(), exc_info=error)
     return True
+
+
+def retrieve(future: asyncio.Future[Any]) -> None:
+    """A done callback: the future's error is taken (it was answered, or no longer matters),
+    so none is reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def check_cancelled() -> None:

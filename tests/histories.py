@@ -1,4 +1,5 @@
-"""Finished jobs for the history tests: `finished("job-1", at=..., labels=...)`, `population()`."""
+"""Finished jobs for the history tests: `finished("job-1", at=..., labels=...)`, `population()`,
+and `page_all`, a query's every page read through."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import random
 from datetime import UTC, datetime, timedelta
 
 from broker.api import status
+from broker.state.history import protocol
+from broker.state.history import query as queries
 from tests.builders import make_job
 
 BASE = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -65,3 +68,19 @@ def population(count: int = 240, *, seed: int = 12) -> list[status.JobRecord]:
             )
         )
     return made
+
+
+async def page_all(
+    history: protocol.HistoryStore, query: queries.JobQuery, *, limit: int
+) -> list[str]:
+    listed: list[str] = []
+    token = None
+    for _ in range(10_000):
+        page = await history.page(query, limit=limit, cont=token)
+        assert len(page.items) <= limit
+        listed += [record.id for record in page.items]
+        if page.next is None:
+            return listed
+        assert len(page.items) == limit  # only the last page is short
+        token = page.next
+    raise AssertionError("the pages never ended")

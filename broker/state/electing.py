@@ -81,9 +81,6 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     return bool(done)
 
 
-check_cancelled = tasks.check_cancelled
-
-
 @dataclass(frozen=True)
 class Leader:
     """Who leads, as the leader key says."""
@@ -324,7 +321,7 @@ class Election:
         delay = BACKOFF_INITIAL
         try:
             while not self._resigned:
-                check_cancelled()
+                tasks.check_cancelled()
                 try:
                     await self._round()
                     delay = BACKOFF_INITIAL
@@ -405,7 +402,7 @@ class Election:
         lease = await self.backing.grant_lease(self.ttl)
         renewed = time.monotonic()  # the first renewal goes with the campaign's transaction
         first = asyncio.ensure_future(keeper.keep_alive(lease))
-        first.add_done_callback(renewing.retrieve)
+        first.add_done_callback(tasks.retrieve)
         try:
             revision = await self.backing.commit(
                 store.Txn(
@@ -460,7 +457,7 @@ class Election:
         keeper.start()
         try:
             while self.is_leader:
-                check_cancelled()
+                tasks.check_cancelled()
                 deadline = renewal.renewed_at + self.ttl - self.safety
                 pause = min(self.ttl / 3, max(0.0, deadline - time.monotonic()))
                 await wait_event(self._stop, pause)

@@ -46,6 +46,7 @@ from aetcd import rpc
 from aetcd import utils as aetcd_utils
 
 from broker.state import errors, etcd_credentials, store
+from kits import tasks
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT = 5.0  # seconds the client's channel is given to close
@@ -591,12 +592,6 @@ class EtcdStore(store.Shortcuts):
             delay = min(delay * 2, WATCH_BACKOFF_MAX)
 
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """A done callback: the future's error is taken (it no longer matters)."""
-    if not future.cancelled():
-        future.exception()
-
-
 async def _close_client(client: aetcd.Client, timeout: float) -> bool:
     """Close `client`, waiting for it at most `timeout` seconds; True if it closed. A close
     that does not answer is cancelled and left behind, never waited for again: not
@@ -608,11 +603,11 @@ async def _close_client(client: aetcd.Client, timeout: float) -> bool:
         done, _ = await asyncio.wait({closing}, timeout=timeout)
     except asyncio.CancelledError:
         closing.cancel()
-        closing.add_done_callback(_retrieve)
+        closing.add_done_callback(tasks.retrieve)
         raise
     if not done:
         closing.cancel()
-        closing.add_done_callback(_retrieve)
+        closing.add_done_callback(tasks.retrieve)
         return False
     if not closing.cancelled() and closing.exception() is not None:
         log.warning("closing an etcd client failed: %s", closing.exception())

@@ -60,12 +60,6 @@ class Renewal:
         self.round_trip = seconds if before == 0.0 else 0.7 * before + 0.3 * seconds
 
 
-def retrieve(future: asyncio.Future[Any]) -> None:
-    """A done callback: the future's error is taken (it was answered, or no longer matters)."""
-    if not future.cancelled():
-        future.exception()
-
-
 async def answered(renewal: asyncio.Future[int], *, by: float) -> bool:
     """Whether the renewal `renewal` got through (waited for until the monotonic `by`, then
     cancelled); its errors are its answer."""

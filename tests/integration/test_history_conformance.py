@@ -24,7 +24,7 @@ from broker.api import selectors, status
 from broker.state import errors, opening
 from broker.state.history import protocol
 from broker.state.history import query as queries
-from tests.histories import BASE, finished, population
+from tests.histories import BASE, finished, page_all, population
 
 State = status.JobState
 
@@ -55,22 +55,6 @@ async def history(history_url: str) -> AsyncIterator[protocol.HistoryStore]:
 def expected(records: Sequence[status.JobRecord], query: queries.JobQuery) -> list[str]:
     ordered = sorted(records, key=queries.Cursor.of, reverse=query.newest_first)
     return [record.id for record in ordered if query.matches(record)]
-
-
-async def page_all(
-    history: protocol.HistoryStore, query: queries.JobQuery, *, limit: int
-) -> list[str]:
-    listed: list[str] = []
-    token = None
-    for _ in range(10_000):
-        page = await history.page(query, limit=limit, cont=token)
-        assert len(page.items) <= limit
-        listed += [record.id for record in page.items]
-        if page.next is None:
-            return listed
-        assert len(page.items) == limit  # only the last page is short
-        token = page.next
-    raise AssertionError("the pages never ended")
 
 
 async def test_a_record_comes_back_whole_and_an_unknown_id_is_none(

@@ -31,6 +31,7 @@ from broker.state import opening
 from broker.state.history import postgres, protocol, sql
 from broker.state.history import query as queries
 from broker.state.history import sqlite as sqlite_history
+from tests import histories
 from tests.histories import BASE, State, finished
 
 EVERY = 10**6  # candidates: the index for every indexable text
@@ -110,14 +111,7 @@ def queries_of(text: str) -> list[queries.JobQuery]:
 
 
 async def page_all(history: protocol.HistoryStore, query: queries.JobQuery) -> list[str]:
-    listed: list[str] = []
-    token = None
-    while True:
-        page = await history.page(query, limit=7, cont=token)
-        listed += [record.id for record in page.items]
-        if page.next is None:
-            return listed
-        token = page.next
+    return await histories.page_all(history, query, limit=7)
 
 
 @pytest.fixture(
@@ -204,6 +198,16 @@ async def test_the_index_follows_updates_and_prunes(
     assert await found("train") == []
 
 
+async def written_before_the_index(path: Path) -> list[protocol.HistoryRow]:
+    """A file holding the corpus, as a broker of before the text index left it."""
+    rows = corpus()
+    old = await sqlite_history.SqliteHistory.open(str(path))
+    await old.put_rows(rows)
+    await old.close()
+    drop_text_index(path)
+    return rows
+
+
 def drop_text_index(path: Path) -> None:
     """The file as a broker of before the text index left it."""
     with contextlib.closing(sqlite3.connect(path)) as conn:
@@ -216,11 +220,7 @@ def drop_text_index(path: Path) -> None:
 
 async def test_a_sqlite_history_without_the_index_gains_it_at_open(tmp_path: Path) -> None:
     path = tmp_path / "history.db"
-    rows = corpus()
-    old = await sqlite_history.SqliteHistory.open(str(path))
-    await old.put_rows(rows)
-    await old.close()
-    drop_text_index(path)
+    rows = await written_before_the_index(path)
 
     history = await sqlite_history.SqliteHistory.open(str(path))
     try:
@@ -267,11 +267,7 @@ asyncio.run(sqlite.SqliteHistory.open(sys.argv[1]))
 
 async def test_a_build_killed_midway_leaves_a_history_that_opens(tmp_path: Path) -> None:
     path = tmp_path / "history.db"
-    rows = corpus()
-    old = await sqlite_history.SqliteHistory.open(str(path))
-    await old.put_rows(rows)
-    await old.close()
-    drop_text_index(path)
+    rows = await written_before_the_index(path)
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     builder = await asyncio.create_subprocess_exec(
