@@ -4,9 +4,10 @@
 
 Each store is measured sequentially (one writer) and with 32 writers in flight. A CAS commit
 compares the key's revision from the writer's previous commit, as the scheduler does. Prints
-p50/p99 per operation and throughput; asserts nothing. SQLite runs on a file in the system's
-temporary directory; etcd is a real server from tests/etcdserver.py (its data on tmpfs when
-the machine has one, so etcd's fsync is cheap here: production disks are slower).
+p50/p99 per operation, throughput and the client's CPU time per operation; asserts nothing.
+SQLite runs on a file in the system's temporary directory; etcd is a real server from
+tests/etcdserver.py (its data on tmpfs when the machine has one, so etcd's fsync is cheap
+here: production disks are slower).
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ IN_FLIGHT = 32
 VALUE = b"x" * 512  # about the size of a job record
 
 
-def summarise_latencies(label: str, latencies: list[float], elapsed: float) -> str:
+def summarise_latencies(label: str, latencies: list[float], elapsed: float, cpu: float) -> str:
     ordered = sorted(latencies)
     p50 = statistics.median(ordered) * 1e3
     p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3
     rate = len(ordered) / elapsed
-    return f"{label:<34} p50 {p50:7.3f} ms   p99 {p99:7.3f} ms   {rate:9,.0f} ops/s"
+    per_op = cpu / len(ordered) * 1e6
+    return (
+        f"{label:<34} p50 {p50:7.3f} ms   p99 {p99:7.3f} ms   {rate:9,.0f} ops/s"
+        f"   client CPU {per_op:5.0f} us/op"
+    )
 
 
 async def measure_writers(
@@ -40,8 +45,9 @@ async def measure_writers(
     writers: int,
     ops: int,
     write: Callable[[store.Store, str, int], Awaitable[int]],
-) -> tuple[list[float], float]:
-    """Run `ops` writes split among `writers` coroutines; per-op latencies and elapsed time."""
+) -> tuple[list[float], float, float]:
+    """Run `ops` writes split among `writers` coroutines; per-op latencies, elapsed time and
+    this process's CPU time (the client's side of a write)."""
     latencies: list[float] = []
 
     async def run_writer(index: int) -> None:
@@ -52,9 +58,9 @@ async def measure_writers(
             revision = await write(kv, key, revision)
             latencies.append(time.perf_counter() - began)
 
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(run_writer(i) for i in range(writers)))
-    return latencies, time.perf_counter() - began
+    return latencies, time.perf_counter() - began, time.process_time() - cpu
 
 
 async def write_put(kv: store.Store, key: str, _revision: int) -> int:
@@ -71,11 +77,11 @@ async def bench_store(name: str, url: str, *, ops: int) -> None:
         await measure_writers(kv, writers=IN_FLIGHT, ops=min(ops, 320), write=write_put)  # warm
         for writers in (1, IN_FLIGHT):
             for op_name, write in (("put", write_put), ("CAS commit", write_cas)):
-                latencies, elapsed = await measure_writers(
+                latencies, elapsed, cpu = await measure_writers(
                     kv, writers=writers, ops=ops, write=write
                 )
                 label = f"{name} {op_name}, {writers} in flight"
-                print(summarise_latencies(label, latencies, elapsed), flush=True)
+                print(summarise_latencies(label, latencies, elapsed, cpu), flush=True)
     finally:
         await kv.close()
 

@@ -210,7 +210,9 @@ async def burst(
     )
     print(
         f"burst ({route}): per job, the {'leader' if len(fleet.urls) > 1 else 'broker'}'s "
-        f"scheduling cycles {counts.get('cycles', 0) / jobs:.3f}, store writes "
+        f"scheduling cycles {counts.get('cycles', 0) / jobs:.3f} "
+        f"({counts.get('cycle_seconds', 0) * 1000 / max(1.0, counts.get('cycles', 0)):.2f} ms "
+        "each), store writes "
         f"{helpers.writes_per_job(counts, jobs)}"
     )
     return jobs / submitted, jobs * pods / elapsed
@@ -298,6 +300,7 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
     total = int(rate * seconds)
     pids = processes_of(fleet)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    counts_before = await helpers.broker_counts(fleet)
     urls = submit_urls(fleet)
     async with contextlib.AsyncExitStack() as stack:
         apis = [await stack.enter_async_context(fleet.client("bench", url=u)) for u in urls]
@@ -314,6 +317,7 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
         achieved = total / (time.perf_counter() - started)
         await asyncio.sleep(1.0)  # the last offers placed
         per_job = {n: (cpu_seconds(pid) - cpu_before[n]) * 1000 / total for n, pid in pids.items()}
+        counts = helpers.counts_since(await helpers.broker_counts(fleet), counts_before)
         await asyncio.sleep(1.0)
         items = [
             j for j in await api.jobs(selector="bench=paced", limit=1_000_000) if j["id"] in ids
@@ -331,6 +335,13 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
     print(
         "paced: CPU ms per job, "
         + ", ".join(f"{name} {value:.2f}" for name, value in sorted(per_job.items()))
+    )
+    print(
+        f"paced: per job, the {'leader' if len(fleet.urls) > 1 else 'broker'}'s scheduling "
+        f"cycles {counts.get('cycles', 0) / total:.3f} "
+        f"({counts.get('cycle_seconds', 0) * 1000 / max(1.0, counts.get('cycles', 0)):.2f} ms "
+        "each), store writes "
+        f"{helpers.writes_per_job(counts, total)}"
     )
 
 
