@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,7 @@ async def burst(
     pids = processes_of(fleet)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     counts_before = await helpers.broker_counts(fleet)
+    requests_before = etcd_requests()
     async with contextlib.AsyncExitStack() as stack:
         apis = [
             await stack.enter_async_context(fleet.client("bench", url=url))
@@ -196,6 +198,7 @@ async def burst(
         elapsed = time.perf_counter() - started
     spent = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
     counts = helpers.counts_since(await helpers.broker_counts(fleet), counts_before)
+    requests = etcd_requests() - requests_before
     route = f"batches of {batch}" if batch else "single route"
     print(
         f"burst ({route}): {jobs} jobs x {pods} pods submitted in {submitted:.2f}s "
@@ -214,8 +217,25 @@ async def burst(
         f"({counts.get('cycle_seconds', 0) * 1000 / max(1.0, counts.get('cycles', 0)):.2f} ms "
         "each), store writes "
         f"{helpers.writes_per_job(counts, jobs)}"
+        + (f"; etcd transaction requests {requests / jobs:.3f}" if ETCD is not None else "")
     )
     return jobs / submitted, jobs * pods / elapsed
+
+
+def etcd_requests() -> float:
+    """Transaction requests the run's etcd has handled so far (its own /metrics: what the
+    brokers sent, however many commits each carried); 0 without etcd."""
+    if ETCD is None:
+        return 0.0
+    with urllib.request.urlopen(f"http://{ETCD.endpoint}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "grpc_server_handled"
+        for s in family.samples
+        if s.labels.get("grpc_method") == "Txn" and s.name.endswith("_total")
+    )
 
 
 def rss_mib(pid: int) -> float:
@@ -301,6 +321,7 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
     pids = processes_of(fleet)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     counts_before = await helpers.broker_counts(fleet)
+    requests_before = etcd_requests()
     urls = submit_urls(fleet)
     async with contextlib.AsyncExitStack() as stack:
         apis = [await stack.enter_async_context(fleet.client("bench", url=u)) for u in urls]
@@ -318,6 +339,7 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
         await asyncio.sleep(1.0)  # the last offers placed
         per_job = {n: (cpu_seconds(pid) - cpu_before[n]) * 1000 / total for n, pid in pids.items()}
         counts = helpers.counts_since(await helpers.broker_counts(fleet), counts_before)
+        requests = etcd_requests() - requests_before
         await asyncio.sleep(1.0)
         items = [
             j for j in await api.jobs(selector="bench=paced", limit=1_000_000) if j["id"] in ids
@@ -342,6 +364,7 @@ async def paced(fleet: processes.LocalFleet, rate: float, seconds: float) -> Non
         f"({counts.get('cycle_seconds', 0) * 1000 / max(1.0, counts.get('cycles', 0)):.2f} ms "
         "each), store writes "
         f"{helpers.writes_per_job(counts, total)}"
+        + (f"; etcd transaction requests {requests / total:.3f}" if ETCD is not None else "")
     )
 
 
