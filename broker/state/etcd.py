@@ -45,7 +45,7 @@ import aetcd
 from aetcd import rpc
 from aetcd import utils as aetcd_utils
 
-from broker.state import errors, etcd_credentials, store
+from broker.state import errors, etcd_credentials, etcd_sharing, store
 from kits import tasks
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,11 @@ DEFAULT_WRITE_TIMEOUT = 5.0  # a transaction the store cannot commit fails this 
 STALLED_MIN_TIMEOUT = 1.0  # a transaction while the store is stalled: at least this long ...
 STALLED_ROUND_TRIPS = 4.0  # ... and this many of the latest commits' round trips
 PROBE_TIMEOUT = 2.0
+# commits sharing one request (`etcd_sharing`): its nested transactions and the largest one's
+# operations within what one transaction may have (the job store's bound, under etcd's default
+# --max-txn-ops of 128), and its bytes well under etcd's default --max-request-bytes (1.5 MiB)
+SHARED_MAX_OPS = 100
+SHARED_MAX_BYTES = 512 * 1024
 PROBE_KEY = b"/gpufed/probe"  # under /gpufed/, where a least-privilege etcd role lets it read
 FAILOVER_EVERY = 1.0  # seconds between two attempts to find another member
 LIST_PAGE_SIZE = 1_000
@@ -227,6 +232,10 @@ class EtcdStore(store.Shortcuts):
         self._endpoints = list(endpoints)
         self._switching = asyncio.Lock()
         self._tried_at = 0.0
+        # the transactions given while one is on its way go together in the next request
+        self._sharing = etcd_sharing.Sharing(
+            self._send_txn, max_ops=SHARED_MAX_OPS, max_bytes=SHARED_MAX_BYTES
+        )
 
     @classmethod
     async def connect(
@@ -385,7 +394,23 @@ class EtcdStore(store.Shortcuts):
 
     async def commit(self, txn: store.Txn) -> int:
         store.check_txn(txn)
-        request = build_txn_request(txn)
+        answer = await self._sharing.commit(build_txn_request(txn))
+        response = answer.response
+        if not response.succeeded:
+            failed = {}
+            for compare, op in zip(txn.compares, response.responses, strict=True):
+                kvs = op.response_range.kvs
+                current = int(kvs[0].mod_revision) if kvs else 0
+                if current != compare.mod_revision:
+                    failed[compare.key] = current
+            raise errors.ConflictError(
+                f"compare failed (key: current revision): {failed}", revisions=failed
+            )
+        return answer.revision
+
+    async def _send_txn(self, request: Any) -> Any:
+        """One transaction request (some commits' own, nested or not: `etcd_sharing`), within
+        the deadline; its response."""
         deadline = self.commit_timeout()
         started = time.monotonic()
 
@@ -405,17 +430,7 @@ class EtcdStore(store.Shortcuts):
                 ) from exc
             raise
         self._answered(time.monotonic() - started)
-        if not response.succeeded:
-            failed = {}
-            for compare, op in zip(txn.compares, response.responses, strict=True):
-                kvs = op.response_range.kvs
-                current = int(kvs[0].mod_revision) if kvs else 0
-                if current != compare.mod_revision:
-                    failed[compare.key] = current
-            raise errors.ConflictError(
-                f"compare failed (key: current revision): {failed}", revisions=failed
-            )
-        return int(response.header.revision)
+        return response
 
     def watch(self, prefix: str, *, start_revision: int) -> AsyncIterator[store.WatchEvent]:
         if start_revision < 1:
@@ -426,6 +441,7 @@ class EtcdStore(store.Shortcuts):
         if self._closing.is_set():
             return
         self._closing.set()
+        self._sharing.close("etcd txn: the store is closed")
         if not await _close_client(self._client, CLOSE_TIMEOUT):
             log.warning("the etcd client did not close within %.0f s; left behind", CLOSE_TIMEOUT)
 

@@ -83,7 +83,8 @@ class Store(Protocol):
         ...
 
     async def commit(self, txn: Txn) -> int:
-        """Apply `txn` atomically and return the new revision; ConflictError if a compare fails."""
+        """Apply `txn` atomically and return the new revision; ConflictError if a compare fails.
+        Transactions committed together may land at one revision (as one's puts do)."""
         ...
 
     async def put(self, key: str, value: bytes) -> int: ...

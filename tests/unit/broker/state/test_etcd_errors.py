@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc import aio
 
-from broker.state import errors, etcd
+from broker.state import errors, etcd, etcd_sharing
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> aio.AioRpcError:
@@ -72,3 +72,22 @@ def test_a_write_refused_for_etcds_space_alarm_is_a_full_store_not_a_temporary_f
     assert isinstance(found, errors.StoreFullError)
     assert not isinstance(found, errors.TemporaryStoreError)
     assert "space quota alarm" in str(found) and "disarm" in str(found)
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "refused"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: too many operations in txn request", True),
+        (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: request is too large", True),
+        (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: duplicate key given in txn request", True),
+        (grpc.StatusCode.UNAVAILABLE, "connection refused", False),  # may have landed: no
+        (grpc.StatusCode.UNKNOWN, "context deadline exceeded", False),
+    ],
+)
+def test_a_request_refused_for_its_shape_never_landed(
+    code: grpc.StatusCode, details: str, refused: bool
+) -> None:
+    with pytest.raises(errors.StoreError) as caught, etcd.translating_errors("txn"):
+        raise rpc_error(code, details)
+    # refused before any of it applied: the commits it carried are sent again, one each
+    assert etcd_sharing.refused_for_shape(caught.value) is refused
