@@ -19,7 +19,7 @@ STOP_SECONDS = 10.0  # a task cancelled and still running after this is left beh
 
 
 async def stop_task(
-    task: asyncio.Task[None],
+    task: asyncio.Task[Any],
     *,
     timeout: float = STOP_SECONDS,
     expected: tuple[type[BaseException], ...] = (),

@@ -13,7 +13,6 @@ Tokens are compared by SHA-256 digest in constant time, and no answer or log lin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -26,6 +25,7 @@ from aiohttp import web
 
 from broker.api import errors
 from broker.http import peers, roles, tokens
+from kits import tasks
 
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 EXPIRED = {"WWW-Authenticate": 'Bearer error="invalid_token", error_description="expired"'}
@@ -258,8 +258,6 @@ def install(
         if sighup:
             loop.remove_signal_handler(signal.SIGHUP)
         for running in (task, *reloads):
-            running.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await running
+            await tasks.stop_task(running)
 
     app.cleanup_ctx.append(following)

@@ -48,6 +48,7 @@ from aiohttp import web
 from broker.api import errors
 from broker.http import auth, keys
 from broker.jobs import book
+from kits import tasks
 
 COALESCE_SECONDS = 0.25
 KEEPALIVE_SECONDS = 15.0
@@ -173,9 +174,7 @@ class Hub:
 
     async def stop(self) -> None:
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await tasks.stop_task(self._sweeper)
 
 
 HUB = web.AppKey("events_hub", Hub)

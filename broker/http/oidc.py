@@ -31,7 +31,6 @@ certificates) name their cluster.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -47,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker.api import errors
 from broker.http import auth, claims, roles, tokens
+from kits import tasks
 
 logger = logging.getLogger(__name__)
 
@@ -392,9 +392,7 @@ def install(
     async def refreshing(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(verifier.run(), name="oidc-keys")
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await tasks.stop_task(task)
 
     app.cleanup_ctx.append(refreshing)
     return verifier

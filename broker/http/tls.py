@@ -20,7 +20,6 @@ broker keeps the context it had.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import ssl
 from collections.abc import AsyncIterator
@@ -30,6 +29,7 @@ from pathlib import Path
 from aiohttp import web
 
 from broker.http import tokens
+from kits import tasks
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +154,7 @@ def install(
     async def following(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(server.run(), name="tls-follow")
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await tasks.stop_task(task)
 
     app.cleanup_ctx.append(following)
     return server

@@ -12,11 +12,11 @@ dropped (a conflict) is never acknowledged, and the agent sends it again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from broker.api import messages
 from broker.jobs import book, fleet
+from kits import tasks
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,4 @@ class Acknowledgements:
     async def close(self) -> None:
         """Stop sending (on the way out: the agents send what is not acknowledged again)."""
         if self._sender is not None:
-            self._sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sender
+            await tasks.stop_task(self._sender)

@@ -16,7 +16,6 @@ logs twice. Nothing a scrape raises leaves the loop, which runs until `close`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import urllib.parse
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kits import tasks
 from member_agent.utilisation import readings
 
 logger = logging.getLogger(__name__)
@@ -102,9 +102,7 @@ class DCGMScraper:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await tasks.stop_task(self._task)
             self._task = None
         if self._session is not None:
             await self._session.close()

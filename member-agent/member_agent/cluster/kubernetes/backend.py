@@ -86,7 +86,6 @@ keys not passed in come from the environment, as the Helm chart sets them: `GPUF
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
@@ -99,6 +98,7 @@ from typing import Any, Literal
 from kubernetes_asyncio import client, config
 
 from broker.api import status
+from kits import tasks
 from member_agent.cluster import base, errors, gpuhealth
 from member_agent.cluster.kubernetes import (
     claimed,
@@ -395,8 +395,7 @@ class KubernetesBackend:
         for task in [*self._tasks, *self._cordoning]:
             task.cancel()
         for task in [*self._tasks, *self._cordoning]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await tasks.stop_task(task)
         self._tasks = []
         await self._events.close()
         self._queue.put_nowait(None)

@@ -26,7 +26,6 @@ not the gang's failure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import logging
 import socket
@@ -36,6 +35,7 @@ from typing import Any
 from kubernetes_asyncio import client
 
 from broker.api import status
+from kits import tasks
 from member_agent.cluster import base, errors, gpuhealth
 from member_agent.cluster.kubernetes import errors as k8s_errors
 from member_agent.cluster.kubernetes import objects
@@ -159,8 +159,7 @@ class NodeEvents:
         for task in list(self._writing):
             task.cancel()
         for task in list(self._writing):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await tasks.stop_task(task)
 
     def _spawn(self, work: Awaitable[None], *, node: str) -> None:
         task = asyncio.ensure_future(work)
