@@ -295,7 +295,9 @@ def create_app(settings: BrokerSettings) -> web.Application:
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         backing = await opening.open_store(
-            settings.store, credentials=settings.load_etcd_credentials()
+            settings.store,
+            credentials=settings.load_etcd_credentials(),
+            max_request_bytes=settings.max_request_bytes,
         )
         job_store = records.JobStore(
             backing,

@@ -60,7 +60,8 @@ PROBE_TIMEOUT = 2.0
 # operations within what one transaction may have (the job store's bound, under etcd's default
 # --max-txn-ops of 128), and its bytes well under etcd's default --max-request-bytes (1.5 MiB)
 SHARED_MAX_OPS = 100
-SHARED_MAX_BYTES = 512 * 1024
+SHARED_MAX_BYTES = 512 * 1024  # and half of etcd's --max-request-bytes at most
+DEFAULT_MAX_REQUEST_BYTES = 1536 * 1024  # etcd's default --max-request-bytes (1.5 MiB)
 PROBE_KEY = b"/gpufed/probe"  # under /gpufed/, where a least-privilege etcd role lets it read
 FAILOVER_EVERY = 1.0  # seconds between two attempts to find another member
 LIST_PAGE_SIZE = 1_000
@@ -220,6 +221,7 @@ class EtcdStore(store.Shortcuts):
         endpoints: Sequence[tuple[str, int]] = (),
         credentials: etcd_credentials.EtcdCredentials = etcd_credentials.NONE,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         self.endpoint = endpoint
         self._client = client
@@ -233,8 +235,11 @@ class EtcdStore(store.Shortcuts):
         self._switching = asyncio.Lock()
         self._tried_at = 0.0
         # the transactions given while one is on its way go together in the next request
+        self.max_request_bytes = max_request_bytes
         self._sharing = etcd_sharing.Sharing(
-            self._send_txn, max_ops=SHARED_MAX_OPS, max_bytes=SHARED_MAX_BYTES
+            self._send_txn,
+            max_ops=SHARED_MAX_OPS,
+            max_bytes=min(SHARED_MAX_BYTES, max_request_bytes // 2),
         )
 
     @classmethod
@@ -245,12 +250,14 @@ class EtcdStore(store.Shortcuts):
         rpc_timeout: float = DEFAULT_TIMEOUT,
         credentials: etcd_credentials.EtcdCredentials = etcd_credentials.NONE,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> EtcdStore:
         """A store on the first of `endpoints` (host, port) that answers; it fails over to
         the others later, with the same `credentials` (TLS, user).
 
         `rpc_timeout` bounds each unary call (seconds); watches are not bounded by it.
-        `write_timeout` bounds a transaction (`commit`).
+        `write_timeout` bounds a transaction (`commit`); `max_request_bytes` is etcd's
+        `--max-request-bytes`, which the commits sharing a request stay well within.
         """
         failures: builtins.list[str] = []
         temporary = False
@@ -270,6 +277,7 @@ class EtcdStore(store.Shortcuts):
                 endpoints=endpoints,
                 credentials=credentials,
                 write_timeout=write_timeout,
+                max_request_bytes=max_request_bytes,
             )
         error = errors.TemporaryStoreError if temporary else errors.StoreError
         raise error(f"no etcd endpoint answers: {'; '.join(failures)}")
@@ -283,6 +291,7 @@ class EtcdStore(store.Shortcuts):
         first = [(host, port) for host, port in self._endpoints if [host, str(port)] == current]
         endpoints = first + [e for e in self._endpoints if e not in first]
         timeout, credentials, write_timeout = self._timeout, self._credentials, self.write_timeout
+        max_request_bytes = self.max_request_bytes
 
         async def connect() -> EtcdStore:
             return await EtcdStore.connect(
@@ -290,6 +299,7 @@ class EtcdStore(store.Shortcuts):
                 rpc_timeout=timeout,
                 credentials=credentials,
                 write_timeout=write_timeout,
+                max_request_bytes=max_request_bytes,
             )
 
         return connect

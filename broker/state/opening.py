@@ -32,17 +32,21 @@ async def open_store(
     *,
     read_only: bool = False,
     credentials: etcd_credentials.EtcdCredentials = etcd_credentials.NONE,
+    max_request_bytes: int = etcd.DEFAULT_MAX_REQUEST_BYTES,
 ) -> store.DurableStore:
     """The store `url` names, opened; ValueError naming the URL if it names none.
 
     `read_only` (the admin commands): an SQLite file is read without being locked, beside a
     running broker, and never created; etcd is opened as always (the caller only reads).
-    `credentials` are etcd's (TLS, user); SQLite has none.
+    `credentials` are etcd's (TLS, user); SQLite has none. `max_request_bytes` is etcd's
+    `--max-request-bytes`: its writes stay within it.
     """
     if url.startswith(SQLITE_SCHEME):
         return await sqlite.SqliteStore.open(parse_sqlite_path(url), read_only=read_only)
     if url.startswith(ETCD_SCHEME):
-        return await etcd.EtcdStore.connect(parse_etcd_endpoints(url), credentials=credentials)
+        return await etcd.EtcdStore.connect(
+            parse_etcd_endpoints(url), credentials=credentials, max_request_bytes=max_request_bytes
+        )
     raise ValueError(
         f"unsupported store URL {url!r}: use sqlite:///path, sqlite://:memory: or etcd://host:port"
     )

@@ -151,3 +151,24 @@ async def test_closing_answers_what_waits(etcd_server: etcdserver.EtcdServer) ->
         assert await again.get("/sharing/closing/2") is None
     finally:
         await again.close()
+
+
+async def test_requests_stay_within_a_smaller_max_request_bytes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An etcd with --max-request-bytes of 128 KiB, told to the store: what goes together
+    stays within half of it, and none is refused."""
+    server = etcdserver.EtcdServer.start(flags=["--max-request-bytes=131072"])
+    try:
+        backing = await opening.open_store(server.url, max_request_bytes=131072)
+        assert isinstance(backing, etcd.EtcdStore)
+        try:
+            writes = [backing.put(f"/small/{n}", b"x" * 10_000) for n in range(40)]
+            revisions = await asyncio.gather(*writes)
+            # 40 of 10 KB in requests of at most 64 KiB: six a request
+            assert backing._sharing.requests == 7 and len(set(revisions)) == 7
+            assert "refused" not in caplog.text
+        finally:
+            await backing.close()
+    finally:
+        server.cleanup()
