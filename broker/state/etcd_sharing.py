@@ -150,12 +150,17 @@ class Sharing:
             _fail(self._waiting.popleft(), errors.StoreError(problem))
 
     async def _run(self) -> None:
-        while self._waiting:
-            count = take(self._waiting, max_ops=self.max_ops, max_bytes=self.max_bytes)
-            items = [self._waiting.popleft() for _ in range(count)]
-            items = [item for item in items if not item.answer.done()]  # not cancelled
-            if items:
-                await self._carry(items)
+        try:
+            while self._waiting:
+                count = take(self._waiting, max_ops=self.max_ops, max_bytes=self.max_bytes)
+                items = [self._waiting.popleft() for _ in range(count)]
+                items = [item for item in items if not item.answer.done()]  # not cancelled
+                if items:
+                    await self._carry(items)
+        except Exception as exc:  # a bug: what waits is answered with it, never stranded
+            log.exception("etcd commits: the sender failed")
+            while self._waiting:
+                _fail(self._waiting.popleft(), exc)
 
     async def _carry(self, items: list[Waiting]) -> None:
         try:

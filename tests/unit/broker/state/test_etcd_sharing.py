@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from broker.state import etcd, etcd_sharing, store
 
 
@@ -55,3 +57,20 @@ async def test_bytes_bound_what_goes_together_but_never_the_first() -> None:
     each = items[0].size + etcd_sharing.NESTING_BYTES
     assert etcd_sharing.take(items, max_ops=100, max_bytes=3 * each) == 3
     assert etcd_sharing.take(items, max_ops=100, max_bytes=10) == 1  # alone, as it came
+
+
+async def test_a_sender_that_breaks_answers_what_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the sender (here in `take`) is every waiting commit's answer: none is left
+    waiting for ever."""
+
+    async def send(request: object) -> object:
+        raise AssertionError("never sent")
+
+    def broken(*args: object, **kwargs: object) -> int:
+        raise RuntimeError("take broke")
+
+    monkeypatch.setattr(etcd_sharing, "take", broken)
+    sharing = etcd_sharing.Sharing(send, max_ops=100, max_bytes=1 << 20)
+    request = etcd.build_txn_request(store.Txn(puts=[("/a", b"1")]))
+    with pytest.raises(RuntimeError, match="take broke"):
+        await asyncio.wait_for(sharing.commit(request), timeout=5)
