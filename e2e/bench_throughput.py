@@ -3,6 +3,7 @@
     .venv/bin/python -m e2e.bench_throughput [--store etcd|sqlite] [--jobs 2000] [--rate 200]
                                              [--batch N] [--backlog N] [--replicas N]
                                              [--broker-arg=--FLAG=VALUE ...]
+                                             [--traces] [--env=NAME=VALUE ...]
 
 Two runs, figures printed (no assertions; these machines are shared and noisy):
 1. burst: submit `--jobs` gang jobs (`--pods` pods of 1 GPU each) as fast as 64 clients can,
@@ -24,6 +25,11 @@ With `--replicas N` (etcd), N brokers share the store: the clients send every su
 followers, round robin, which validate and store them (`POST /v1/jobs` on any replica); the
 leader schedules, dispatches and applies the agents' reports (they follow it), and learns of
 the followers' jobs from its watch. CPU per job is printed for each replica.
+
+With `--traces`, the broker and agents export their spans over OTLP/HTTP to a receiver in
+this process, which keeps the requests and counts their spans once the fleet has stopped; the
+sampler is the SDK's default (every trace) unless `--env` sets the standard variables, e.g.
+`--env=OTEL_TRACES_SAMPLER=parentbased_traceidratio --env=OTEL_TRACES_SAMPLER_ARG=0.1`.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from e2e import helpers
 from gpufed import client
 from gpufed.local import processes
 from tests import etcdserver
+from tests.otlp_receiver import OtlpReceiver
 
 CLUSTERS = ["bench-a", "bench-b", "bench-c"]
 PACED = 10_000_000  # paced jobs are numbered from here, backlog jobs from BACKLOG
@@ -384,6 +391,11 @@ async def main(args: argparse.Namespace, workdir: Path) -> None:
     fleet = processes.LocalFleet(workdir=workdir, store=server.url if server else "")
     # one token stands for a fleet's many users: not held to one principal's requests in progress
     fleet.broker_args = ["--max-requests-per-principal", "0", *args.broker_arg]
+    fleet.env = dict(item.split("=", 1) for item in args.env)
+    receiver = OtlpReceiver(parse=False) if args.traces else None
+    if receiver is not None:
+        await receiver.start()
+        fleet.env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **fleet.env}
     try:
         fleet.write_tokens(tenants=["bench"], clusters=CLUSTERS)
         if args.replicas > 1:
@@ -416,6 +428,11 @@ async def main(args: argparse.Namespace, workdir: Path) -> None:
         await fleet.stop()
         if server is not None:
             server.cleanup()
+        if receiver is not None:  # each process exported what it held as it stopped
+            jobs = args.jobs * (2 if args.batch else 1) + int(args.rate * args.seconds)
+            spans = receiver.count_spans()
+            print(f"traces: {spans} spans received, {spans / (jobs + args.backlog):.1f} per job")
+            await receiver.stop()
 
 
 if __name__ == "__main__":
@@ -456,6 +473,19 @@ if __name__ == "__main__":
         metavar="ARG",
         help="one more argument for every broker, e.g. --broker-arg=--cycle-interval=0.02 "
         "(repeatable)",
+    )
+    parser.add_argument(
+        "--traces",
+        action="store_true",
+        help="broker and agents export spans over OTLP/HTTP to a receiver in this process",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="one more environment variable for the broker and agents, e.g. "
+        "--env=OTEL_TRACES_SAMPLER=parentbased_traceidratio (repeatable)",
     )
     arguments = parser.parse_args()
     if arguments.replicas > 1 and arguments.store != "etcd":

@@ -7,10 +7,12 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from e2e.helpers import wait_for
+from gpufed import client
 from gpufed.local import processes
 from tests import kubeemulator
 from tests.builders import make_job
@@ -46,14 +48,46 @@ async def wait_spans(
     raise AssertionError(f"trace {trace_id}: missing {sorted(names - set(got))}, got {got}")
 
 
-async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
-    fleet: processes.LocalFleet, receiver: OtlpReceiver
-) -> None:
-    fleet.env = {
+def exporting(receiver: OtlpReceiver, **sampler: str) -> dict[str, str]:
+    """The OTEL_* variables of a process that exports to `receiver` (and samples by
+    `sampler`: OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG)."""
+    return {
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
+        **sampler,
     }
+
+
+async def run_to_success(
+    api: client.BrokerClient, emulator: kubeemulator.Emulator, job_doc: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Submit a job of 2 pods and take its pods through Running to Succeeded: the submit's
+    answer, and the pods the agent created."""
+    submitted = await api.submit(json.dumps(job_doc))
+    job_id = submitted["id"]
+    await wait_for(api, job_id, "Dispatched")
+    pods = []
+    for _ in range(200):
+        pods = [
+            p for p in emulator.pods() if p["metadata"]["labels"].get("gpufed.io/job") == job_id
+        ]
+        if len(pods) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert len(pods) == 2
+    for phase in ("Running", "Succeeded"):
+        for pod in pods:
+            meta = pod["metadata"]
+            await emulator.set_pod_phase(meta["namespace"], meta["name"], phase)
+        await wait_for(api, job_id, phase)
+    return submitted, pods
+
+
+async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
+    fleet: processes.LocalFleet, receiver: OtlpReceiver
+) -> None:
+    fleet.env = exporting(receiver)
     fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
     await fleet.start_broker()
     # the agent runs on an emulated Kubernetes cluster, so the pods it creates can be read back
@@ -67,25 +101,8 @@ async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
             await fleet.wait_clusters_ready(["h100"])
             async with fleet.client("team-a") as api:
                 job_doc = make_job("traced", gpus=8).model(H100).gang(2).document()
-                submitted = await api.submit(json.dumps(job_doc))
+                submitted, pods = await run_to_success(api, emulator, job_doc)
                 job_id, trace_id = submitted["id"], submitted["traceId"]
-                await wait_for(api, job_id, "Dispatched")
-                pods = []
-                for _ in range(200):
-                    pods = [
-                        p
-                        for p in emulator.pods()
-                        if p["metadata"]["labels"].get("gpufed.io/job") == job_id
-                    ]
-                    if len(pods) == 2:
-                        break
-                    await asyncio.sleep(0.05)
-                assert len(pods) == 2
-                for phase in ("Running", "Succeeded"):
-                    for pod in pods:
-                        meta = pod["metadata"]
-                        await emulator.set_pod_phase(meta["namespace"], meta["name"], phase)
-                    await wait_for(api, job_id, phase)
                 job = await api.get(job_id)
                 # a batch's jobs: a trace each, not the batch request's trace for all of them
                 too_big = make_job("batched", gpus=8).model(H100).gang(9).document()  # waits
@@ -139,3 +156,52 @@ async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
     assert len(links) == 1 and all(r.parent_span_id == "" for r in roots)
     batch_http = [s for s in receiver.spans if s.span_id in links]
     assert batch_http and batch_http[0].trace_id not in traces
+
+
+@pytest.mark.parametrize(
+    ("sampler", "ratio", "recorded"),
+    [
+        pytest.param("traceidratio", "0", False, id="ratio 0: nothing exported, ids still flow"),
+        pytest.param("traceidratio", "1", True, id="ratio 1: every span exported"),
+        pytest.param(
+            "parentbased_traceidratio",
+            "0",
+            False,
+            id="parent-based, ratio 0: the job's later spans and the agent's follow submit's",
+        ),
+    ],
+)
+async def test_the_standard_sampler_settings_choose_which_traces_are_exported(
+    fleet: processes.LocalFleet, receiver: OtlpReceiver, sampler: str, ratio: str, recorded: bool
+) -> None:
+    """Broker and agent sampled by the standard OTEL_* variables, as the charts set them: a
+    trace is exported whole or not at all, and a job not sampled still has its trace id and
+    traceparent, in the API and on its pods."""
+    fleet.env = exporting(receiver, OTEL_TRACES_SAMPLER=sampler, OTEL_TRACES_SAMPLER_ARG=ratio)
+    fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
+    await fleet.start_broker()
+    async with kubeemulator.with_kubeconfig(fleet.workdir, "h100") as (emulator, kubeconfig):
+        for n in range(2):
+            await emulator.add_node(f"h100-node-{n}", gpus=8, product=H100)
+        try:
+            await fleet.start_agent(
+                "h100", None, "--kubeconfig", str(kubeconfig), backend="kubernetes"
+            )
+            await fleet.wait_clusters_ready(["h100"])
+            async with fleet.client("team-a") as api:
+                job_doc = make_job("sampled", gpus=8).model(H100).gang(2).document()
+                submitted, pods = await run_to_success(api, emulator, job_doc)
+                job = await api.get(submitted["id"])
+        finally:
+            await fleet.stop()  # each process exports what it holds as it stops
+
+    trace_id = submitted["traceId"]
+    _, job_trace, _, flags = job["traceparent"].split("-")
+    assert (job_trace, flags) == (trace_id, "01" if recorded else "00")
+    for pod in pods:  # the offer's trace context reached the agent, and the pod
+        assert pod["metadata"]["annotations"]["traceparent"].split("-")[1] == trace_id
+    if recorded:
+        await wait_spans(receiver, trace_id, BROKER_SPANS | AGENT_SPANS)
+    else:
+        await asyncio.sleep(0.5)  # a request still on its way
+        assert receiver.spans == []

@@ -19,10 +19,13 @@ written at once, after those before it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import json.encoder
 import logging
 import math
 import sys
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -52,7 +55,37 @@ def read_context(record: logging.LogRecord) -> dict[str, object]:
     return fields
 
 
+# a line's own keys: a context field of the same name takes its place (`JsonFormatter.format`)
+_LINE_KEYS = frozenset({"time", "level", "service", "logger", "message", "exception"})
 _ENCODER = json.JSONEncoder(default=str)  # one, not one per line as `json.dumps(default=)`
+_quote = json.encoder.encode_basestring_ascii  # a str as `_ENCODER` writes it
+
+
+def _encoder() -> Callable[[dict[str, object]], str]:
+    """`_ENCODER.encode` for a dict, without what that does on each call: make the C encoder
+    (`json.encoder.c_make_encoder`, as `JSONEncoder.iterencode` makes it) and its closure
+    anew. Made once here, without the table of values being written that finds a value
+    holding itself: one shared by threads would see another's; a value that does hold itself
+    runs out of depth, and `_ENCODER` then refuses it as it always has."""
+    make: Callable[..., Callable[[object, int], Sequence[str]]] | None
+    make = getattr(json.encoder, "c_make_encoder", None)  # not in typeshed
+    if make is None:  # no C accelerator
+        return _ENCODER.encode
+    e = _ENCODER
+    encode = make(
+        None, e.default, _quote, None, e.key_separator, e.item_separator, False, False, True
+    )
+
+    def encoded(fields: dict[str, object]) -> str:
+        try:
+            return "".join(encode(fields, 0))
+        except RecursionError:
+            return _ENCODER.encode(fields)
+
+    return encoded
+
+
+_encode = _encoder()
 
 
 class _Stamps:
@@ -79,8 +112,25 @@ class JsonFormatter(logging.Formatter):
         super().__init__()
         self.service = service
         self._stamp = _Stamps()
+        self._head = functools.lru_cache(maxsize=1024)(self._head_of)
 
     def format(self, record: logging.LogRecord) -> str:
+        """A JSON object: time, level, service, logger, message, the context fields (a field
+        named as one of these takes its place), the exception's text. The same text as
+        `json.dumps(line, default=str)` of that object, written in parts: the line's own keys
+        and the context's apart, and the head of the line kept for each logger and level."""
+        fields = read_context(record)
+        if not _LINE_KEYS.isdisjoint(fields):
+            return self._format_whole(record, fields)
+        head = self._head(record.name, record.levelname)
+        text = f'{{"time": "{self._stamp(record.created)}"{head}{_quote(record.getMessage())}'
+        if fields:
+            text = f"{text}, {_encode(fields)[1:-1]}"
+        if record.exc_info:
+            text = f'{text}, "exception": {_quote(self.formatException(record.exc_info))}'
+        return text + "}"
+
+    def _format_whole(self, record: logging.LogRecord, fields: dict[str, object]) -> str:
         line: dict[str, object] = {
             "time": self._stamp(record.created),
             "level": record.levelname.lower(),
@@ -88,10 +138,15 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        line.update(read_context(record))
+        line.update(fields)
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return _ENCODER.encode(line)
+        return _encode(line)
+
+    def _head_of(self, logger: str, level: str) -> str:
+        """The line from after its time to its message: the same for each logger and level."""
+        head = _encode({"level": level.lower(), "service": self.service, "logger": logger})
+        return f', {head[1:-1]}, "message": '
 
 
 class TurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -141,17 +196,22 @@ class TurnHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 pass
 
 
+def skip_record_lookups() -> None:
+    """Records without what no line of ours shows, for every logger of the process: where it
+    was logged from (the stack walk each call makes for it: the logging HOWTO's
+    "Optimization"), nor its thread or process (looked up for each record, on every job's
+    transitions)."""
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+
+
 def setup(*, service: str, level: str = "INFO", json_lines: bool = True) -> None:
     handler = TurnHandler(sys.stderr)
     if json_lines:
         handler.setFormatter(JsonFormatter(service=service))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    # no line of ours shows where it was logged from: skip the stack walk each call makes for
-    # it (the logging HOWTO's "Optimization")
-    logging._srcfile = None
-    # nor its thread or process: each record would look them up, on every job's transitions
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    skip_record_lookups()
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

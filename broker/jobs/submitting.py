@@ -153,7 +153,7 @@ async def submit_one(
     # 4. store: the first (the key's), then the rest of an array
     record = new[0]
     span: AbstractContextManager[object] = contextlib.nullcontext()  # a span dropped: none
-    if tracing.records_spans():
+    if tracing.records_trace(record.traceparent):
         span = jobspans.tracer.start_as_current_span(
             "job.submit",
             context=tracing.context_of(record.traceparent),
@@ -262,6 +262,8 @@ async def store(
             context=tracing.context_of(record.traceparent),
             attributes={**_span_attributes(record), "gpufed.batch_items": batch},
         )
+        if tracing.records_trace(record.traceparent)
+        else None  # a trace not sampled
         for record in new
     ]
     results: list[status.JobRecord | Exception] = []
@@ -269,6 +271,8 @@ async def store(
         results = await book.submit_many(new)
     finally:
         for index, span in enumerate(spans):
+            if span is None:
+                continue
             result = results[index] if index < len(results) else None
             if isinstance(result, Exception):
                 span.record_exception(result)

@@ -36,15 +36,16 @@ class JobSpans:
         span). The job's trace is the request's, the request's span its parent; with `own`
         (one of the many jobs a batch or an array makes: a trace each, not thousands of jobs
         in one) the job has a trace of its own, and the request's span is a link of its
-        `job` span (`finished`: a parent from another trace cannot be one)."""
+        `job` span (`finished`: a parent from another trace cannot be one). Whether the
+        trace is recorded is decided here, once (`tracing.decide_sampled`)."""
         current = trace.get_current_span().get_span_context()
-        request = None
+        request = parent = None
         if current.is_valid:
-            request = f"00-{current.trace_id:032x}-{current.span_id:016x}-01"
-        trace_id = (
-            current.trace_id if current.is_valid and not own else tracing.IDS.getrandbits(128) or 1
-        )
-        return f"00-{trace_id:032x}-{tracing.IDS.getrandbits(64) or 1:016x}-01", request
+            request = tracing.traceparent_of_context(current)
+            parent = None if own else current
+        trace_id = current.trace_id if parent is not None else tracing.IDS.getrandbits(128) or 1
+        flags = "01" if tracing.decide_sampled(trace_id, parent) else "00"
+        return f"00-{trace_id:032x}-{tracing.IDS.getrandbits(64) or 1:016x}-{flags}", request
 
     def waiting(self, job_id: str, reasons: tuple[str, ...], *, now: datetime) -> None:
         if not tracing.records_spans():
@@ -61,7 +62,7 @@ class JobSpans:
         now: datetime,
         cycle: trace.Span | None = None,
     ) -> None:
-        if not tracing.records_spans():
+        if not tracing.records_trace(record.traceparent):
             self.waits.pop(record.id, None)
             return  # the offer goes with the job's traceparent (`offer_traceparent`)
         ctx = tracing.context_of(record.traceparent)
@@ -118,7 +119,7 @@ class JobSpans:
         """Write the `job` span, submit to final state, with the ids chosen at submit."""
         self.answered(record.id, accepted=False, reasons=["job ended while offered"])
         self.waits.pop(record.id, None)
-        if not record.traceparent or not tracing.records_spans():
+        if not record.traceparent or not tracing.records_trace(record.traceparent):
             return
         trace_id, span_id = tracing.ids_of(record.traceparent)
         request = record.trace_parent

@@ -8,6 +8,11 @@ ids in the API and in log lines are as they would be, but a span costs no attrib
 (`records_spans()` false: the job spans are not even started, since under load spans nobody
 receives take a noticeable share of a broker's CPU).
 
+A job's trace is sampled once, when it is submitted (`decide_sampled`): the decision is the
+sampled flag of its traceparent, which the broker's later spans of the job follow
+(`records_trace`), and the agent's under a `parentbased_*` sampler; a trace is exported whole
+or not at all, and a job not sampled keeps its ids.
+
 A job's trace: the HTTP request span → `job` (submit to final state) → `job.submit`,
 `job.queue` (with the reasons it waited as events), `job.schedule`, `job.dispatch` → (agent)
 `agent.place`, `agent.bind`, `job.running`. The `job` span's ids are chosen at submit and
@@ -136,6 +141,30 @@ def records_spans(provider: trace.TracerProvider | None = None) -> bool:
     return not (isinstance(provider, TracerProvider) and provider.sampler is sampling.ALWAYS_OFF)
 
 
+def decide_sampled(trace_id: int, parent: trace.SpanContext | None = None) -> bool:
+    """Whether a new job's trace is recorded: what the process's sampler decides for its `job`
+    span, under `parent` (the request's span) or as a trace of its own. The decision goes in
+    the job's traceparent (its sampled flag). True when this process records no spans: the
+    flag then leaves the choice to whoever receives the traceparent, as it always has."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider) or provider.sampler is sampling.ALWAYS_OFF:
+        return True
+    context = otel_context.Context()  # a trace of its own: no parent, not the current span
+    if parent is not None:
+        context = trace.set_span_in_context(trace.NonRecordingSpan(parent), context)
+    decision = provider.sampler.should_sample(context, trace_id, "job").decision
+    return decision is sampling.Decision.RECORD_AND_SAMPLE
+
+
+def records_trace(traceparent: str | None) -> bool:
+    """Whether spans of the job whose traceparent this is are recorded here: this process
+    records spans (`records_spans`) and the trace was sampled at submit (`decide_sampled`)."""
+    if not traceparent or not records_spans():
+        return False
+    flags = traceparent.split("-")[3]
+    return bool(int(flags, 16) & trace.TraceFlags.SAMPLED)
+
+
 def shutdown() -> None:
     provider = trace.get_tracer_provider()
     if isinstance(provider, TracerProvider):
@@ -155,7 +184,10 @@ def span_context_of(traceparent: str) -> trace.SpanContext:
 
 
 def traceparent_of(span: trace.Span) -> str:
-    ctx = span.get_span_context()
+    return traceparent_of_context(span.get_span_context())
+
+
+def traceparent_of_context(ctx: trace.SpanContext) -> str:
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 

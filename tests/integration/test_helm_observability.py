@@ -185,8 +185,8 @@ def test_the_agent_takes_the_otel_values_the_broker_takes(render: Render) -> Non
     quiet = container_env(render("member-agent", {"otel": {"endpoint": ""}}), "Deployment", AGENT)
     assert not tracing.records_spans(tracing.provider_for("gpufed-agent", environ=quiet))
     otel = {"endpoint": "http://otel-collector.observability.svc:4317", "protocol": "grpc"}
-    extra = [{"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"}]
-    values = {"otel": otel, "extraEnv": extra}
+    extra = [{"name": "OTEL_EXPORTER_OTLP_HEADERS", "value": "x-scope-orgid=gpu"}]
+    values = {"otel": {**otel, "sampler": "parentbased_always_on"}, "extraEnv": extra}
     env = container_env(render("member-agent", values), "Deployment", AGENT)
     broker_env = container_env(render("broker", values), "Deployment", BROKER)
     assert {k: v for k, v in env.items() if k.startswith("OTEL_")} == {
@@ -194,7 +194,43 @@ def test_the_agent_takes_the_otel_values_the_broker_takes(render: Render) -> Non
     }
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == otel["endpoint"]
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
-    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_always_on"
+    assert env["OTEL_EXPORTER_OTLP_HEADERS"] == "x-scope-orgid=gpu"
     provider = tracing.provider_for("gpufed-agent", environ=env)
     assert tracing.records_spans(provider)
     provider.shutdown()
+
+
+@pytest.mark.parametrize("chart", ["broker", "member-agent"])
+def test_with_an_endpoint_a_share_of_the_jobs_is_traced_by_default(
+    render: Render, chart: str
+) -> None:
+    """The charts' sampler: set with an endpoint only (none set, none recorded), and left to
+    `extraEnv` when `otel.sampler` is empty, so that no variable is given twice."""
+    kind, name = ("Deployment", BROKER) if chart == "broker" else ("Deployment", AGENT)
+    endpoint = "http://otel-collector.observability.svc:4318"
+
+    def sampler_env(otel: dict[str, str], extra: list[dict[str, str]] | None = None) -> list[str]:
+        rendered = render(chart, {"otel": otel, "extraEnv": extra or []})
+        [container] = rendered.one(kind, name)["spec"]["template"]["spec"]["containers"]
+        return [
+            f"{e['name']}={e['value']}"
+            for e in container["env"]
+            if e["name"].startswith("OTEL_TRACES_SAMPLER")
+        ]
+
+    assert sampler_env({"endpoint": ""}) == []
+    assert sampler_env({"endpoint": endpoint}) == [
+        "OTEL_TRACES_SAMPLER=parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG=0.1",
+    ]
+    assert sampler_env({"endpoint": endpoint, "samplerArg": "1"})[1] == "OTEL_TRACES_SAMPLER_ARG=1"
+    mine = [{"name": "OTEL_TRACES_SAMPLER", "value": "always_on"}]
+    assert sampler_env({"endpoint": endpoint, "sampler": ""}, mine) == [
+        "OTEL_TRACES_SAMPLER=always_on"
+    ]
+
+
+def test_the_schema_refuses_a_share_out_of_range(render: Render) -> None:
+    with pytest.raises(jsonschema.ValidationError, match="does not match"):
+        render("broker", {"otel": {"endpoint": "http://collector:4318", "samplerArg": "10%"}})

@@ -178,8 +178,12 @@ AGENT_VARIANTS: dict[str, Any] = {
             "monitoringNamespace": "observability",
             "metricsFrom": [{"ipBlock": {"cidr": "10.8.0.0/16"}}],
         },
-        "otel": {"endpoint": "http://otel-collector.observability:4317", "protocol": "grpc"},
-        "extraEnv": [{"name": "OTEL_TRACES_SAMPLER", "value": "always_on"}],
+        "otel": {
+            "endpoint": "http://otel-collector.observability:4317",
+            "protocol": "grpc",
+            "sampler": "always_on",
+        },
+        "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_HEADERS", "value": "x-scope-orgid=gpu"}],
     },
     "GPU health and auto-cordon": {
         "gpuHealth": {

@@ -7,6 +7,8 @@ import contextlib
 import io
 import json
 import logging
+import sys
+import traceback
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -257,3 +259,115 @@ async def test_lines_held_when_the_process_exits_are_written(
     assert out.getvalue().splitlines() == ["the last line"]
     await asyncio.sleep(0)  # the turn's own write finds nothing more
     assert out.getvalue().splitlines() == ["the last line"]
+
+
+class Stamped(logging.Filter):
+    """Gives each record the same moment, so that a whole line can be compared."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.created = 1764786000.25
+        return True
+
+
+@pytest.fixture
+def stamped() -> Iterator[tuple[logging.Logger, io.StringIO]]:
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logs.JsonFormatter(service="gpufed-test"))
+    handler.addFilter(Stamped())
+    with attached("gpufed.test_logs.whole", handler) as logger:
+        yield logger, out
+
+
+WHEN = '"time": "2025-12-03T18:20:00.250+00:00"'
+HEAD = f'{{{WHEN}, "level": "info", "service": "gpufed-test", "logger": "gpufed.test_logs.whole"'
+SPAN = '"trace_id": "0af7651916cd43dd8448eb211c80319c", "span_id": "00f067aa0ba902b7"'
+
+
+def test_a_line_is_written_exactly_so(stamped: tuple[logging.Logger, io.StringIO]) -> None:
+    """The whole text of lines, byte for byte: keys in this order (the line's own, the span's
+    ids, bound fields, `extra=` as given), values as `json.dumps(default=str)` writes them."""
+    logger, out = stamped
+    moment = datetime(2025, 12, 3, 18, 20, tzinfo=UTC)
+    with in_span(), logs.bind(cluster="h100", cycle=7):
+        logger.info(
+            "job %s: %s -> %s (%s)",
+            "j-1",
+            "Queued",
+            "Dispatched",
+            "to h100",
+            extra={
+                "job_id": "j-1",
+                "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",  # over the span's, in its place
+                "cluster": "a100",  # over the bound one, in its place
+                "gpus": 8,
+                "share": 0.5,
+                "why": None,
+                "since": moment,  # not JSON: written as str() writes it
+                "reasons": ["no quota", "ünïcode"],
+                "_private": "left out",
+            },
+        )
+    logger.info("nothing bound, no span")
+    with logs.bind(job_id="j-9"):
+        try:
+            raise RuntimeError("store down")
+        except RuntimeError as exc:
+            error = exc
+            logger.exception("commit failed")
+
+    assert error.__traceback__ is not None
+    trace_text = "".join(traceback.format_exception(error)).rstrip("\n")
+    assert out.getvalue().splitlines() == [
+        f'{HEAD}, "message": "job j-1: Queued -> Dispatched (to h100)", '
+        '"trace_id": "4bf92f3577b34da6a3ce929d0e0e4736", "span_id": "00f067aa0ba902b7", '
+        '"cluster": "a100", "cycle": "7", "job_id": "j-1", "gpus": 8, "share": 0.5, '
+        '"why": null, "since": "2025-12-03 18:20:00+00:00", '
+        '"reasons": ["no quota", "\\u00fcn\\u00efcode"]}',
+        f'{HEAD}, "message": "nothing bound, no span"}}',
+        f'{HEAD.replace("info", "error")}, "message": "commit failed", "job_id": "j-9", '
+        f'"exception": {json.dumps(trace_text)}}}',
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        pytest.param(
+            {"level": "debug"},
+            '"level": "debug", "service": "gpufed-test"',
+            id="a field named as the line's own replaces it in its place",
+        ),
+        pytest.param(
+            {"exception": "mine"},
+            '"message": "m", "exception": "mine"}',
+            id="an exception field with no exception",
+        ),
+    ],
+)
+def test_fields_named_as_the_lines_own(
+    stamped: tuple[logging.Logger, io.StringIO], extra: dict[str, str], expected: str
+) -> None:
+    logger, out = stamped
+    logger.info("m", extra=extra)
+    [line] = out.getvalue().splitlines()
+    assert expected in line
+    assert len(json.loads(line)) == line.count('": ')  # no key twice
+
+
+def test_a_value_that_holds_itself_is_refused_as_json_refuses_it(
+    stamped: tuple[logging.Logger, io.StringIO], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    errors: list[BaseException | None] = []
+    logger, out = stamped
+    handler = logger.handlers[0]
+    monkeypatch.setattr(handler, "handleError", lambda record: errors.append(sys.exc_info()[1]))
+    loop: list[object] = []
+    loop.append(loop)
+    logger.info("m", extra={"loop": loop})
+    logger.info("after", extra={"fine": [1]})
+
+    assert [type(e) for e in errors] == [ValueError]
+    assert "Circular reference" in str(errors[0])
+    [line] = out.getvalue().splitlines()
+    assert line.endswith('"message": "after", "fine": [1]}')
