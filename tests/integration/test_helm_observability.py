@@ -222,9 +222,11 @@ def test_with_an_endpoint_a_share_of_the_jobs_is_traced_by_default(
     assert sampler_env({"endpoint": ""}) == []
     assert sampler_env({"endpoint": endpoint}) == [
         "OTEL_TRACES_SAMPLER=parentbased_traceidratio",
-        "OTEL_TRACES_SAMPLER_ARG=0.1",
+        "OTEL_TRACES_SAMPLER_ARG=1",  # every job, as the product promises
     ]
-    assert sampler_env({"endpoint": endpoint, "samplerArg": "1"})[1] == "OTEL_TRACES_SAMPLER_ARG=1"
+    assert sampler_env({"endpoint": endpoint, "samplerArg": "0.1"})[1] == (
+        "OTEL_TRACES_SAMPLER_ARG=0.1"
+    )
     mine = [{"name": "OTEL_TRACES_SAMPLER", "value": "always_on"}]
     assert sampler_env({"endpoint": endpoint, "sampler": ""}, mine) == [
         "OTEL_TRACES_SAMPLER=always_on"
