@@ -449,15 +449,12 @@ class Scheduler:
             timeout = self.max_interval
             if self.busy:  # held cycles still run once `max_interval` has passed
                 timeout = max(0.0, ran_at + self.max_interval - time.monotonic())
-            if not any(event.is_set() for event in wakeups):  # else woken already: no wait
-                waiters = [asyncio.ensure_future(e.wait()) for e in wakeups]
-                try:
-                    await asyncio.wait(
-                        waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                    )
-                finally:
-                    for waiter in waiters:
-                        waiter.cancel()
+            waiters = [asyncio.ensure_future(e.wait()) for e in wakeups]
+            try:
+                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
             for event in wakeups:
                 event.clear()
             if self._waits_for_slots(since=ran_at):
