@@ -15,7 +15,7 @@ from typing import Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from kits import tables
+from kits import packing, tables
 
 MAX_KINDS = 4096
 
@@ -46,6 +46,7 @@ class Interners(Generic[T, S, G]):
         self._shapes: dict[S, S] = {}
         self._tasks: dict[G, G] = {}
         self._fields: dict[type[BaseModel], set[str]] = {}
+        self._names: dict[str, str] = {}
 
     def template(self, text: str) -> T | None:
         """The template kept for this JSON, if any."""
@@ -68,6 +69,10 @@ class Interners(Generic[T, S, G]):
     def tasks(self, tasks: G) -> G:
         return tables.remember(self._tasks, tasks, tasks, limit=self._limit)
 
+    def name(self, text: str) -> str:
+        """One string object for every equal `text` (a queue's, a namespace's name)."""
+        return tables.remember(self._names, text, text, limit=self._limit)
+
     def fields(self, model: BaseModel) -> None:
         """Let `model` hold its class's one set of every field name as the set of fields it
         was given (pydantic keeps a set of its own in every instance). With every name in
@@ -79,3 +84,8 @@ class Interners(Generic[T, S, G]):
         if names is None:
             names = self._fields[cls] = set(cls.model_fields)
         object.__setattr__(model, "__pydantic_fields_set__", names)
+
+    def pack(self, model: BaseModel) -> None:
+        """Let `model` keep its attributes in its class's one table of keys
+        (`packing.pack`: the same keys, values and order)."""
+        packing.pack(model)

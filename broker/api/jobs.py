@@ -85,9 +85,17 @@ class Interning(Protocol):
 
     def tasks(self, tasks: Tasks) -> Tasks: ...
 
+    def name(self, text: str) -> str:
+        """One string object for every equal `text` the holder's jobs repeat (their queue's
+        name, their namespace, their tasks' names)."""
+
     def fields(self, model: BaseModel) -> None:
         """Let `model` share one set of field names with its class's models the holder keeps
         (a job's models are never dumped with `exclude_unset`)."""
+
+    def pack(self, model: BaseModel) -> None:
+        """Let `model` keep its attributes in one table of keys shared with its class's models
+        (the same attributes, held in less memory)."""
 
 
 def validate_submitted(document: object, *, interning: Interning | None = None) -> GPUJob:
@@ -524,14 +532,33 @@ class GPUJob(_Strict):
             assert shape is not None  # settled
             gpus += shape.gpus + shape.mig_slices
         if interning is not None:  # a holder of many jobs: their models share their names
+            _intern_names(self, interning)
             for model in (self, self.metadata, self.spec, *self.spec.tasks):
                 interning.fields(model)
+                interning.pack(model)
         if gpus == 0:
             raise ValueError(
                 f"spec.tasks[0].template.spec.containers[0].resources.limits[{GPU_RESOURCE}]: "
                 "a GPUJob asks for at least one GPU"
             )
         return self
+
+
+def _intern_names(job: GPUJob, interning: Interning) -> None:
+    """The names a holder's jobs repeat (name, namespace, queue, priority class, task names)
+    as `interning` keeps them: one string for every job that repeats one. Set in the models'
+    dicts: the values as validated, no assignment recorded."""
+    parts: tuple[tuple[BaseModel, tuple[str, ...]], ...] = (
+        (job.metadata, ("name", "namespace")),
+        (job.spec, ("queue", "priority_class")),
+        *((task, ("name",)) for task in job.spec.tasks),
+    )
+    for model, fields in parts:
+        values = model.__dict__
+        for field in fields:
+            text = values[field]
+            if text is not None:
+                values[field] = interning.name(text)
 
 
 def _settle(task: Task, *, where: str, strict: bool, interning: Interning | None) -> PodTemplate:

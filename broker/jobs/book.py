@@ -55,12 +55,13 @@ from broker.planning import planning
 from broker.state import electing, errors, records
 from broker.state.history import held
 from broker.state.history import protocol as history_store
-from kits import memo, tables
+from kits import tables
 
 logger = logging.getLogger(__name__)
 
 # states in which a job holds GPUs on a cluster (what quotas count)
 HOLDING = frozenset({JobState.DISPATCHED, JobState.RUNNING})
+WAITING_KINDS = 4096  # reasons to wait kept one of each, forgotten wholesale past this many
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,29 @@ class Waiting:
 
     reasons: tuple[str, ...]
     details: tuple[planning.Reason, ...]
+
+
+class _Entry:
+    """A job as the book holds it: the record as committed, the store's revision of it, and
+    what is read once off its job object (a job's spec never changes after submit) and kept
+    while its records share that object (its drafts do): its gang (`JobBook.gang`) and its
+    spec as the store writes it (`records.encode_job`), once known. Slotted: the book holds
+    one for every live job."""
+
+    __slots__ = ("gang", "record", "revision", "spec")
+
+    def __init__(self, record: status.JobRecord, revision: int, spec: str | None) -> None:
+        self.record = record
+        self.revision = revision
+        self.gang: gangs.GangRequest | None = None
+        self.spec = spec
+
+
+def _held_spec(entry: _Entry) -> str:
+    """The held job's spec as the store writes it, written now if not known yet."""
+    if entry.spec is None:
+        entry.spec = records.encode_job(entry.record.job)
+    return entry.spec
 
 
 def draft_of(record: status.JobRecord) -> status.JobRecord:
@@ -115,7 +139,7 @@ class JobBook:
         self.leadership = leadership  # None: no fence (one replica, tests)
         self.lock = asyncio.Lock()  # collaborators hold it to decide (the group commit: not)
         self.wakeup = asyncio.Event()  # a job became queued
-        self._entries: dict[str, records.Stored] = {}
+        self._entries: dict[str, _Entry] = {}
         self._queued: set[str] = set()
         self._holding: set[str] = set()
         self._finished: set[str] = set()  # final, not yet retired to history
@@ -125,6 +149,7 @@ class JobBook:
         self._array_holding: dict[str, set[str]] = {}  # array id -> its jobs holding GPUs
         self._observers: list[Observer] = []
         self._waiting: dict[str, Waiting] = {}
+        self._kinds_of_waiting: dict[Waiting, Waiting] = {}  # one of each (`note_waiting`)
         self.history: history_store.HistoryStore | None = None  # where retired jobs are
         self._writes = writes.Writes()  # this replica's writes in flight, per job
         self.grouped = grouping.GroupCommit(self._write_grouped)
@@ -134,22 +159,20 @@ class JobBook:
             self._writes,
             get=self.get,
             find=self.find,
-            apply=self._apply,
+            apply=self._apply_created,
             idempotency_window=idempotency_window,
         )
-        # the gang read off each live job object: a job's spec never changes after submit,
-        # and the planner, the accounting and the dispatcher read its gang cycle after cycle
-        self._gangs: memo.PerObject[jobs.GPUJob, gangs.GangRequest] = memo.PerObject()
 
     def gang(self, record: status.JobRecord) -> gangs.GangRequest:
-        """The gang of `record`'s job (its first attempt's names: the broker's view), read
-        once per job object; ShapeError if a task's shape is invalid."""
-        known = self._gangs.peek(record.job)
-        if known is not None and known.job_id == record.id:
-            return known
-        request = gangs.gang_request(record.id, record.job, interning=self.store.interning)
-        self._gangs.put(record.job, request)
-        return request
+        """The gang of `record`'s job (its first attempt's names: the broker's view); ShapeError
+        if a task's shape is invalid. Read once for a job the book holds (`_Entry`): the
+        planner, the accounting and the dispatcher read it cycle after cycle."""
+        entry = self._entries.get(record.id)
+        if entry is None or entry.record.job is not record.job:
+            return gangs.gang_request(record.id, record.job, interning=self.store.interning)
+        if entry.gang is None:
+            entry.gang = gangs.gang_request(record.id, record.job, interning=self.store.interning)
+        return entry.gang
 
     @property
     def idempotency_window(self) -> float:
@@ -263,8 +286,11 @@ class JobBook:
     # ---- annotations of the cycle (memory only) -------------------------------------------
 
     def note_waiting(self, job_id: str, waiting: Waiting) -> None:
+        """Keep why the job waits; jobs told the same hold one `Waiting` (a cycle tells many
+        queued jobs alike, each in objects of its own)."""
         if job_id in self._queued:
-            self._waiting[job_id] = waiting
+            kinds = self._kinds_of_waiting
+            self._waiting[job_id] = tables.remember(kinds, waiting, waiting, limit=WAITING_KINDS)
 
     # ---- changing -----------------------------------------------------------------------
 
@@ -384,7 +410,10 @@ class JobBook:
                 self._drop(d.id for d in drafts)  # the leader decides them again
                 raise
         failure: errors.StoreError | None = None
-        encoded = [records.Encoded(d, records.encode(d)) for d in drafts]
+        encoded = []
+        for draft in drafts:
+            spec = self._spec_of(draft)
+            encoded.append(records.Encoded(draft, records.encode(draft, spec=spec), spec))
         for planned in self.store.batches(encoded):
             mine = frozenset(own.done.values()) if own is not None else frozenset()
             await self._writes.wait_for((item.record.id for item in planned), but=mine)
@@ -437,7 +466,7 @@ class JobBook:
                 newer = grouped and waiting is not None and waiting is not item.record
                 if not newer:
                     self.grouped.pending.pop(job_id, None)
-                self._apply(item.record, revision)
+                self._apply(item.record, revision, spec=item.spec)
                 if not newer:
                     self.grouped.committed(job_id)
             self.launches.settle(own, ids)
@@ -537,12 +566,44 @@ class JobBook:
         entry = self._entries.get(job_id)
         return entry.revision if entry is not None else 0
 
-    def _apply(self, record: status.JobRecord, revision: int, *, remote: bool = False) -> None:
-        """Make a committed record the book's; indices and observers follow."""
+    def spec_of(self, job_id: str) -> str | None:
+        """The spec of the job the book holds as the store writes it (`records.encode_job`,
+        kept with the job: see `_Entry`); None for a job it does not hold."""
+        entry = self._entries.get(job_id)
+        return _held_spec(entry) if entry is not None else None
+
+    def _spec_of(self, draft: status.JobRecord) -> str:
+        """`draft`'s spec as the store writes it: the held job's, if it is that job object."""
+        entry = self._entries.get(draft.id)
+        if entry is None or entry.record.job is not draft.job:
+            return records.encode_job(draft.job)
+        return _held_spec(entry)
+
+    def _apply_created(self, item: records.Encoded, revision: int) -> None:
+        self._apply(item.record, revision, spec=item.spec)
+
+    def _apply(
+        self,
+        record: status.JobRecord,
+        revision: int,
+        *,
+        remote: bool = False,
+        spec: str | None = None,
+    ) -> None:
+        """Make a committed record the book's; indices and observers follow. `spec`: its
+        job's spec as the store wrote it, if known."""
         entry = self._entries.get(record.id)
         before = entry.record if entry is not None else None
-        self._share_names(record)
-        self._entries[record.id] = records.Stored(record, revision)
+        # a draft of the book's record holds its keys as that one did (a copy keeps them)
+        self._share_names(record, pack=before is None or remote)
+        if entry is None:
+            self._entries[record.id] = _Entry(record, revision, spec)
+        else:
+            if entry.record.job is not record.job:  # what was read off the old job is not kept
+                entry.gang, entry.spec = None, spec
+            elif spec is not None:
+                entry.spec = spec
+            entry.record, entry.revision = record, revision
         self.held.put(record)
         self._index(before, record)
         change = Change(before, record, remote)
@@ -552,14 +613,15 @@ class JobBook:
             except Exception:  # an observer's bug must not undo a commit
                 logger.exception("observer of job %s failed", record.id)
 
-    def _share_names(self, record: status.JobRecord) -> None:
+    def _share_names(self, record: status.JobRecord, *, pack: bool) -> None:
         """The record's models, held, share their class's set of field names (`Interning`):
-        the book holds every live job, and drafts copy their own."""
-        share = self.store.interning.fields
-        share(record)
-        share(record.status)
-        for pod in record.status.pods:
-            share(pod)
+        the book holds every live job, and drafts copy their own. With `pack` (a record not
+        drafted from the book's: new, read from the store), their class's table of keys too."""
+        interning = self.store.interning
+        for model in (record, record.status, *record.status.pods):
+            interning.fields(model)
+            if pack:
+                interning.pack(model)
 
     def _index(self, before: status.JobRecord | None, after: status.JobRecord) -> None:
         job_id = after.id

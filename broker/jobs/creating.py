@@ -31,14 +31,14 @@ class Creation:
         *,
         get: Callable[[str], status.JobRecord | None],
         find: Callable[[str], Awaitable[status.JobRecord | None]],
-        apply: Callable[[status.JobRecord, int], None],
+        apply: Callable[[records.Encoded, int], None],
         idempotency_window: float,
     ) -> None:
         self.store = store
         self._writes = in_flight
         self._get = get  # the job as the book has it
         self._find = find  # the job from the store, else history
-        self._apply = apply  # the book takes in a committed record
+        self._apply = apply  # the book takes in a committed record (and its spec's JSON)
         self.idempotency_window = idempotency_window
         self._creating: list[tuple[records.Encoded, asyncio.Future[status.JobRecord]]] = []
         self._committer: asyncio.Task[None] | None = None
@@ -154,7 +154,7 @@ class Creation:
                 pass  # one of them conflicts (or repeats a key): one at a time below
             else:
                 for item, done in batch:
-                    self._apply(item.record, revision)
+                    self._apply(item, revision)
                     if not done.done():
                         done.set_result(item.record)
                 return
@@ -181,5 +181,5 @@ class Creation:
             # the key had expired and is forgotten now: once more (a key naming a job the
             # book cannot read conflicts again, and that is raised)
             revision = await self._writes.run([record.id], self.store.create([item]))
-        self._apply(record, revision)
+        self._apply(item, revision)
         return record

@@ -220,7 +220,12 @@ class BookWatch:
         if event.revision <= self.book.revision_of(job_id):
             return  # its own commit, which was in flight
         try:
-            record = self.book.store.decode(event.key, event.value, known=self.book.get(job_id))
+            record = self.book.store.decode(
+                event.key,
+                event.value,
+                known=self.book.get(job_id),
+                spec=self.book.spec_of(job_id),
+            )
         except ValueError as exc:  # the next load sets it aside
             logger.warning("job record %s does not parse, not applied: %s", event.key, exc)
             return

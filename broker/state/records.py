@@ -25,7 +25,7 @@ from datetime import datetime
 from broker.api import errors as api_errors
 from broker.api import jobs, status
 from broker.state import errors, quarantine, store
-from kits import interning, memo, tables
+from kits import interning, memo, packing, tables
 
 logger = logging.getLogger(__name__)
 
@@ -80,23 +80,23 @@ class IdempotencyEntry:
     revision: int
 
 
-def body_digest(job: jobs.GPUJob) -> str:
+def body_digest(job: jobs.GPUJob, *, spec: str | None = None) -> str:
     """sha256 of the job's canonical JSON (by alias, keys sorted, defaults left out): one
     digest for the same job sent as JSON or YAML, in any key order, with its defaults spelt out
     or not — and the same after an upgrade that adds a field with a default. Read from the
-    spec's JSON the store's record is written with (`_SPECS`, the same dump), not dumped
-    again: the JSON's values are what `model_dump(mode="json")` gives, only their key order
-    may differ, and sorting them is what makes the text canonical."""
-    canonical = json.dumps(
-        json.loads(_SPECS.get(job, encode_job)), sort_keys=True, separators=(",", ":")
-    )
+    spec's JSON the store's record is written with (`spec`, as `encode_job` writes it, if the
+    caller has it; else `_SPECS`), not dumped again: the JSON's values are what
+    `model_dump(mode="json")` gives, only their key order may differ, and sorting them is what
+    makes the text canonical."""
+    written = spec if spec is not None else _SPECS.get(job, encode_job)
+    canonical = json.dumps(json.loads(written), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def encode_idempotency(record: status.JobRecord) -> bytes:
+def encode_idempotency(record: status.JobRecord, *, spec: str | None = None) -> bytes:
     value = {
         "job": record.id,
-        "digest": body_digest(record.job),
+        "digest": body_digest(record.job, spec=spec),
         "created": record.created.isoformat(),
     }
     return json.dumps(value, sort_keys=True).encode()
@@ -118,8 +118,9 @@ def decode_idempotency(key: str, value: bytes, revision: int) -> IdempotencyEntr
     )
 
 
-# each live job spec's JSON, written once: a record is written at submit, at dispatch and at
-# every report, its spec (never changed after submit, shared by every draft) the same each time
+# each job spec's JSON, written once: a record is written at submit, at dispatch and at every
+# report, its spec (never changed after submit, shared by every draft) the same each time. For
+# writers that do not hold it themselves (the job book holds its jobs' with them)
 _SPECS: memo.PerObject[jobs.GPUJob, str] = memo.PerObject()
 # each pod template's JSON as the store writes it (`encode_job`), by its full JSON: the jobs
 # of one sweep share one template; forgotten wholesale past `MAX_TEMPLATES` kinds
@@ -130,16 +131,18 @@ MAX_TEMPLATES = 4096
 _TOP = {"job", "status"}  # the record's fields written apart (`encode`)
 
 
-def encode(record: status.JobRecord) -> bytes:
+def encode(record: status.JobRecord, *, spec: str | None = None) -> bytes:
     """The stored bytes, without the fields at their defaults: a record of a job that uses no
     newer feature stays readable by the previous release (a rolling upgrade runs both).
-    The spec's part is written once per spec (`_SPECS`), the rest each time. The status is
-    dumped on its own: as a field of the record, `exclude_defaults` compared it with a new
-    default status first, a sizeable part of encoding a record (it is written `{}` when at its
-    defaults, which reads back the same)."""
+    The spec's part is written once per spec (`spec`, as `encode_job` wrote it, if the caller
+    holds it; else `_SPECS`), the rest each time. The status is dumped on its own: as a field
+    of the record, `exclude_defaults` compared it with a new default status first, a sizeable
+    part of encoding a record (it is written `{}` when at its defaults, which reads back the
+    same)."""
     top = record.model_dump_json(by_alias=True, exclude_defaults=True, exclude=_TOP)
     state = record.status.model_dump_json(by_alias=True, exclude_defaults=True)
-    spec = _SPECS.get(record.job, encode_job)
+    if spec is None:
+        spec = _SPECS.get(record.job, encode_job)
     return f'{top[:-1]},"status":{state},"job":{spec}}}'.encode()
 
 
@@ -161,10 +164,12 @@ def _template_json(template: jobs.PodTemplate) -> str:
 
 @dataclass(frozen=True)
 class Encoded:
-    """A record with its bytes in the store, encoded once."""
+    """A record with its bytes in the store, encoded once, and its spec's part of them (as
+    `encode_job` writes it; None: not kept apart)."""
 
     record: status.JobRecord
     value: bytes
+    spec: str | None = None
 
     @property
     def cost(self) -> int:
@@ -210,15 +215,24 @@ class JobStore:
         self.budget = max(64 * 1024, max_request_bytes - REQUEST_HEADROOM)
 
     def decode(
-        self, key: str, value: bytes, *, known: status.JobRecord | None = None
+        self,
+        key: str,
+        value: bytes,
+        *,
+        known: status.JobRecord | None = None,
+        spec: str | None = None,
     ) -> status.JobRecord:
         """The record stored under `key` (`decode_record`), its job's parts kept in
         `interning`."""
-        return decode_record(key, value, known=known, interning=self.interning)
+        return decode_record(key, value, known=known, spec=spec, interning=self.interning)
 
-    def encode(self, record: status.JobRecord) -> Encoded:
-        """The record's bytes; TooLarge if it could never be committed."""
-        encoded = Encoded(record, encode(record))
+    def encode(self, record: status.JobRecord, *, spec: str | None = None) -> Encoded:
+        """The record's bytes, its spec's part kept apart (`spec` if the caller has it, else
+        written now: a new job's, which its holder keeps); TooLarge if it could never be
+        committed."""
+        if spec is None:
+            spec = encode_job(record.job)
+        encoded = Encoded(record, encode(record, spec=spec), spec)
         if encoded.cost > self.budget:
             raise api_errors.TooLarge(
                 f"the job would take {encoded.cost} bytes in the store, over the "
@@ -311,7 +325,7 @@ class JobStore:
             if record.idempotency_key:
                 key = idempotency_key(record.tenant, record.idempotency_key)
                 compares.append(store.Compare(key, 0))
-                puts.append((key, encode_idempotency(record)))
+                puts.append((key, encode_idempotency(record, spec=item.spec)))
         return await self._commit("create", store.Txn(compares=compares, puts=puts))
 
     async def update(
@@ -396,15 +410,17 @@ def decode_record(
     value: bytes,
     *,
     known: status.JobRecord | None = None,
+    spec: str | None = None,
     interning: jobs.Interning | None = None,
 ) -> status.JobRecord:
     """The job record stored under `key`; ValueError (pydantic's is one) if it does not
     parse or names another job. `known`: the job's record as the reader holds it; a value
     whose spec is the same bytes (a dispatch, a report: the spec never changes after submit)
     shares its GPUJob, not validated again. A follower reads each job's every change, and
-    validating the job is most of reading a record. `interning`: where the jobs read keep
-    their templates and shapes (`Interners`)."""
-    record = _with_known_job(value, known) if known is not None else None
+    validating the job is most of reading a record. `spec`: `known`'s spec as `encode_job`
+    writes it, if the reader holds it. `interning`: where the jobs read keep their templates
+    and shapes (`Interners`)."""
+    record = _with_known_job(value, known, spec) if known is not None else None
     if record is None:
         context = None if interning is None else {jobs.INTERNING: interning}
         record = status.JobRecord.model_validate_json(value, context=context)
@@ -413,10 +429,14 @@ def decode_record(
     return record
 
 
-def _with_known_job(value: bytes, known: status.JobRecord) -> status.JobRecord | None:
+def _with_known_job(
+    value: bytes, known: status.JobRecord, spec: str | None
+) -> status.JobRecord | None:
     """`value` read with `known`'s GPUJob, if it ends with that job's spec as `encode` writes
     it (the same bytes: the same spec); None if not (another spec, another writer's format)."""
-    tail = f',"job":{_SPECS.get(known.job, encode_job)}}}'.encode()
+    if spec is None:
+        spec = _SPECS.get(known.job, encode_job)
+    tail = f',"job":{spec}}}'.encode()
     if not value.endswith(tail):
         return None
     head = value[: -len(tail)] + b',"job":null}'
@@ -425,3 +445,16 @@ def _with_known_job(value: bytes, known: status.JobRecord) -> status.JobRecord |
 
 # the templates, shapes and gangs' tasks of the jobs one book holds, one of each kind
 Interners = interning.Interners[jobs.PodTemplate, jobs.PodShape, jobs.Tasks]
+
+# the models a book holds of every live job keep their attributes in their class's one table
+# of keys (`packing`): readied now, before the process has made many of them
+HELD_MODELS = (
+    status.JobRecord,
+    status.JobStatus,
+    status.PodStatus,
+    jobs.GPUJob,
+    jobs.ObjectMeta,
+    jobs.JobSpec,
+    jobs.Task,
+)
+packing.prime(*HELD_MODELS)

@@ -84,7 +84,7 @@ class Wake:
         return self._hash
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one for every parked job
 class Park:
     job: snapshot.PendingJob
     wake: Wake

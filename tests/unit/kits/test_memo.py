@@ -37,18 +37,24 @@ def test_a_value_is_computed_once_per_object_and_goes_with_it() -> None:
     assert len(values) == 1
 
 
-async def test_the_book_reads_a_jobs_gang_once_per_job_object_and_id() -> None:
+async def test_the_book_reads_a_held_jobs_gang_once_for_its_job_object() -> None:
     backing = await sqlite.SqliteStore.open(":memory:")
     try:
         job_book = book.JobBook(records.JobStore(backing))
         job = make_job("g", gpus=2).build()
-        record = status.JobRecord(id="g-1", tenant="t", job=job)
+        record = await job_book.create(status.JobRecord(id="g-1", tenant="t", job=job))
         request = job_book.gang(record)
         assert job_book.gang(record) is request
         assert job_book.gang(book.draft_of(record)) is request  # a draft shares the spec
         assert request == gangs.gang_request("g-1", job)  # what reading it again gives
-        other = job_book.gang(status.JobRecord(id="g-2", tenant="t", job=job))
+        draft = book.draft_of(record)
+        draft.record(status.JobState.QUEUED, "Requeued")
+        await job_book.commit([draft], fenced=False)
+        assert job_book.gang(draft) is request  # kept while its records share the job
+        other = job_book.gang(status.JobRecord(id="g-2", tenant="t", job=job))  # not held
         assert other.job_id == "g-2" and other.tasks is request.tasks
+        copied = job.model_copy()
+        assert job_book.gang(draft.model_copy(update={"job": copied})) is not request
     finally:
         await backing.close()
 

@@ -195,3 +195,32 @@ def test_held_jobs_share_their_models_field_names_and_stay_apart() -> None:
         {"by_alias": True, "exclude_none": True},
     ):
         assert first.model_dump_json(**dump) == alone.model_dump_json(**dump)  # type: ignore[arg-type]
+
+
+def test_held_jobs_share_the_names_they_repeat() -> None:
+    """Jobs read from texts of their own: a holder's share one string for each name they
+    repeat (queue, namespace, priority class, task names), and read and dump the same."""
+    text = json.dumps(
+        {
+            "metadata": {"name": "train", "namespace": "research"},
+            "spec": {
+                "queue": "vision",
+                "priorityClass": "batch",
+                "tasks": [
+                    {"name": "worker", "template": document()["spec"]["tasks"][0]["template"]}
+                ],
+            },
+        }
+    )
+    interning = records.Interners()
+    first, second = (jobs.validate_submitted(json.loads(text), interning=interning) for _ in "ab")
+    alone = jobs.validate_submitted(json.loads(text))
+
+    def names(job: jobs.GPUJob) -> list[str | None]:
+        meta, spec = job.metadata, job.spec
+        return [meta.name, meta.namespace, spec.queue, spec.priority_class, spec.tasks[0].name]
+
+    assert all(a is b for a, b in zip(names(first), names(second), strict=True))
+    assert not any(a is b for a, b in zip(names(first), names(alone), strict=True))
+    assert names(first) == names(alone)
+    assert first.model_dump_json(by_alias=True) == alone.model_dump_json(by_alias=True)
