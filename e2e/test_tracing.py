@@ -4,6 +4,7 @@ in-process receiver that parses the real protobuf requests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -59,6 +60,30 @@ def exporting(receiver: OtlpReceiver, **sampler: str) -> dict[str, str]:
     }
 
 
+@contextlib.asynccontextmanager
+async def kubernetes_fleet(
+    fleet: processes.LocalFleet, *, nodes: int
+) -> AsyncIterator[tuple[client.BrokerClient, kubeemulator.Emulator]]:
+    """A broker, and an agent on an emulated Kubernetes cluster of `nodes` H100 nodes (so the
+    pods it creates can be read back), ready; team-a's client and the emulator. The fleet
+    stops on the way out: its agent's watches end before the emulator does, and each process
+    exports the spans it holds as it stops."""
+    fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
+    await fleet.start_broker()
+    async with kubeemulator.with_kubeconfig(fleet.workdir, "h100") as (emulator, kubeconfig):
+        for n in range(nodes):
+            await emulator.add_node(f"h100-node-{n}", gpus=8, product=H100)
+        try:
+            await fleet.start_agent(
+                "h100", None, "--kubeconfig", str(kubeconfig), backend="kubernetes"
+            )
+            await fleet.wait_clusters_ready(["h100"])
+            async with fleet.client("team-a") as api:
+                yield api, emulator
+        finally:
+            await fleet.stop()
+
+
 async def run_to_success(
     api: client.BrokerClient, emulator: kubeemulator.Emulator, job_doc: dict[str, Any]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -88,32 +113,19 @@ async def test_one_trace_from_submit_to_finish_across_broker_and_agent(
     fleet: processes.LocalFleet, receiver: OtlpReceiver
 ) -> None:
     fleet.env = exporting(receiver)
-    fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
-    await fleet.start_broker()
-    # the agent runs on an emulated Kubernetes cluster, so the pods it creates can be read back
-    async with kubeemulator.with_kubeconfig(fleet.workdir, "h100") as (emulator, kubeconfig):
-        for n in range(3):
-            await emulator.add_node(f"h100-node-{n}", gpus=8, product=H100)
-        try:
-            await fleet.start_agent(
-                "h100", None, "--kubeconfig", str(kubeconfig), backend="kubernetes"
-            )
-            await fleet.wait_clusters_ready(["h100"])
-            async with fleet.client("team-a") as api:
-                job_doc = make_job("traced", gpus=8).model(H100).gang(2).document()
-                submitted, pods = await run_to_success(api, emulator, job_doc)
-                job_id, trace_id = submitted["id"], submitted["traceId"]
-                job = await api.get(job_id)
-                # a batch's jobs: a trace each, not the batch request's trace for all of them
-                too_big = make_job("batched", gpus=8).model(H100).gang(9).document()  # waits
-                batch = await api.submit_batch([{"job": too_big}, {"job": too_big}])
-                batched = batch["items"]
-                assert [item["status"] for item in batched] == [202, 202], batch
-                for item in batched:
-                    await api.cancel(item["id"])
-                    await wait_for(api, item["id"], "Cancelled")
-        finally:
-            await fleet.stop()  # the agent's watches must end before the emulator does
+    async with kubernetes_fleet(fleet, nodes=3) as (api, emulator):
+        job_doc = make_job("traced", gpus=8).model(H100).gang(2).document()
+        submitted, pods = await run_to_success(api, emulator, job_doc)
+        job_id, trace_id = submitted["id"], submitted["traceId"]
+        job = await api.get(job_id)
+        # a batch's jobs: a trace each, not the batch request's trace for all of them
+        too_big = make_job("batched", gpus=8).model(H100).gang(9).document()  # waits
+        batch = await api.submit_batch([{"job": too_big}, {"job": too_big}])
+        batched = batch["items"]
+        assert [item["status"] for item in batched] == [202, 202], batch
+        for item in batched:
+            await api.cancel(item["id"])
+            await wait_for(api, item["id"], "Cancelled")
 
     # the pods carry the job's trace context: their traceparent is a span of this trace
     for pod in pods:
@@ -178,22 +190,10 @@ async def test_the_standard_sampler_settings_choose_which_traces_are_exported(
     trace is exported whole or not at all, and a job not sampled still has its trace id and
     traceparent, in the API and on its pods."""
     fleet.env = exporting(receiver, OTEL_TRACES_SAMPLER=sampler, OTEL_TRACES_SAMPLER_ARG=ratio)
-    fleet.write_tokens(tenants=["team-a"], clusters=["h100"])
-    await fleet.start_broker()
-    async with kubeemulator.with_kubeconfig(fleet.workdir, "h100") as (emulator, kubeconfig):
-        for n in range(2):
-            await emulator.add_node(f"h100-node-{n}", gpus=8, product=H100)
-        try:
-            await fleet.start_agent(
-                "h100", None, "--kubeconfig", str(kubeconfig), backend="kubernetes"
-            )
-            await fleet.wait_clusters_ready(["h100"])
-            async with fleet.client("team-a") as api:
-                job_doc = make_job("sampled", gpus=8).model(H100).gang(2).document()
-                submitted, pods = await run_to_success(api, emulator, job_doc)
-                job = await api.get(submitted["id"])
-        finally:
-            await fleet.stop()  # each process exports what it holds as it stops
+    async with kubernetes_fleet(fleet, nodes=2) as (api, emulator):
+        job_doc = make_job("sampled", gpus=8).model(H100).gang(2).document()
+        submitted, pods = await run_to_success(api, emulator, job_doc)
+        job = await api.get(submitted["id"])
 
     trace_id = submitted["traceId"]
     _, job_trace, _, flags = job["traceparent"].split("-")
